@@ -1,0 +1,41 @@
+"""Per-platform lowering of ``mpmd_map_p``.
+
+One module per platform (``tpu``, ``gpu``, ``cpu``), each imported when its
+rule first runs. The rules are registered per platform, so a single
+``lower(lowering_platforms=("cpu", "tpu"))`` or ``jax.export`` carries every
+platform's lowering (``mlir.lower_per_platform``).
+"""
+
+from mpmd._jax import mlir
+from mpmd.primitives.mpmd_map import mpmd_map_p
+
+
+def _tpu(ctx, *in_nodes, **params):
+  from mpmd.lowering import tpu
+
+  return tpu.lower(ctx, *in_nodes, **params)
+
+
+def _cuda(ctx, *in_nodes, **params):
+  from mpmd.lowering import gpu
+
+  return gpu.lower(ctx, *in_nodes, **params)
+
+
+def _cpu(ctx, *in_nodes, **params):
+  from mpmd.lowering import cpu
+
+  return cpu.lower(ctx, *in_nodes, **params)
+
+
+def _rocm(ctx, *in_nodes, **params):
+  del ctx, in_nodes, params
+  raise NotImplementedError(
+    "mpmd_map: ROCm is not supported (Mosaic GPU targets CUDA only)"
+  )
+
+
+mlir.register_lowering(mpmd_map_p, _tpu, platform="tpu")
+mlir.register_lowering(mpmd_map_p, _cuda, platform="cuda")
+mlir.register_lowering(mpmd_map_p, _cpu, platform="cpu")
+mlir.register_lowering(mpmd_map_p, _rocm, platform="rocm")

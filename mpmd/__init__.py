@@ -1,3 +1,25 @@
-"""jax-mpmd: different functions on different meshes in one kernel launch."""
+"""jax-mpmd: different functions on different meshes in one kernel launch.
 
-from mpmd import _jax as _jax  # checks the jax pin first
+``mpmd.mpmd_map([(mesh_a, fn_a), (mesh_b, fn_b)], out_types, ...)`` runs
+``fn_a`` on ``mesh_a`` and ``fn_b`` on ``mesh_b`` inside one kernel launch.
+It lowers to Mosaic on TPU, Mosaic GPU on CUDA, and runs through a CPU
+fallback on CPU.
+"""
+
+from mpmd import _jax as _jax  # checks the jax pin before anything else
+from mpmd import lowering as _lowering  # registers the per-platform rules
+from mpmd.api import mpmd_map as mpmd_map
+from mpmd.primitives.mpmd_map import mpmd_map_p as mpmd_map_p
+from mpmd.targets import TPU_TARGETS as TPU_TARGETS
+from mpmd.targets import tpu_target as tpu_target
+
+__version__ = "0.1.0"
+
+__all__ = [
+  "TPU_TARGETS",
+  "mpmd_map",
+  "mpmd_map_p",
+  "tpu_target",
+]
+
+del _lowering

@@ -13,14 +13,14 @@ import jaxlib
 SUPPORTED_JAX_VERSION = "0.10.2"
 
 if jax.__version__ != SUPPORTED_JAX_VERSION or (
-    jaxlib.__version__ != SUPPORTED_JAX_VERSION
+  jaxlib.__version__ != SUPPORTED_JAX_VERSION
 ):
   raise ImportError(
-      f"jax-mpmd supports exactly jax=={SUPPORTED_JAX_VERSION} and "
-      f"jaxlib=={SUPPORTED_JAX_VERSION} (it uses jax._src internals), but "
-      f"found jax=={jax.__version__} and jaxlib=={jaxlib.__version__}. "
-      f"Run: pip install 'jax=={SUPPORTED_JAX_VERSION}' "
-      f"'jaxlib=={SUPPORTED_JAX_VERSION}'"
+    f"jax-mpmd supports exactly jax=={SUPPORTED_JAX_VERSION} and "
+    f"jaxlib=={SUPPORTED_JAX_VERSION} (it uses jax._src internals), but "
+    f"found jax=={jax.__version__} and jaxlib=={jaxlib.__version__}. "
+    f"Run: pip install 'jax=={SUPPORTED_JAX_VERSION}' "
+    f"'jaxlib=={SUPPORTED_JAX_VERSION}'"
   )
 
 # ruff: noqa: E402, F401, I001
@@ -44,3 +44,51 @@ from jax._src.pallas import pallas_call
 from jax._src.pallas import primitives as pallas_primitives
 from jax._src.state import discharge as state_discharge
 from jax._src.state import types as state_types
+from jax._src.pallas import hlo_interpreter
+
+
+def tpu():
+  """Pallas TPU (Mosaic) internals, imported on first use."""
+  try:
+    from jax._src.pallas.mosaic import core as tpu_core
+    from jax._src.pallas.mosaic import pallas_call_registration
+    from jax._src.pallas.mosaic import primitives as tpu_primitives
+    from jax._src.pallas.mosaic import tpu_info
+    from jax._src.pallas.mosaic.interpret import params as interpret_params
+  except ImportError as e:
+    raise ImportError(
+      "jax-mpmd: the Pallas TPU backend is missing from this jaxlib; "
+      "install jax-mpmd[tpu]"
+    ) from e
+  return _Namespace(
+    core=tpu_core,
+    registration=pallas_call_registration,
+    primitives=tpu_primitives,
+    info=tpu_info,
+    interpret=interpret_params,
+  )
+
+
+def gpu():
+  """Pallas Mosaic GPU internals, imported on first use."""
+  try:
+    from jax._src.pallas.mosaic_gpu import core as gpu_core
+    from jax._src.pallas.mosaic_gpu import pallas_call_registration
+    from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
+    from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
+  except ImportError as e:
+    raise ImportError(
+      "jax-mpmd: the Pallas Mosaic GPU backend is missing from this "
+      "jaxlib; install jax-mpmd[cuda]"
+    ) from e
+  return _Namespace(
+    core=gpu_core,
+    registration=pallas_call_registration,
+    primitives=gpu_primitives,
+    interpret=interpret_params,
+  )
+
+
+class _Namespace:
+  def __init__(self, **kw):
+    self.__dict__.update(kw)

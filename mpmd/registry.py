@@ -23,7 +23,9 @@ class Demo(NamedTuple):
 _DEMOS: dict[str, Callable[[], Demo]] = {}
 
 
-def register_demo(name: str) -> Callable[[Callable[[], Demo]], Callable[[], Demo]]:
+def register_demo(
+  name: str,
+) -> Callable[[Callable[[], Demo]], Callable[[], Demo]]:
   """Decorator: registers ``make() -> Demo`` under ``name``."""
 
   def decorator(make: Callable[[], Demo]) -> Callable[[], Demo]:

@@ -1,0 +1,155 @@
+"""The CPU fallback: run the kernels, fast when possible, faithful when not."""
+
+import functools
+import math
+
+from mpmd._jax import (
+  core,
+  hlo_interpreter,
+  mlir,
+  pallas_call,
+  pallas_core,
+  pallas_primitives,
+  state,
+  state_discharge,
+  tpu,
+)
+from mpmd.lowering import common, jaxpr_util, paths
+from mpmd.primitives import mpmd_map as prim
+
+
+def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
+  jaxprs, meshes = params["jaxprs"], params["meshes"]
+  path = paths.choose(jaxprs, meshes, params["interpret"])
+  if params["debug"]:
+    print(f"mpmd_map: CPU fallback takes the {path.kind} path: {path.reason}")
+  if path.kind == paths.FAST:
+    programs = _fast_programs(len(in_nodes), params)
+    run = functools.partial(
+      _run_unrolled,
+      programs=programs,
+      **_buffers(len(in_nodes), params, programs[0]),
+    )
+    return mlir.lower_fun(run, multiple_results=True)(ctx, *in_nodes)
+  if len(meshes) > 1:
+    from mpmd.lowering import merge
+
+    mesh, jaxpr, params = merge.merge_for_simulator(len(in_nodes), params, path)
+  else:
+    [mesh], [jaxpr] = meshes, jaxprs
+  if path.kind == paths.TPU_SIMULATOR:
+    from mpmd.lowering import tpu_simulator
+
+    return tpu_simulator.lower(
+      ctx,
+      *in_nodes,
+      mesh=mesh,
+      jaxpr=jaxpr,
+      interpret=path.params,
+      params=params,
+    )
+  return pallas_call._pallas_call_lowering(
+    ctx,
+    *in_nodes,
+    interpret=path.params,
+    **common.pallas_params(mesh, jaxpr, ctx, params),
+  )
+
+
+# -- the fast path ---------------------------------------------------------------
+
+
+def _is_shared(aval) -> bool:
+  """Scratch every program sees (HBM / ANY); the rest is per program."""
+  space = getattr(aval, "memory_space", None)
+  tpu_spaces = tpu().core.MemorySpace
+  return space in (pallas_core.MemorySpace.ANY, tpu_spaces.HBM, None)
+
+
+def _buffers(num_in: int, params, program: core.ClosedJaxpr):
+  kernel = params["jaxprs"][0]
+  num_out = len(params["out_avals"])
+  # Physical avals (semaphores as integers) come from a discharged program.
+  physical = [v.aval for v in program.jaxpr.invars]
+  return dict(
+    num_in=num_in,
+    out_avals=tuple(physical[num_in : num_in + num_out]),
+    out_sources={o: i for i, o in params["input_output_aliases"].items()},
+    scratch=tuple(
+      (aval, _is_shared(v.aval))
+      for v, aval in zip(
+        kernel.invars[num_in + num_out :],
+        physical[num_in + num_out :],
+        strict=True,
+      )
+    ),
+    is_ref=tuple(isinstance(v.aval, state.AbstractRef) for v in kernel.invars),
+  )
+
+
+def _alias_refs(jaxpr, num_in, aliases, mesh, meshes):
+  """An aliased input and output are one buffer: the output's."""
+  if not aliases:
+    return jaxpr
+
+  def body(*refs):
+    refs = list(refs)
+    for i, o in aliases.items():
+      refs[i] = refs[num_in + o]
+    core.eval_jaxpr(jaxpr, (), *refs)
+    return ()
+
+  return prim.retrace(jaxpr, mesh, meshes, body)
+
+
+def _fast_programs(num_in: int, params) -> list[core.ClosedJaxpr]:
+  """One pure jaxpr per program, in launch order, axis indices literal."""
+  meshes = params["meshes"]
+  aliases = dict(params["input_output_aliases"])
+  programs = []
+  for mesh, jaxpr in zip(meshes, params["jaxprs"], strict=True):
+    jaxpr = _alias_refs(jaxpr, num_in, aliases, mesh, meshes)
+    sizes = dict(mesh.shape)
+    for program in range(math.prod(sizes.values())):
+      values = jaxpr_util.literal_axis_values(sizes, program)
+      with prim.tracing_context(mesh, meshes):
+        unrolled = jaxpr_util.rewrite_axis_indices(jaxpr, values.get, sizes)
+        physical, consts = hlo_interpreter.resolve_physical_types(unrolled, ())
+        programs.append(
+          state_discharge.discharge_state(core.ClosedJaxpr(physical, consts))
+        )
+  return programs
+
+
+def _uninitialized(aval):
+  return pallas_primitives.uninitialized_value(aval.shape, aval.dtype)
+
+
+def _run_unrolled(
+  *args, programs, num_in, out_avals, out_sources, scratch, is_ref
+):
+  outs = [
+    args[out_sources[o]] if o in out_sources else _uninitialized(aval)
+    for o, aval in enumerate(out_avals)
+  ]
+  shared = {
+    k: _uninitialized(aval)
+    for k, (aval, is_shared) in enumerate(scratch)
+    if is_shared
+  }
+  num_out = len(out_avals)
+  for program in programs:
+    operands = [
+      *args,
+      *outs,
+      *(
+        shared[k] if k in shared else _uninitialized(aval)
+        for k, (aval, _) in enumerate(scratch)
+      ),
+    ]
+    # The discharged program returns the final value of each Ref operand.
+    updated = iter(core.eval_jaxpr(program.jaxpr, program.consts, *operands))
+    operands = [next(updated) if r else x for x, r in zip(operands, is_ref)]
+    outs = operands[num_in : num_in + num_out]
+    shared = {k: operands[num_in + num_out + k] for k in shared}
+  return outs

@@ -1,0 +1,176 @@
+"""Walking and rewriting kernel jaxprs, into loops, conds and scopes."""
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from mpmd._jax import (
+  core,
+  lax_parallel,
+  lu,
+  pallas_primitives,
+  pe,
+  source_info_util,
+)
+
+
+def _map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:
+  if isinstance(value, (core.Jaxpr, core.ClosedJaxpr)):
+    return fn(value)
+  if isinstance(value, tuple) and any(
+    isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value
+  ):
+    return tuple(_map_jaxprs(v, fn) for v in value)
+  return value
+
+
+def sub_jaxprs(params: dict[str, Any]) -> list[core.Jaxpr]:
+  """The jaxprs nested in an equation's params (loop bodies, branches...)."""
+  found = []
+
+  def collect(j):
+    found.append(j.jaxpr if isinstance(j, core.ClosedJaxpr) else j)
+    return j
+
+  for value in params.values():
+    _map_jaxprs(value, collect)
+  return found
+
+
+def iter_eqns(jaxpr: core.Jaxpr) -> Iterator[core.JaxprEqn]:
+  """Every equation of ``jaxpr``, nested ones included, in program order."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in sub_jaxprs(eqn.params):
+      yield from iter_eqns(sub)
+
+
+EqnRule = Callable[[core.JaxprEqn, list[Any]], list[Any] | None]
+
+
+def _eval(jaxpr: core.Jaxpr, consts, args, rule: EqnRule):
+  env: dict[core.Var, Any] = {}
+
+  def read(a):
+    return a.val if isinstance(a, core.Literal) else env[a]
+
+  for v, x in zip(jaxpr.constvars, consts, strict=True):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args, strict=True):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [read(a) for a in eqn.invars]
+    with (
+      source_info_util.user_context(eqn.source_info.traceback),
+      eqn.ctx.manager,
+    ):
+      outs = rule(eqn, invals)
+      if outs is None:
+        params = {
+          k: _map_jaxprs(v, lambda j: _rewrite_any(j, rule))
+          for k, v in eqn.params.items()
+        }
+        bind_params = eqn.primitive.get_bind_params(params)
+        outs = eqn.primitive.bind(*invals, **bind_params)
+        if not eqn.primitive.multiple_results:
+          outs = [outs]
+    for v, x in zip(eqn.outvars, outs, strict=True):
+      if not isinstance(v, core.DropVar):
+        env[v] = x
+  return [read(a) for a in jaxpr.outvars]
+
+
+def _rewrite_any(j, rule: EqnRule):
+  if isinstance(j, core.ClosedJaxpr):
+    new, consts = _retrace(j.jaxpr, j.consts, rule)
+    return core.ClosedJaxpr(new, consts)
+  # A bare Jaxpr's constvars are operands of its equation (run_scoped's
+  # closed-over refs): rewrite them as inputs and split them off again.
+  n = len(j.constvars)
+  new, consts = _retrace(pe.convert_constvars_jaxpr(j), (), rule)
+  if consts:
+    raise NotImplementedError(
+      "mpmd_map: rewriting a nested kernel scope captured constants"
+    )
+  return new.replace(constvars=new.invars[:n], invars=new.invars[n:])
+
+
+def _retrace(jaxpr: core.Jaxpr, consts, rule: EqnRule):
+  def body(*args):
+    return _eval(jaxpr, consts, args, rule)
+
+  fun = lu.wrap_init(body, debug_info=jaxpr.debug_info)
+  new, _, new_consts = pe.trace_to_jaxpr_dynamic(
+    fun, [v.aval for v in jaxpr.invars]
+  )
+  return new, new_consts
+
+
+def rewrite(jaxpr: core.Jaxpr, rule: EqnRule) -> core.Jaxpr:
+  """Re-traces ``jaxpr`` (nested jaxprs too), letting ``rule`` replace eqns.
+
+  ``rule(eqn, invals)`` runs where the equation would be bound; it returns
+  the equation's outputs, or None to bind the equation as it is. Trace in the
+  kernel's mesh context (``mpmd.primitives.mpmd_map.tracing_context``).
+  """
+  new, consts = _retrace(jaxpr, (), rule)
+  if consts:
+    raise NotImplementedError("mpmd_map: kernel rewrite captured constants")
+  return new
+
+
+def _axis_names(axis_name: Any) -> tuple[Any, ...]:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def axis_index_rule(
+  value_of: Callable[[Any], Any | None], sizes: dict[Any, int]
+) -> EqnRule:
+  """A ``rewrite`` rule replacing kernel-mesh axis indices.
+
+  Args:
+    value_of: ``axis name -> index`` called where the index is asked for (so
+      it may emit operations, e.g. on a super-axis index), or None to keep
+      that axis (device-mesh axes under ``shard_map``).
+    sizes: the kernel mesh's ``{axis name: size}``, in mesh order (also
+      gives ``program_id(i)`` / ``num_programs(i)`` their axis).
+  """
+
+  def rule(eqn, invals):
+    del invals
+    if eqn.primitive is lax_parallel.axis_index_p:
+      names = _axis_names(eqn.params["axis_name"])
+      values = [value_of(n) for n in names]
+      if all(v is None for v in values):
+        return None
+      if any(v is None for v in values):
+        raise NotImplementedError(
+          f"mpmd_map: axis_index over {names} mixes kernel-mesh axes with "
+          "device-mesh axes; ask for each separately"
+        )
+      index = values[0]
+      for name, v in zip(names[1:], values[1:], strict=True):
+        index = index * sizes[name] + v
+      return [index]
+    if eqn.primitive is pallas_primitives.program_id_p:
+      value = value_of(list(sizes)[eqn.params["axis"]])
+      return None if value is None else [value]
+    if eqn.primitive is pallas_primitives.num_programs_p:
+      return [np.int32(list(sizes.values())[eqn.params["axis"]])]
+    return None
+
+  return rule
+
+
+def rewrite_axis_indices(jaxpr, value_of, sizes) -> core.Jaxpr:
+  """``rewrite`` with ``axis_index_rule(value_of, sizes)``."""
+  return rewrite(jaxpr, axis_index_rule(value_of, sizes))
+
+
+def literal_axis_values(
+  sizes: dict[Any, int], program: int
+) -> dict[Any, np.int32]:
+  """The axis indices of flat ``program`` in a mesh of ``sizes`` (row-major)."""
+  coords = np.unravel_index(program, tuple(sizes.values()))
+  return {n: np.int32(c) for n, c in zip(sizes, coords, strict=True)}

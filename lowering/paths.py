@@ -1,0 +1,95 @@
+"""Which way the CPU fallback runs a launch, and why.
+
+* ``fast``: programs unrolled one after another through the HLO interpreter,
+  axis indices as literals, state discharged. Exact for kernels whose
+  programs do not synchronise with each other (local DMAs and a program's
+  own semaphores are fine: they complete in program order).
+* ``tpu-simulator`` / ``gpu-simulator``: Pallas' threaded simulators, one
+  thread per program, with simulated memories, DMAs, semaphores, barriers.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from mpmd import _jax
+from mpmd._jax import core
+from mpmd.lowering import jaxpr_util
+
+FAST = "fast"
+TPU_SIMULATOR = "tpu-simulator"
+GPU_SIMULATOR = "gpu-simulator"
+
+
+@dataclasses.dataclass(frozen=True)
+class Path:
+  kind: str
+  reason: str
+  # The simulator's settings (None on the fast path).
+  params: Any = None
+
+
+def is_gpu_mesh(mesh: Any) -> bool:
+  return isinstance(mesh, _jax.gpu().core.Mesh)
+
+
+def sync_reason(jaxprs: Sequence[core.Jaxpr]) -> str | None:
+  """Why programs of these kernels may wait on each other (None if never)."""
+  for jaxpr in jaxprs:
+    for eqn in jaxpr_util.iter_eqns(jaxpr):
+      name = eqn.primitive.name
+      if name in ("dma_start", "dma_wait"):
+        *_, device_id = eqn.params["tree"].unflatten(eqn.invars)
+        if device_id is not None:
+          return f"it issues a remote DMA ({name} with a device_id)"
+      elif name == "semaphore_signal":
+        *_, device_id, core_index = eqn.params["args_tree"].unflatten(
+          eqn.invars
+        )
+        if device_id is not None or core_index is not None:
+          return "it signals a semaphore of another program"
+      elif name == "get_barrier_semaphore":
+        return "it uses the cross-device barrier semaphore"
+  return None
+
+
+def choose(
+  jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any], interpret: Any
+) -> Path:
+  """The CPU-fallback path for a launch (see the module docstring)."""
+  tpu_params = _jax.tpu().interpret.InterpretParams
+  gpu_params = _jax.gpu().interpret.InterpretGPUParams
+  if isinstance(interpret, tpu_params):
+    return Path(TPU_SIMULATOR, "interpret= gave TPU InterpretParams", interpret)
+  if isinstance(interpret, gpu_params):
+    return Path(GPU_SIMULATOR, "interpret= gave GPU InterpretParams", interpret)
+  if any(is_gpu_mesh(m) for m in meshes):
+    return Path(
+      GPU_SIMULATOR,
+      "GPU meshes run in the Mosaic GPU simulator",
+      gpu_params(),
+    )
+  if interpret is True:
+    return Path(FAST, "interpret=True forces the HLO interpreter")
+  if (reason := sync_reason(jaxprs)) is not None:
+    return Path(TPU_SIMULATOR, reason, tpu_params())
+  return Path(FAST, "no program waits on another")
+
+
+def runs_on_cpu_fallback(interpret: Any) -> bool:
+  """Whether a launch with this ``interpret`` will run off-hardware."""
+  return interpret is not None or jax.default_backend() == "cpu"
+
+
+def simulator_effects(
+  jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any], interpret: Any
+) -> set[core.Effect]:
+  """The io_callback effects a simulator path needs declared up front."""
+  if interpret is False or not runs_on_cpu_fallback(interpret):
+    return set()
+  path = choose(jaxprs, meshes, interpret)
+  if path.kind == FAST:
+    return set()
+  return set(_jax.pallas_core.get_interpret_effects(path.params))

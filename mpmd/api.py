@@ -1,0 +1,347 @@
+"""The public entry point: ``mpmd_map``."""
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from mpmd import targets
+from mpmd._jax import (
+  FrozenDict,
+  api_util,
+  core,
+  lu,
+  pallas_core,
+  pe,
+  state,
+  tree_util,
+)
+from mpmd.lowering import paths
+from mpmd.primitives import mpmd_map as prim
+
+MeshAndFn = tuple[Any, Callable[..., None]]
+
+
+def mpmd_map(
+  meshes_and_fns: Sequence[MeshAndFn],
+  /,
+  out_types: Any = (),
+  *,
+  scratch_types: Any = (),
+  input_output_aliases: Mapping[int, int] | None = None,
+  compiler_params: Any = None,
+  interpret: Any = None,
+  debug: bool = False,
+  cost_estimate: Any = None,
+  name: str | None = None,
+  metadata: Mapping[str, str] | None = None,
+) -> Callable[..., Any]:
+  """Runs a different kernel function on each of several meshes, in one launch.
+
+  Each ``fn`` is called as ``fn(*in_refs, *out_refs, *scratch_refs)`` and
+  returns None; the refs are shared by all meshes (inputs and outputs in each
+  mesh's default memory space, e.g. HBM on TPU, GMEM on GPU). Inside ``fn``,
+  ``jax.lax.axis_index(axis)`` of the mesh's axes gives the program's index.
+  There is no automatic pipelining: kernels move their own data.
+
+  Args:
+    meshes_and_fns: non-empty sequence of ``(mesh, fn)``; meshes are Pallas
+      meshes (``pltpu.create_tensorcore_mesh``, SparseCore meshes,
+      ``plgpu.Mesh``). Meshes may share an axis name only with equal sizes.
+    out_types: a pytree of ``jax.ShapeDtypeStruct`` (or memory-space
+      annotated types such as ``pltpu.HBM(shape, dtype)``).
+    scratch_types: a pytree of scratch types (``pltpu.VMEM(shape, dtype)``,
+      ``pltpu.SemaphoreType.DMA(())``, ``plgpu.SMEM(...)``, ...); with several
+      meshes, ``type @ mesh`` says which mesh's memory holds it.
+    input_output_aliases: ``{input index: output index}``: the output starts
+      as (and on hardware is the buffer of) that input.
+    compiler_params: ``pltpu.CompilerParams`` / ``plgpu.CompilerParams``.
+    interpret: None (default) compiles natively on TPU / GPU and runs the CPU
+      fallback on CPU; True forces the fast HLO interpreter; a
+      ``pltpu.InterpretParams`` / ``plgpu.InterpretParams`` forces that
+      simulator with those settings, on any platform.
+    debug: print the kernel jaxprs and, on CPU, which path runs and why.
+    cost_estimate: a ``pl.CostEstimate`` for XLA's scheduler.
+    name: the kernel's name in HLO and profiles.
+    metadata: string key/values attached to the launch.
+
+  Returns:
+    A function of the inputs (a pytree of arrays or Refs) returning outputs
+    with the structure of ``out_types``.
+
+  Example::
+
+    mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
+
+    def double(x_hbm, o_hbm, buf):
+      pltpu.sync_copy(x_hbm, buf)
+      buf[...] *= 2
+      pltpu.sync_copy(buf, o_hbm)
+
+    f = mpmd.mpmd_map(
+        [(mesh, double)], jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        scratch_types=[pltpu.VMEM((8, 128), jnp.float32)])
+    f(jnp.ones((8, 128)))  # runs on CPU, TPU and (with a GPU mesh) GPU
+  """
+  meshes, fns = _check_meshes_and_fns(meshes_and_fns)
+  flat_out_types, out_tree = tree_util.tree_flatten(out_types)
+  out_avals = tuple(_out_aval(t, i) for i, t in enumerate(flat_out_types))
+  flat_scratch, scratch_tree = tree_util.tree_flatten(scratch_types)
+  scratch_avals = [_scratch_aval(t, i) for i, t in enumerate(flat_scratch)]
+  aliases = FrozenDict(dict(input_output_aliases or {}))
+  if interpret is False:
+    interpret = None  # CPU has no native path: False means "the default".
+  is_output_sequence = isinstance(out_types, Sequence)
+  cache: dict[Any, tuple[tuple[core.Jaxpr, ...], list[Any]]] = {}
+
+  def trace(flat_in_avals, in_tree):
+    kernel_avals = [_kernel_aval(a, meshes) for a in flat_in_avals]
+    out_refs = [_kernel_aval(a, meshes) for a in out_avals]
+    if is_output_sequence:
+      out_args = list(out_tree.unflatten(out_refs))
+    else:
+      out_args = [out_tree.unflatten(out_refs)]
+    scratch = scratch_tree.unflatten(scratch_avals)
+    if isinstance(scratch, Mapping):
+      args, kwargs = [*in_tree.unflatten(kernel_avals), *out_args], scratch
+    else:
+      args = [*in_tree.unflatten(kernel_avals), *out_args, *scratch]
+      kwargs = {}
+    flat_kernel_avals, kernel_tree = tree_util.tree_flatten((args, kwargs))
+    traced = []
+    for mesh, fn in zip(meshes, fns, strict=True):
+      debug_info = api_util.debug_info("mpmd_map", fn, flat_kernel_avals, {})
+      if name is not None:
+        debug_info = debug_info.replace_func_name(name)
+      flat_fn, fn_out_tree = api_util.flatten_fun(
+        lu.wrap_init(fn, debug_info=debug_info), kernel_tree
+      )
+      with _trace_context(mesh, meshes):
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat_fn, flat_kernel_avals)
+      if fn_out_tree() != tree_util.tree_structure(None):
+        raise ValueError(
+          f"mpmd_map: the kernel {debug_info.func_src_info} must return "
+          f"None, but it returned a value of structure {fn_out_tree()}"
+        )
+      _check_consts(consts, debug_info)
+      traced.append((jaxpr, consts))
+    return _unify_consts(traced, meshes, len(flat_in_avals), flat_kernel_avals)
+
+  def wrapper(*args):
+    flat_args, in_tree = tree_util.tree_flatten(args)
+    flat_avals = tuple(core.typeof(x) for x in flat_args)
+    _check_aliases(aliases, flat_avals, out_avals)
+    key = (flat_avals, in_tree)
+    if key not in cache:
+      cache[key] = trace(flat_avals, in_tree)
+    jaxprs, consts = cache[key]
+    if debug:
+      for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
+        print(f"mpmd_map: kernel jaxpr for mesh {dict(mesh.shape)}:\n{jaxpr}")
+    scope = jax.named_scope(name) if name else contextlib.nullcontext()
+    with scope:
+      flat_outs = prim.bind(
+        *flat_args,
+        *consts,
+        jaxprs=jaxprs,
+        meshes=meshes,
+        out_avals=out_avals,
+        input_output_aliases=aliases,
+        compiler_params=compiler_params,
+        interpret=interpret,
+        debug=debug,
+        cost_estimate=cost_estimate,
+        name=name,
+        metadata=FrozenDict(metadata) if metadata is not None else None,
+      )
+    return out_tree.unflatten(flat_outs)
+
+  return wrapper
+
+
+# -- validation --------------------------------------------------------------------
+
+
+def _is_mesh(mesh: Any) -> bool:
+  return all(
+    hasattr(mesh, a)
+    for a in ("shape", "default_memory_space", "core_type", "tracing_context")
+  )
+
+
+def _check_meshes_and_fns(meshes_and_fns) -> tuple[tuple[Any, ...], list]:
+  if isinstance(meshes_and_fns, (str, bytes)) or not isinstance(
+    meshes_and_fns, Sequence
+  ):
+    raise TypeError(
+      "mpmd_map: expected 'meshes_and_fns' to be a sequence of (mesh, fn) "
+      f"pairs, got {type(meshes_and_fns).__name__}"
+    )
+  if not meshes_and_fns:
+    raise ValueError(
+      "mpmd_map: expected at least one (mesh, fn) pair in "
+      "'meshes_and_fns', got an empty sequence"
+    )
+  meshes, fns = [], []
+  for i, pair in enumerate(meshes_and_fns):
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+      raise TypeError(
+        f"mpmd_map: expected meshes_and_fns[{i}] to be a (mesh, fn) pair, "
+        f"got {pair!r}"
+      )
+    mesh, fn = pair
+    if not _is_mesh(mesh):
+      raise TypeError(
+        f"mpmd_map: expected meshes_and_fns[{i}][0] to be a Pallas mesh "
+        "(e.g. pltpu.create_tensorcore_mesh(...) or plgpu.Mesh(...)), got "
+        f"{type(mesh).__name__}"
+      )
+    if not callable(fn):
+      raise TypeError(
+        f"mpmd_map: expected meshes_and_fns[{i}][1] to be callable, got "
+        f"{type(fn).__name__}"
+      )
+    meshes.append(mesh)
+    fns.append(fn)
+  sizes: dict[Any, tuple[int, int]] = {}
+  for i, mesh in enumerate(meshes):
+    for axis, size in mesh.shape.items():
+      if axis in sizes and sizes[axis][1] != size:
+        j, other = sizes[axis]
+        raise ValueError(
+          f"mpmd_map: axis {axis!r} has size {other} in mesh {j} but "
+          f"size {size} in mesh {i}; meshes may share an axis name only "
+          "with the same size"
+        )
+      sizes.setdefault(axis, (i, size))
+  kinds = {paths.is_gpu_mesh(m) for m in meshes}
+  if len(kinds) > 1:
+    raise ValueError(
+      "mpmd_map: cannot mix GPU meshes (plgpu.Mesh) with TPU meshes in one "
+      f"launch, got {[type(m).__name__ for m in meshes]}"
+    )
+  return tuple(meshes), fns
+
+
+def _out_aval(out_type: Any, i: int) -> core.AbstractValue:
+  if not (
+    isinstance(out_type, (jax.ShapeDtypeStruct, pallas_core.MemoryRef))
+    or hasattr(out_type, "get_ref_aval")
+  ):
+    raise TypeError(
+      f"mpmd_map: expected out_types leaf {i} to be a jax.ShapeDtypeStruct "
+      f"(or a memory-space type such as pltpu.HBM(shape, dtype)), got "
+      f"{type(out_type).__name__}: {out_type!r}"
+    )
+  return pallas_core._convert_out_shape_to_aval(out_type)
+
+
+def _scratch_aval(scratch_type: Any, i: int) -> Any:
+  if not hasattr(scratch_type, "get_ref_aval"):
+    raise TypeError(
+      f"mpmd_map: expected scratch_types leaf {i} to be a scratch type "
+      "(pltpu.VMEM(shape, dtype), pltpu.SemaphoreType.DMA(()), "
+      f"plgpu.SMEM(...)), got {type(scratch_type).__name__}"
+    )
+  return scratch_type.get_ref_aval()
+
+
+def _kernel_aval(aval: Any, meshes: Sequence[Any]) -> Any:
+  """How a launch operand appears to the kernels: a Ref in a memory space."""
+  if isinstance(aval, state.AbstractRef):
+    return aval
+  if isinstance(aval, core.ShapedArray):
+    space = aval.memory_space
+    if space == core.MemorySpace.Device:
+      defaults = {m.default_memory_space for m in meshes}
+      if len(defaults) != 1:
+        raise ValueError(
+          "mpmd_map: meshes with different default memory spaces "
+          f"{sorted(map(str, defaults))} need operands with an explicit "
+          "memory space"
+        )
+      [space] = defaults
+    return state.AbstractRef(aval, memory_space=space)
+  if hasattr(aval, "get_ref_aval"):
+    return aval.get_ref_aval()
+  raise TypeError(f"mpmd_map: unsupported operand type {aval}")
+
+
+def _check_consts(consts: Sequence[Any], debug_info) -> None:
+  bad = [
+    aval
+    for c in consts
+    if not isinstance(aval := core.typeof(c), state.AbstractRef)
+    and not (isinstance(aval, core.ShapedArray) and not aval.shape)
+  ]
+  if bad:
+    raise ValueError(
+      f"mpmd_map: the kernel {debug_info.func_src_info} closes over arrays "
+      f"{[a.str_short() for a in bad]}; pass them as inputs (only Refs and "
+      "scalars may be closed over)"
+    )
+
+
+def _check_aliases(aliases, in_avals, out_avals) -> None:
+  for i, o in aliases.items():
+    if not (0 <= i < len(in_avals)) or not (0 <= o < len(out_avals)):
+      raise ValueError(
+        f"mpmd_map: input_output_aliases {{{i}: {o}}} is out of range for "
+        f"{len(in_avals)} inputs and {len(out_avals)} outputs"
+      )
+    a, b = in_avals[i], out_avals[o]
+    if (a.shape, a.dtype) != (b.shape, b.dtype):
+      raise ValueError(
+        f"mpmd_map: input {i} ({a.str_short()}) cannot alias output {o} "
+        f"({b.str_short()}): shapes and dtypes must match"
+      )
+
+
+# -- tracing ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _trace_context(mesh: Any, meshes: Sequence[Any]):
+  facts = (
+    contextlib.nullcontext() if paths.is_gpu_mesh(mesh) else targets.tpu_facts()
+  )
+  with facts, prim.tracing_context(mesh, meshes):
+    yield
+
+
+def _unify_consts(traced, meshes, num_in, flat_kernel_avals):
+  """Closed-over Refs and scalars become inputs shared by all kernels.
+
+  Every kernel then takes ``(*inputs, *consts, *outputs, *scratch)``, the
+  consts deduplicated across kernels by identity.
+  """
+  unique: dict[int, Any] = {}
+  for _, consts in traced:
+    for c in consts:
+      unique.setdefault(id(c), c)
+  if not unique:
+    return tuple(jaxpr for jaxpr, _ in traced), []
+  all_consts = list(unique.values())
+  avals = [
+    *flat_kernel_avals[:num_in],
+    *(core.typeof(c) for c in all_consts),
+    *flat_kernel_avals[num_in:],
+  ]
+  jaxprs = []
+  for mesh, (jaxpr, consts) in zip(meshes, traced, strict=True):
+    position = {id(c): k for k, c in enumerate(all_consts)}
+
+    def body(*args, jaxpr=jaxpr, consts=consts, position=position):
+      ins, cs, rest = (
+        args[:num_in],
+        args[num_in : num_in + len(all_consts)],
+        (args[num_in + len(all_consts) :]),
+      )
+      mine = [cs[position[id(c)]] for c in consts]
+      core.eval_jaxpr(jaxpr, mine, *ins, *rest)
+      return ()
+
+    with _trace_context(mesh, meshes):
+      jaxprs.append(prim.retrace(jaxpr, mesh, meshes, body, avals))
+  return tuple(jaxprs), all_consts

@@ -1,0 +1,376 @@
+"""``mpmd_map_p``: N (mesh, kernel jaxpr) pairs launched as one kernel.
+
+Params (all hashable):
+  jaxprs: one closed-over-nothing ``Jaxpr`` per mesh; each takes
+    ``(*inputs, *outputs, *scratch)`` as refs (scalar inputs as values) and
+    returns nothing. All jaxprs share that signature.
+  meshes: the Pallas meshes, one per jaxpr.
+  out_avals: the ``ShapedArray`` of each output.
+  input_output_aliases: ``FrozenDict`` input index -> output index.
+  compiler_params, interpret, debug, cost_estimate, name, metadata: as for
+    ``pallas_call``; ``interpret=None`` means "native where there is hardware,
+    the CPU fallback on CPU".
+
+The rules follow, one after another: impl, abstract eval, typecheck,
+discharge, DCE, partial eval, batching. Lowering lives in ``mpmd.lowering``.
+"""
+
+import contextlib
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mpmd._jax import (
+  FrozenDict,
+  api_util,
+  batching,
+  config,
+  core,
+  effects,
+  lu,
+  pallas_core,
+  pe,
+  state,
+  state_discharge,
+  util,
+)
+
+mpmd_map_p = core.Primitive("mpmd_map")
+mpmd_map_p.multiple_results = True
+
+
+def bind(*args: Any, **params: Any) -> list[Any]:
+  """Binds ``mpmd_map_p`` (a single place that knows the param names)."""
+  return mpmd_map_p.bind(*args, **params)
+
+
+def num_scratch(jaxprs: Sequence[core.Jaxpr], num_args: int, num_outs: int):
+  return len(jaxprs[0].invars) - num_args - num_outs
+
+
+def axis_env(meshes: Sequence[Any]) -> dict[Any, int]:
+  """The axis names and sizes of all meshes (validated to agree upstream)."""
+  env = {}
+  for mesh in meshes:
+    env.update(mesh.shape)
+  return env
+
+
+@contextlib.contextmanager
+def tracing_context(mesh: Any, meshes: Sequence[Any]):
+  """The context in which a kernel of ``mesh`` is (re)traced.
+
+  Every mesh's axes are bound, so that a kernel can name the programs of
+  other meshes (``device_id={"consumer": 1}``).
+  """
+  with (
+    mesh.tracing_context(),
+    core.extend_axis_env_nd(axis_env(meshes).items()),
+    config._check_vma(False),
+  ):
+    yield
+
+
+def retrace(
+  jaxpr: core.Jaxpr, mesh: Any, meshes: Sequence[Any], body, avals=None
+) -> core.Jaxpr:
+  """Traces ``body`` over ``jaxpr``'s input avals in ``mesh``'s context."""
+  avals = [v.aval for v in jaxpr.invars] if avals is None else avals
+  debug_info = jaxpr.debug_info or api_util.debug_info(
+    "mpmd_map", body, avals, {}
+  )
+  fun = lu.wrap_init(body, debug_info=debug_info)
+  with tracing_context(mesh, meshes):
+    new_jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(fun, avals)
+  if consts:
+    raise ValueError(
+      "mpmd_map: a kernel rewrite captured array constants "
+      f"{[jax.typeof(c) for c in consts]}; pass arrays as inputs instead"
+    )
+  return new_jaxpr
+
+
+# -- impl --------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted_launch(params: tuple[tuple[str, Any], ...]):
+  return jax.jit(functools.partial(mpmd_map_p.bind, **dict(params)))
+
+
+@mpmd_map_p.def_impl
+def _mpmd_map_impl(*args, **params):
+  # Cached per params, so eager calls with the same kernel compile once.
+  jitted = _jitted_launch(tuple(sorted(params.items())))
+  with config.disable_jit(False):
+    return jitted(*args)
+
+
+# -- abstract eval ------------------------------------------------------------
+
+
+def _kernel_effects(in_avals, jaxprs, meshes) -> set[core.Effect]:
+  """The effects of the kernels that are visible outside the launch."""
+  mesh_axes = set(axis_env(meshes))
+  effs = set()
+  for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
+    for eff in jaxpr.effects:
+      if mesh.discharges_effect(
+        eff
+      ) or pallas_core.kernel_local_effects.contains(eff):
+        continue
+      if isinstance(eff, effects.JaxprInputEffect):
+        # Writes to a Ref the caller passed in are visible to the caller.
+        index = jaxpr.invars.index(eff.input)
+        if index < len(in_avals) and isinstance(
+          in_avals[index], state.AbstractRef
+        ):
+          effs.add(eff.replace(index))
+        continue
+      if isinstance(eff, core.NamedAxisEffect) and eff.name in mesh_axes:
+        continue
+      effs.add(eff)
+  return effs
+
+
+def _simulator_effects(jaxprs, meshes, interpret) -> set[core.Effect]:
+  # The simulators run through io_callbacks whose effects must be declared
+  # before lowering; the CPU fallback picks its path from the kernel itself.
+  from mpmd.lowering import paths
+
+  return paths.simulator_effects(jaxprs, meshes, interpret)
+
+
+@mpmd_map_p.def_effectful_abstract_eval
+def _mpmd_map_abstract_eval(
+  *in_avals,
+  jaxprs,
+  meshes,
+  out_avals,
+  input_output_aliases,
+  interpret,
+  **_,
+):
+  effs = _kernel_effects(in_avals, jaxprs, meshes)
+  effs |= _simulator_effects(jaxprs, meshes, interpret)
+  out_to_in = {o: i for i, o in input_output_aliases.items()}
+  outs = [
+    in_avals[out_to_in[o]] if o in out_to_in else aval
+    for o, aval in enumerate(out_avals)
+  ]
+  return outs, effs
+
+
+# -- typecheck -----------------------------------------------------------------
+
+
+def _kernel_operand_aval(aval):
+  return aval.inner_aval if isinstance(aval, state.AbstractRef) else aval
+
+
+def _mpmd_map_typecheck(ctx_factory, *in_atoms, **params):
+  del ctx_factory
+  in_avals = [x.aval for x in in_atoms]
+  jaxprs, out_avals = params["jaxprs"], params["out_avals"]
+  aliases = params["input_output_aliases"]
+  if len(jaxprs) != len(params["meshes"]):
+    raise core.JaxprTypeError(
+      f"mpmd_map: {len(jaxprs)} jaxprs for {len(params['meshes'])} meshes"
+    )
+  arity = len(jaxprs[0].invars)
+  for jaxpr in jaxprs:
+    if len(jaxpr.invars) != arity or jaxpr.outvars or jaxpr.constvars:
+      raise core.JaxprTypeError(
+        "mpmd_map: every kernel jaxpr must take the same operands, close "
+        "over nothing and return nothing"
+      )
+    operands = jaxpr.invars[: len(in_avals) + len(out_avals)]
+    expected = [*in_avals, *out_avals]
+    for i, (var, aval) in enumerate(zip(operands, expected, strict=True)):
+      got = _kernel_operand_aval(var.aval)
+      want = _kernel_operand_aval(aval)
+      if (got.shape, got.dtype) != (want.shape, want.dtype):
+        raise core.JaxprTypeError(
+          f"mpmd_map: kernel operand {i} is {got.str_short()} but the "
+          f"launch passes {want.str_short()}"
+        )
+  for i, o in aliases.items():
+    a, b = _kernel_operand_aval(in_avals[i]), out_avals[o]
+    if (a.shape, a.dtype) != (b.shape, b.dtype):
+      raise core.JaxprTypeError(
+        f"mpmd_map: input {i} ({a.str_short()}) aliases output {o} "
+        f"({b.str_short()})"
+      )
+  return _mpmd_map_abstract_eval(*in_avals, **params)
+
+
+core.custom_typechecks[mpmd_map_p] = _mpmd_map_typecheck
+
+
+# -- discharge -------------------------------------------------------------------
+
+
+def _mpmd_map_discharge(in_avals, out_avals, *args, **params):
+  """Refs passed to the launch become extra outputs aliased to them.
+
+  The kernels keep their signature plus one output per Ref input; the body
+  reads and writes the new output where it used the Ref, so the aliased
+  buffer carries the updates on every platform.
+  """
+  jaxprs, meshes = params["jaxprs"], params["meshes"]
+  ref_ins = [
+    i for i, a in enumerate(in_avals) if isinstance(a, state.AbstractRef)
+  ]
+  num_in, num_out = len(in_avals), len(out_avals)
+
+  def rewrite(jaxpr, mesh):
+    avals = [v.aval for v in jaxpr.invars]
+    ins, outs, scratch = util.split_list(avals, [num_in, num_out])
+    new_outs = [avals[i] for i in ref_ins]
+
+    def body(*refs):
+      ins_, outs_, new_, scratch_ = util.split_list(
+        refs, [num_in, num_out, len(ref_ins)]
+      )
+      ins_ = list(ins_)
+      for i, ref in zip(ref_ins, new_, strict=True):
+        ins_[i] = ref
+      core.eval_jaxpr(jaxpr, (), *ins_, *outs_, *scratch_)
+      return ()
+
+    return retrace(
+      jaxpr, mesh, meshes, body, [*ins, *outs, *new_outs, *scratch]
+    )
+
+  new_jaxprs = tuple(rewrite(j, m) for j, m in zip(jaxprs, meshes, strict=True))
+  aliases = dict(params["input_output_aliases"])
+  for k, i in enumerate(ref_ins):
+    aliases[i] = num_out + k
+  new_params = dict(
+    params,
+    jaxprs=new_jaxprs,
+    out_avals=(*out_avals, *(in_avals[i].inner_aval for i in ref_ins)),
+    input_output_aliases=FrozenDict(aliases),
+  )
+  results = mpmd_map_p.bind(*args, **new_params)
+  outs, updated = util.split_list(results, [num_out])
+  new_invals = [None] * num_in
+  for i, val in zip(ref_ins, updated, strict=True):
+    new_invals[i] = val
+  return new_invals, outs
+
+
+state_discharge.register_discharge_rule(mpmd_map_p)(_mpmd_map_discharge)
+
+
+# -- DCE -------------------------------------------------------------------------
+
+
+def _mpmd_map_dce(used_outs: list[bool], eqn: core.JaxprEqn):
+  # A kernel cannot drop one of its outputs, but a launch whose results are
+  # all unused and that has no visible effects can go.
+  if not any(used_outs) and not eqn.effects:
+    return [False] * len(eqn.invars), None
+  return [True] * len(eqn.invars), eqn
+
+
+pe.dce_rules[mpmd_map_p] = _mpmd_map_dce
+
+
+# -- partial eval ----------------------------------------------------------------
+
+
+def _mpmd_map_partial_eval_custom(saveable, unks_in, inst_in, eqn):
+  """Kernels are never differentiated: they run where their inputs are known.
+
+  Known inputs: the launch runs in the known jaxpr and its outputs are
+  residuals, unless the policy says recompute, or the launch mutates Refs
+  (then it runs in both, so that the staged jaxpr reads updated Refs).
+  """
+  num_outs = len(eqn.outvars)
+  to_inst = [
+    v
+    for v, inst in zip(eqn.invars, inst_in, strict=True)
+    if type(v) is core.Var and not inst
+  ]
+  if any(unks_in):
+    return None, eqn, [True] * num_outs, [True] * num_outs, to_inst
+  mutates = any(isinstance(v.aval, state.AbstractRef) for v in eqn.invars)
+  policy = pe.ensure_enum(
+    saveable(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
+  )
+  if mutates or isinstance(policy, pe.RecomputeType):
+    return eqn, eqn, [False] * num_outs, [True] * num_outs, to_inst
+  return eqn, None, [False] * num_outs, [False] * num_outs, []
+
+
+pe.partial_eval_jaxpr_custom_rules[mpmd_map_p] = _mpmd_map_partial_eval_custom
+
+
+# -- batching --------------------------------------------------------------------
+
+
+def _slice(x, dim, b):
+  return jax.lax.index_in_dim(x, b, axis=dim, keepdims=False)
+
+
+def _mpmd_map_batching(axis_data, args, dims, **params):
+  """``vmap`` of a launch: one launch per batch element, results stacked.
+
+  A kernel addresses its refs arbitrarily (DMAs, dynamic slices), so a batch
+  axis cannot be threaded through its body in general; each element gets its
+  own launch. Without ordered effects the launches form one ``lax.map`` loop
+  (the kernel is compiled once); otherwise they are unrolled in order.
+  """
+  if all(d is None for d in dims):
+    outs = mpmd_map_p.bind(*args, **params)
+    return outs, [None] * len(outs)
+  size = axis_data.size
+  has_refs = any(
+    d is not None and isinstance(core.typeof(x), state.AbstractRef)
+    for x, d in zip(args, dims, strict=True)
+  )
+  ordered = any(
+    effects.ordered_effects.contains(e)
+    for e in _mpmd_map_abstract_eval(*(core.typeof(x) for x in args), **params)[
+      1
+    ]
+  )
+  if not has_refs and not ordered:
+    batched = [i for i, d in enumerate(dims) if d is not None]
+    moved = [jnp.moveaxis(args[i], dims[i], 0) for i in batched]
+
+    def one(xs):
+      call_args = list(args)
+      for i, x in zip(batched, xs, strict=True):
+        call_args[i] = x
+      return mpmd_map_p.bind(*call_args, **params)
+
+    outs = jax.lax.map(one, moved)
+    return list(outs), [0] * len(outs)
+
+  per_element = []
+  for b in range(size):
+    call_args = []
+    for x, d in zip(args, dims, strict=True):
+      if d is None:
+        call_args.append(x)
+      elif isinstance(aval := core.typeof(x), state.AbstractRef):
+        call_args.append(
+          core.new_ref(_slice(x[...], d, b), memory_space=aval.memory_space)
+        )
+      else:
+        call_args.append(_slice(x, d, b))
+    per_element.append(mpmd_map_p.bind(*call_args, **params))
+    for x, d, y in zip(args, dims, call_args, strict=True):
+      if d is not None and isinstance(core.typeof(x), state.AbstractRef):
+        index = (slice(None),) * d + (b,)
+        x[index] = core.freeze(y)
+  outs = [jnp.stack(o) for o in zip(*per_element, strict=True)]
+  return outs, [0] * len(outs)
+
+
+batching.fancy_primitive_batchers[mpmd_map_p] = _mpmd_map_batching
