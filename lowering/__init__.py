@@ -10,16 +10,24 @@ from mpmd._jax import mlir
 from mpmd.primitives.mpmd_map import mpmd_map_p
 
 
+def _pass_tokens(ctx, outs):
+  # The launch may declare a simulator's io_callback effects (decided where
+  # it was traced, on a CPU host); a native kernel just passes tokens on.
+  if ctx.tokens_out is None and ctx.tokens_in is not None:
+    ctx.set_tokens_out(ctx.tokens_in)
+  return outs
+
+
 def _tpu(ctx, *in_nodes, **params):
   from mpmd.lowering import tpu
 
-  return tpu.lower(ctx, *in_nodes, **params)
+  return _pass_tokens(ctx, tpu.lower(ctx, *in_nodes, **params))
 
 
 def _cuda(ctx, *in_nodes, **params):
   from mpmd.lowering import gpu
 
-  return gpu.lower(ctx, *in_nodes, **params)
+  return _pass_tokens(ctx, gpu.lower(ctx, *in_nodes, **params))
 
 
 def _cpu(ctx, *in_nodes, **params):

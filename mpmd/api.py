@@ -277,8 +277,8 @@ def _check_consts(consts: Sequence[Any], debug_info) -> None:
   ]
   if bad:
     raise ValueError(
-      f"mpmd_map: the kernel {debug_info.func_src_info} closes over arrays "
-      f"{[a.str_short() for a in bad]}; pass them as inputs (only Refs and "
+      f"mpmd_map: kernel {debug_info.func_src_info}: closes over arrays "
+      f"{[a.str_short(short_dtypes=True) for a in bad]}; pass them as inputs (only Refs and "
       "scalars may be closed over)"
     )
 
@@ -293,8 +293,8 @@ def _check_aliases(aliases, in_avals, out_avals) -> None:
     a, b = in_avals[i], out_avals[o]
     if (a.shape, a.dtype) != (b.shape, b.dtype):
       raise ValueError(
-        f"mpmd_map: input {i} ({a.str_short()}) cannot alias output {o} "
-        f"({b.str_short()}): shapes and dtypes must match"
+        f"mpmd_map: input {i} ({a.str_short(short_dtypes=True)}) cannot alias output {o} "
+        f"({b.str_short(short_dtypes=True)}): shapes and dtypes must match"
       )
 
 

@@ -194,15 +194,15 @@ def _mpmd_map_typecheck(ctx_factory, *in_atoms, **params):
       want = _kernel_operand_aval(aval)
       if (got.shape, got.dtype) != (want.shape, want.dtype):
         raise core.JaxprTypeError(
-          f"mpmd_map: kernel operand {i} is {got.str_short()} but the "
-          f"launch passes {want.str_short()}"
+          f"mpmd_map: kernel operand {i} is {got.str_short(short_dtypes=True)} but the "
+          f"launch passes {want.str_short(short_dtypes=True)}"
         )
   for i, o in aliases.items():
     a, b = _kernel_operand_aval(in_avals[i]), out_avals[o]
     if (a.shape, a.dtype) != (b.shape, b.dtype):
       raise core.JaxprTypeError(
-        f"mpmd_map: input {i} ({a.str_short()}) aliases output {o} "
-        f"({b.str_short()})"
+        f"mpmd_map: input {i} ({a.str_short(short_dtypes=True)}) aliases output {o} "
+        f"({b.str_short(short_dtypes=True)})"
       )
   return _mpmd_map_abstract_eval(*in_avals, **params)
 

@@ -1,0 +1,29 @@
+"""Strict, CPU-only test configuration shared by every test.
+
+8 simulated CPU devices for the collectives (set before any backend starts),
+strict dtype promotion, rank promotion as an error, warnings as errors
+(pyproject's filterwarnings).
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+NUM_CPU_DEVICES = 8
+
+jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture
+def rng(request):
+  """A numpy Generator seeded from the test's name (stable, per test)."""
+  import zlib
+
+  import numpy as np
+
+  return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,231 @@
+"""The public API end to end: run on CPU, lower for TPU / CUDA, bad input."""
+
+import re
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpmd
+
+SHAPE = (16, 128)
+
+
+def tc_mesh(name="core", num_cores=1):
+  return pltpu.create_tensorcore_mesh(name, num_cores=num_cores)
+
+
+def scale_kernel(x_hbm, o_hbm, buf):
+  pltpu.sync_copy(x_hbm, buf)
+  buf[...] = buf[...] * 3.0 + 1.0
+  pltpu.sync_copy(buf, o_hbm)
+
+
+def scale(x, **kw):
+  return mpmd.mpmd_map(
+      [(tc_mesh(), scale_kernel)],
+      jax.ShapeDtypeStruct(x.shape, x.dtype),
+      scratch_types=[pltpu.VMEM(x.shape, x.dtype)],
+      **kw,
+  )(x)
+
+
+def test_single_mesh_runs_on_cpu_without_flags(rng):
+  x = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
+  # XLA may fuse x * 3 + 1 into one FMA on one side only: 1 ulp near 0.
+  tol = dict(rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(scale(x), x * 3.0 + 1.0, **tol)
+  np.testing.assert_allclose(jax.jit(scale)(x), x * 3.0 + 1.0, **tol)
+
+
+def test_public_surface():
+  assert set(mpmd.__all__) >= {"mpmd_map", "mpmd_map_p", "tpu_target"}
+  assert mpmd.mpmd_map_p.name == "mpmd_map"
+  assert mpmd.mpmd_map.__doc__ and "Example" in mpmd.mpmd_map.__doc__
+
+
+def test_pytree_outputs_and_multicore_axis_index(rng):
+  x = jnp.asarray(rng.standard_normal((2, 8, 128)), jnp.float32)
+
+  def kernel(x_hbm, outs, buf):
+    c = jax.lax.axis_index("core")
+    pltpu.sync_copy(x_hbm.at[c], buf)
+    buf[...] = buf[...] + c.astype(jnp.float32)
+    pltpu.sync_copy(buf, outs["shifted"].at[c])
+    pltpu.sync_copy(x_hbm.at[c], outs["copy"].at[c])
+
+  f = mpmd.mpmd_map(
+      [(tc_mesh(num_cores=2), kernel)],
+      {"shifted": jax.ShapeDtypeStruct(x.shape, x.dtype),
+       "copy": jax.ShapeDtypeStruct(x.shape, x.dtype)},
+      scratch_types=[pltpu.VMEM((8, 128), jnp.float32)],
+  )
+  out = f(x)
+  np.testing.assert_array_equal(out["copy"], x)
+  np.testing.assert_array_equal(
+      out["shifted"], x + jnp.arange(2, dtype=jnp.float32)[:, None, None]
+  )
+
+
+def test_tpu_cross_lowering():
+  x = jnp.ones(SHAPE, jnp.float32)
+  text = jax.jit(scale).trace(x).lower(lowering_platforms=("tpu",)).as_text()
+  assert "tpu_custom_call" in text
+
+
+def test_multi_platform_lowering_and_export():
+  x = jnp.ones(SHAPE, jnp.float32)
+  text = (
+      jax.jit(scale).trace(x).lower(lowering_platforms=("cpu", "tpu")).as_text()
+  )
+  assert "tpu_custom_call" in text
+  exported = jax.export.export(jax.jit(scale), platforms=("cpu", "tpu"))(x)
+  assert exported.platforms == ("cpu", "tpu")
+  np.testing.assert_allclose(exported.call(x), x * 3.0 + 1.0)
+
+
+def gpu_add_one(x):
+  mesh = plgpu.Mesh(num_threads=2, thread_name="wg")
+
+  def body(x_ref, o_ref):
+    rows = pl.ds(jax.lax.axis_index("wg") * 64, 64)
+    o_ref[rows, :] = x_ref[rows, :] + 1.0
+
+  return mpmd.mpmd_map(
+      [(mesh, body)], jax.ShapeDtypeStruct(x.shape, x.dtype)
+  )(x)
+
+
+def test_gpu_mesh_runs_in_simulator_and_lowers_for_cuda(rng):
+  x = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+  np.testing.assert_allclose(gpu_add_one(x), x + 1.0)
+  text = jax.jit(gpu_add_one).trace(x).lower(
+      lowering_platforms=("cuda",)
+  ).as_text()
+  assert re.search(r"custom_call @mosaic_gpu", text)
+
+
+def test_tpu_target_names_the_generation():
+  x = jnp.zeros((16, 256), jnp.float32)
+
+  def kernel(x_hbm, o_hbm):
+    def body(x_vmem, o_vmem):
+      o_vmem[...] = x_vmem[...] + 1.0
+
+    # emit_pipeline asks the TPU generation while tracing.
+    pltpu.emit_pipeline(
+        body, grid=(2,),
+        in_specs=[pl.BlockSpec((8, 256), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((8, 256), lambda i: (i, 0))],
+    )(x_hbm, o_hbm)
+
+  f = mpmd.mpmd_map(
+      [(tc_mesh(), kernel)], jax.ShapeDtypeStruct(x.shape, x.dtype)
+  )
+  np.testing.assert_array_equal(f(x), x + 1.0)  # default target on CPU
+  for target in mpmd.TPU_TARGETS:
+    with mpmd.tpu_target(target):
+      text = jax.jit(f).trace(x).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+  with pytest.raises(ValueError, match=r"tpu_target: expected 'name' in"):
+    with mpmd.tpu_target("v99"):
+      pass
+
+
+# -- bad input ----------------------------------------------------------------
+
+
+def _noop(*refs):
+  del refs
+
+
+OUT = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
+
+
+def test_error_empty_list():
+  with pytest.raises(ValueError, match="at least one .mesh, fn. pair"):
+    mpmd.mpmd_map([], OUT)
+
+
+def test_error_not_a_sequence():
+  with pytest.raises(TypeError, match="'meshes_and_fns' to be a sequence"):
+    mpmd.mpmd_map(_noop, OUT)
+
+
+def test_error_not_a_mesh():
+  with pytest.raises(TypeError, match=r"meshes_and_fns\[0\]\[0\] to be a "
+                     r"Pallas mesh .* got dict"):
+    mpmd.mpmd_map([({"x": 2}, _noop)], OUT)
+
+
+def test_error_fn_not_callable():
+  with pytest.raises(TypeError, match=r"meshes_and_fns\[0\]\[1\] to be "
+                     "callable, got int"):
+    mpmd.mpmd_map([(tc_mesh(), 3)], OUT)
+
+
+def test_error_fn_returns_a_value():
+  def returns(x_ref, o_ref):
+    return x_ref[...]
+
+  f = mpmd.mpmd_map([(tc_mesh(), returns)], OUT)
+  with pytest.raises(ValueError, match="must return None"):
+    f(jnp.zeros(SHAPE, jnp.float32))
+
+
+def test_error_closed_over_array():
+  captured = jnp.ones(SHAPE, jnp.float32)
+
+  def closes(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + captured
+
+  f = mpmd.mpmd_map([(tc_mesh(), closes)], OUT)
+  with pytest.raises(ValueError, match=r"closes over arrays \['f32\[16,128\]'"
+                     r"\]; pass them as inputs"):
+    f(jnp.zeros(SHAPE, jnp.float32))
+
+
+def test_closed_over_scalar_is_fine():
+  factor = jnp.float32(2.5)
+
+  def closes(x_hbm, o_hbm, buf):
+    pltpu.sync_copy(x_hbm, buf)
+    buf[...] = buf[...] * factor
+    pltpu.sync_copy(buf, o_hbm)
+
+  f = mpmd.mpmd_map(
+      [(tc_mesh(), closes)], OUT, scratch_types=[pltpu.VMEM(SHAPE, jnp.float32)]
+  )
+  x = jnp.ones(SHAPE, jnp.float32)
+  np.testing.assert_allclose(f(x), x * 2.5)
+
+
+def test_error_conflicting_axis_sizes():
+  with pytest.raises(ValueError, match="axis 'core' has size 1 in mesh 0 but "
+                     "size 2 in mesh 1"):
+    mpmd.mpmd_map([(tc_mesh(), _noop), (tc_mesh(num_cores=2), _noop)], OUT)
+
+
+def test_error_out_types_not_shape_dtype():
+  with pytest.raises(TypeError, match="out_types leaf 0 to be a "
+                     r"jax.ShapeDtypeStruct .* got ndarray"):
+    mpmd.mpmd_map([(tc_mesh(), _noop)], np.zeros(SHAPE, np.float32))
+
+
+def test_error_mixed_tpu_and_gpu_meshes():
+  gpu = plgpu.Mesh(num_threads=1, thread_name="wg")
+  with pytest.raises(ValueError, match="cannot mix GPU meshes"):
+    mpmd.mpmd_map([(tc_mesh(), _noop), (gpu, _noop)], OUT)
+
+
+def test_error_bad_alias():
+  f = mpmd.mpmd_map(
+      [(tc_mesh(), _noop)], OUT, input_output_aliases={0: 0}
+  )
+  with pytest.raises(ValueError, match=r"input 0 \(f32\[8\]\) cannot alias "
+                     r"output 0 \(f32\[16,128\]\)"):
+    f(jnp.zeros((8,), jnp.float32))
