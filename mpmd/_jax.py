@@ -35,6 +35,7 @@ from jax._src import state
 from jax._src import tree_util
 from jax._src import util
 from jax._src.frozen_dict import FrozenDict
+from jax._src.interpreters import ad
 from jax._src.interpreters import batching
 from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe

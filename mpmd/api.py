@@ -2,7 +2,7 @@
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -93,49 +93,17 @@ def mpmd_map(
   if interpret is False:
     interpret = None  # CPU has no native path: False means "the default".
   is_output_sequence = isinstance(out_types, Sequence)
-  cache: dict[Any, tuple[tuple[core.Jaxpr, ...], list[Any]]] = {}
-
-  def trace(flat_in_avals, in_tree):
-    kernel_avals = [_kernel_aval(a, meshes) for a in flat_in_avals]
-    out_refs = [_kernel_aval(a, meshes) for a in out_avals]
-    if is_output_sequence:
-      out_args = list(out_tree.unflatten(out_refs))
-    else:
-      out_args = [out_tree.unflatten(out_refs)]
-    scratch = scratch_tree.unflatten(scratch_avals)
-    if isinstance(scratch, Mapping):
-      args, kwargs = [*in_tree.unflatten(kernel_avals), *out_args], scratch
-    else:
-      args = [*in_tree.unflatten(kernel_avals), *out_args, *scratch]
-      kwargs = {}
-    flat_kernel_avals, kernel_tree = tree_util.tree_flatten((args, kwargs))
-    traced = []
-    for mesh, fn in zip(meshes, fns, strict=True):
-      debug_info = api_util.debug_info("mpmd_map", fn, flat_kernel_avals, {})
-      if name is not None:
-        debug_info = debug_info.replace_func_name(name)
-      flat_fn, fn_out_tree = api_util.flatten_fun(
-        lu.wrap_init(fn, debug_info=debug_info), kernel_tree
-      )
-      with _trace_context(mesh, meshes):
-        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat_fn, flat_kernel_avals)
-      if fn_out_tree() != tree_util.tree_structure(None):
-        raise ValueError(
-          f"mpmd_map: the kernel {debug_info.func_src_info} must return "
-          f"None, but it returned a value of structure {fn_out_tree()}"
-        )
-      _check_consts(consts, debug_info)
-      traced.append((jaxpr, consts))
-    return _unify_consts(traced, meshes, len(flat_in_avals), flat_kernel_avals)
+  kernels = _KernelSpec(
+      meshes=meshes, fns=tuple(fns), out_avals=out_avals, out_tree=out_tree,
+      is_output_sequence=is_output_sequence,
+      scratch_avals=tuple(scratch_avals), scratch_tree=scratch_tree, name=name,
+  )
 
   def wrapper(*args):
     flat_args, in_tree = tree_util.tree_flatten(args)
     flat_avals = tuple(core.typeof(x) for x in flat_args)
     _check_aliases(aliases, flat_avals, out_avals)
-    key = (flat_avals, in_tree)
-    if key not in cache:
-      cache[key] = trace(flat_avals, in_tree)
-    jaxprs, consts = cache[key]
+    jaxprs, consts = _trace(kernels, flat_avals, in_tree)
     if debug:
       for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
         print(f"mpmd_map: kernel jaxpr for mesh {dict(mesh.shape)}:\n{jaxpr}")
@@ -299,6 +267,72 @@ def _check_aliases(aliases, in_avals, out_avals) -> None:
 
 
 # -- tracing ---------------------------------------------------------------------
+
+
+class _KernelSpec(NamedTuple):
+  meshes: tuple[Any, ...]
+  fns: tuple[Callable[..., None], ...]
+  out_avals: tuple[Any, ...]
+  out_tree: Any
+  is_output_sequence: bool
+  scratch_avals: tuple[Any, ...]
+  scratch_tree: Any
+  name: str | None
+
+
+# Traced kernels by (kernels, operand types): the same kernel functions on
+# the same shapes give the same jaxprs, hence one compilation (jit's cache
+# and the primitive's impl cache key on them). Kernels that close over values
+# are not cached: what they capture may be a tracer of an enclosing trace.
+_TRACED: dict[Any, tuple[tuple[core.Jaxpr, ...], list[Any]]] = {}
+_MAX_TRACED = 512
+
+
+def _trace(spec: _KernelSpec, flat_in_avals, in_tree):
+  key = (spec, flat_in_avals, in_tree)
+  if (hit := _TRACED.get(key)) is not None:
+    return hit
+  jaxprs, consts = _trace_uncached(spec, flat_in_avals, in_tree)
+  if not consts:
+    if len(_TRACED) >= _MAX_TRACED:
+      _TRACED.pop(next(iter(_TRACED)))
+    _TRACED[key] = (jaxprs, consts)
+  return jaxprs, consts
+
+
+def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
+  meshes = spec.meshes
+  kernel_avals = [_kernel_aval(a, meshes) for a in flat_in_avals]
+  out_refs = [_kernel_aval(a, meshes) for a in spec.out_avals]
+  if spec.is_output_sequence:
+    out_args = list(spec.out_tree.unflatten(out_refs))
+  else:
+    out_args = [spec.out_tree.unflatten(out_refs)]
+  scratch = spec.scratch_tree.unflatten(spec.scratch_avals)
+  if isinstance(scratch, Mapping):
+    args, kwargs = [*in_tree.unflatten(kernel_avals), *out_args], scratch
+  else:
+    args = [*in_tree.unflatten(kernel_avals), *out_args, *scratch]
+    kwargs = {}
+  flat_kernel_avals, kernel_tree = tree_util.tree_flatten((args, kwargs))
+  traced = []
+  for mesh, fn in zip(meshes, spec.fns, strict=True):
+    debug_info = api_util.debug_info("mpmd_map", fn, flat_kernel_avals, {})
+    if spec.name is not None:
+      debug_info = debug_info.replace_func_name(spec.name)
+    flat_fn, fn_out_tree = api_util.flatten_fun(
+        lu.wrap_init(fn, debug_info=debug_info), kernel_tree
+    )
+    with _trace_context(mesh, meshes):
+      jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat_fn, flat_kernel_avals)
+    if fn_out_tree() != tree_util.tree_structure(None):
+      raise ValueError(
+          f"mpmd_map: kernel {debug_info.func_src_info}: must return None "
+          f"(write to its output refs), but it returned {fn_out_tree()}"
+      )
+    _check_consts(consts, debug_info)
+    traced.append((jaxpr, consts))
+  return _unify_consts(traced, meshes, len(flat_in_avals), flat_kernel_avals)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from mpmd._jax import (
   FrozenDict,
+  ad,
   api_util,
   batching,
   config,
@@ -213,14 +214,16 @@ core.custom_typechecks[mpmd_map_p] = _mpmd_map_typecheck
 # -- discharge -------------------------------------------------------------------
 
 
-def _mpmd_map_discharge(in_avals, out_avals, *args, **params):
+def _mpmd_map_discharge(in_avals, avals_out, *args, **params):
   """Refs passed to the launch become extra outputs aliased to them.
 
   The kernels keep their signature plus one output per Ref input; the body
   reads and writes the new output where it used the Ref, so the aliased
   buffer carries the updates on every platform.
   """
+  del avals_out
   jaxprs, meshes = params["jaxprs"], params["meshes"]
+  out_avals = params["out_avals"]
   ref_ins = [
     i for i, a in enumerate(in_avals) if isinstance(a, state.AbstractRef)
   ]
@@ -308,6 +311,21 @@ def _mpmd_map_partial_eval_custom(saveable, unks_in, inst_in, eqn):
 
 
 pe.partial_eval_jaxpr_custom_rules[mpmd_map_p] = _mpmd_map_partial_eval_custom
+
+
+# -- differentiation ---------------------------------------------------------------
+
+
+def _mpmd_map_jvp(primals, tangents, **params):
+  del primals, tangents, params
+  raise NotImplementedError(
+      "mpmd_map: kernels are not differentiable by JAX. Give the function "
+      "that calls mpmd_map a jax.custom_vjp (as mpmd.kernels.gmm does), or "
+      "pass jax.lax.stop_gradient(x) for inputs that need no gradient."
+  )
+
+
+ad.primitive_jvps[mpmd_map_p] = _mpmd_map_jvp
 
 
 # -- batching --------------------------------------------------------------------
