@@ -1,0 +1,490 @@
+"""Hopper-style tiled matmul on the pipelines of ``mpmd.kernels.gpu``.
+
+Each CTA of an ``(M // block_m, N // block_n)`` grid computes one output tile.
+The K dimension is the pipeline's sequential grid: TMA copies bring
+``(block_m, block_k)`` tiles of ``a`` and ``(block_k, block_n)`` tiles of ``b``
+into swizzled SMEM, WGMMA accumulates them into an f32 register accumulator,
+and the tile is stored through SMEM with a TMA copy.
+
+* ``warp_specialized=False``: one warpgroup per CTA runs the software pipeline
+  (:func:`mpmd.kernels.gpu.pipeline`).
+* ``warp_specialized=True``: ``mpmd_map`` gets two meshes, a memory mesh of one
+  warpgroup issuing the TMA copies and a compute mesh of ``num_compute_wgs``
+  warpgroups, each computing a ``block_n // num_compute_wgs`` wide slice of
+  the tile (:func:`mpmd.kernels.gpu.warp_specialized_pipeline`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from mpmd.kernels.gpu import pipeline as pipeline_lib
+
+INPUT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+OUTPUT_DTYPES = (*INPUT_DTYPES, jnp.dtype(jnp.float32))
+# One warpgroup's WGMMA covers 64 rows; N and K tiles must cover whole
+# swizzle atoms of SMEM (128 bytes of a row at the widest swizzle).
+WGMMA_M = 64
+SWIZZLE_BYTES = 128
+# Hopper (sm_90) shared memory per CTA available to a kernel.
+SMEM_BYTES = 227 * 1024
+
+GRID_NAMES = ("m", "n")
+SOFTWARE_AXIS = "wg"
+
+
+def _swizzle_transforms(minor_elems: int, dtype) -> tuple[Any, ...]:
+  """Tiling + swizzle of an SMEM tile whose rows hold ``minor_elems``."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
+  return (
+    plgpu.TilingTransform((8, swizzle // itemsize)),
+    plgpu.SwizzleTransform(swizzle),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  m: int
+  n: int
+  k: int
+  block_m: int
+  block_n: int
+  block_k: int
+  max_concurrent_steps: int
+  warp_specialized: bool
+  num_compute_wgs: int
+  in_dtype: Any
+  out_dtype: Any
+
+  @property
+  def wg_n(self) -> int:
+    return (
+      self.block_n // self.num_compute_wgs
+      if self.warp_specialized
+      else (self.block_n)
+    )
+
+  @property
+  def k_steps(self) -> int:
+    return self.k // self.block_k
+
+
+def _check_block(name: str, value: Any, multiple: int, why: str) -> int:
+  if not isinstance(value, int) or value <= 0 or value % multiple:
+    raise ValueError(
+      f"matmul: expected '{name}' to be a positive multiple of {multiple} "
+      f"({why}), got {value}"
+    )
+  return value
+
+
+def check_config(
+  a: Any,
+  b: Any,
+  *,
+  c: Any = None,
+  block_m: int,
+  block_n: int,
+  block_k: int,
+  max_concurrent_steps: int,
+  warp_specialized: bool,
+  num_compute_wgs: int,
+  out_dtype: Any,
+) -> _Config:
+  """Validates the operands and blocks; raises before anything is traced."""
+  for name, x in (("a", a), ("b", b)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"matmul: expected '{name}' to be an array, got {x!r}")
+    if len(x.shape) != 2:
+      raise ValueError(
+        f"matmul: expected '{name}' of rank 2, got shape {tuple(x.shape)}"
+      )
+  if jnp.dtype(a.dtype) not in INPUT_DTYPES:
+    raise ValueError(
+      f"matmul: expected 'a' of dtype float16 or bfloat16, got {a.dtype}"
+    )
+  if jnp.dtype(b.dtype) != jnp.dtype(a.dtype):
+    raise ValueError(
+      f"matmul: expected 'b' of the dtype of 'a' ({a.dtype}), got {b.dtype}"
+    )
+  (m, k), (k2, n) = a.shape, b.shape
+  if k != k2:
+    raise ValueError(
+      f"matmul: expected 'b' with {k} rows (the columns of 'a'), got "
+      f"shape {tuple(b.shape)}"
+    )
+  out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
+  if out_dtype not in OUTPUT_DTYPES:
+    raise ValueError(
+      "matmul: expected 'out_dtype' float16, bfloat16 or float32, got "
+      f"{out_dtype}"
+    )
+  if c is not None and (
+    tuple(c.shape) != (m, n) or jnp.dtype(c.dtype) != out_dtype
+  ):
+    raise ValueError(
+      f"matmul: expected 'c' of shape {(m, n)} and dtype {out_dtype}, got "
+      f"shape {tuple(c.shape)} and dtype {c.dtype}"
+    )
+  if not isinstance(warp_specialized, bool):
+    raise TypeError(
+      f"matmul: expected 'warp_specialized' to be a bool, got "
+      f"{warp_specialized!r}"
+    )
+  if not isinstance(num_compute_wgs, int) or num_compute_wgs < 1:
+    raise ValueError(
+      f"matmul: expected 'num_compute_wgs' >= 1, got {num_compute_wgs}"
+    )
+  if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
+    raise ValueError(
+      "matmul: expected 'max_concurrent_steps' >= 1, got "
+      f"{max_concurrent_steps}"
+    )
+  atom = SWIZZLE_BYTES // jnp.dtype(a.dtype).itemsize
+  _check_block("block_m", block_m, WGMMA_M, "one warpgroup's WGMMA rows")
+  _check_block("block_k", block_k, atom, "a 128-byte swizzle atom")
+  wgs = num_compute_wgs if warp_specialized else 1
+  _check_block(
+    "block_n", block_n, atom * wgs, f"a swizzle atom per warpgroup ({wgs})"
+  )
+  for dim, size, block in (
+    ("M", m, block_m),
+    ("N", n, block_n),
+    ("K", k, block_k),
+  ):
+    if size % block:
+      raise ValueError(
+        f"matmul: expected {dim}={size} to be a multiple of "
+        f"block_{dim.lower()}={block}, got remainder {size % block}"
+      )
+  config = _Config(
+    m=m,
+    n=n,
+    k=k,
+    block_m=block_m,
+    block_n=block_n,
+    block_k=block_k,
+    max_concurrent_steps=min(max_concurrent_steps, k // block_k),
+    warp_specialized=warp_specialized,
+    num_compute_wgs=num_compute_wgs,
+    in_dtype=jnp.dtype(a.dtype),
+    out_dtype=out_dtype,
+  )
+  smem = _smem_bytes(config, has_c=c is not None)
+  if smem > SMEM_BYTES:
+    raise ValueError(
+      f"matmul: the blocks need {smem} bytes of shared memory, more than "
+      f"the {SMEM_BYTES} of a Hopper CTA; lower max_concurrent_steps or "
+      "the block sizes"
+    )
+  return config
+
+
+def _smem_bytes(config: _Config, has_c: bool) -> int:
+  in_size = config.in_dtype.itemsize
+  out_size = config.out_dtype.itemsize
+  stage = (config.block_m + config.block_n) * config.block_k * in_size
+  tile = config.block_m * config.block_n * out_size
+  out_slots = 1 if config.warp_specialized else 1
+  return stage * config.max_concurrent_steps + tile * (out_slots + has_c)
+
+
+Epilogue = Callable[[jax.Array, jax.Array | None], jax.Array]
+
+
+def _default_epilogue(acc: jax.Array, c: jax.Array | None) -> jax.Array:
+  return acc if c is None else acc + c
+
+
+def _specs(config: _Config, has_c: bool):
+  """Block specs over the K grid of one CTA's slices of a, b (and c)."""
+  in_transforms = _swizzle_transforms(config.block_k, config.in_dtype)
+  b_transforms = _swizzle_transforms(config.wg_n, config.in_dtype)
+  specs = [
+    plgpu.BlockSpec(
+      (config.block_m, config.block_k),
+      lambda k: (0, k),
+      transforms=in_transforms,
+    ),
+    plgpu.BlockSpec(
+      (config.block_k, config.block_n),
+      lambda k: (k, 0),
+      transforms=b_transforms,
+    ),
+  ]
+  if has_c:
+    # Index-invariant over K: loaded once per tile, before the first step.
+    specs.append(
+      plgpu.BlockSpec(
+        (config.block_m, config.block_n),
+        lambda k: (0, 0),
+        transforms=_swizzle_transforms(config.wg_n, config.out_dtype),
+      )
+    )
+  return specs
+
+
+def _cta_slices(config: _Config):
+  mi, ni = (lax.axis_index(name) for name in GRID_NAMES)
+  return (
+    pl.ds(mi * config.block_m, config.block_m),
+    pl.ds(ni * config.block_n, config.block_n),
+  )
+
+
+def _software_kernel(config: _Config, epilogue: Epilogue, has_c: bool):
+  out_spec = plgpu.BlockSpec(
+    (config.block_m, config.block_n),
+    lambda k: (0, 0),
+    transforms=_swizzle_transforms(config.block_n, config.out_dtype),
+  )
+  last = config.k_steps - 1
+
+  def kernel(a_ref, b_ref, *refs):
+    *c_ref, o_ref = refs
+    m_slice, n_slice = _cta_slices(config)
+    operands = [a_ref.at[m_slice, :], b_ref.at[:, n_slice]]
+    operands += [c.at[m_slice, n_slice] for c in c_ref]
+
+    def body(indices, a_smem, b_smem, *blocks):
+      *c_smem, o_smem, acc = blocks
+      plgpu.wgmma(acc, a_smem, b_smem)
+      plgpu.wgmma_wait(0)
+
+      @pl.when(indices[0] == last)
+      def _epilogue():
+        c_val = c_smem[0][...].astype(jnp.float32) if c_smem else None
+        o_smem[...] = epilogue(acc[...], c_val).astype(o_smem.dtype)
+
+      return acc
+
+    def context(run):
+      pl.run_scoped(
+        run, plgpu.ACC((config.block_m, config.block_n), jnp.float32)
+      )
+
+    pipeline_lib.pipeline(
+      body,
+      grid=(config.k_steps,),
+      in_specs=_specs(config, has_c),
+      out_specs=[out_spec],
+      max_concurrent_steps=config.max_concurrent_steps,
+      compute_context=context,
+      collective_axes=SOFTWARE_AXIS,
+    )(*operands, o_ref.at[m_slice, n_slice])
+
+  return kernel
+
+
+def _ws_pipeline(config: _Config, has_c: bool, body=None, context=None):
+  return pipeline_lib.warp_specialized_pipeline(
+    body or (lambda *args: args[-1]),
+    grid=(config.k_steps,),
+    in_specs=_specs(config, has_c),
+    max_concurrent_steps=config.max_concurrent_steps,
+    num_compute_wgs=config.num_compute_wgs,
+    compute_context=context or (lambda run: None),
+  )
+
+
+def _ws_scratch(config: _Config, has_c: bool):
+  pipe = _ws_pipeline(config, has_c)
+  operand_types = [
+    jax.ShapeDtypeStruct((config.block_m, config.k), config.in_dtype),
+    jax.ShapeDtypeStruct((config.k, config.block_n), config.in_dtype),
+  ]
+  if has_c:
+    operand_types.append(
+      jax.ShapeDtypeStruct((config.block_m, config.block_n), config.out_dtype)
+    )
+  return dict(
+    pipeline=pipe.scratch_types(*operand_types),
+    out_smem=plgpu.SMEM(
+      (config.num_compute_wgs, config.block_m, config.wg_n),
+      config.out_dtype,
+      transforms=_swizzle_transforms(config.wg_n, config.out_dtype),
+    ),
+  )
+
+
+def _ws_fns(config: _Config, epilogue: Epilogue, has_c: bool):
+  """The compute and memory functions of the warp-specialized matmul."""
+  wg_n = config.wg_n
+
+  def operands(a_ref, b_ref, c_ref):
+    m_slice, n_slice = _cta_slices(config)
+    ops = [a_ref.at[m_slice, :], b_ref.at[:, n_slice]]
+    ops += [c.at[m_slice, n_slice] for c in c_ref]
+    return ops, m_slice, n_slice
+
+  def compute_fn(a_ref, b_ref, *refs):
+    *c_ref, o_ref, scratch, wg = refs
+    ops, m_slice, n_slice = operands(a_ref, b_ref, c_ref)
+    wg_slice = pl.ds(wg * wg_n, wg_n)
+    out_smem = scratch["out_smem"].at[wg]
+
+    def body(indices, a_smem, b_smem, *rest):
+      *c_smem, acc = rest
+      plgpu.wgmma(acc, a_smem, b_smem.at[:, wg_slice])
+      plgpu.wgmma_wait(0)
+
+      @pl.when(indices[0] == config.k_steps - 1)
+      def _epilogue():
+        c_val = (
+          c_smem[0].at[:, wg_slice][...].astype(jnp.float32) if c_smem else None
+        )
+        out_smem[...] = epilogue(acc[...], c_val).astype(out_smem.dtype)
+
+      return acc
+
+    def context(run):
+      def with_acc(acc):
+        run(acc)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+          out_smem, o_ref.at[m_slice, n_slice].at[:, wg_slice]
+        )
+        plgpu.wait_smem_to_gmem(0)
+
+      pl.run_scoped(with_acc, plgpu.ACC((config.block_m, wg_n), jnp.float32))
+
+    _ws_pipeline(config, has_c).compute(
+      *ops, scratch=scratch["pipeline"], body=body, compute_context=context
+    )
+
+  def memory_fn(a_ref, b_ref, *refs):
+    *c_ref, _, scratch = refs
+    ops, _, _ = operands(a_ref, b_ref, c_ref)
+    _ws_pipeline(config, has_c).memory(*ops, scratch=scratch["pipeline"])
+
+  return compute_fn, memory_fn
+
+
+def build(
+  config: _Config,
+  *,
+  epilogue: Epilogue = _default_epilogue,
+  has_c: bool = False,
+  multi_mesh: bool = True,
+  interpret: Any = None,
+  name: str = "matmul",
+) -> Callable[..., jax.Array]:
+  """The ``mpmd_map`` callable of a validated config: ``f(a, b[, c])``."""
+  import mpmd  # The kernels package is imported by mpmd; resolve late.
+
+  grid = (config.m // config.block_m, config.n // config.block_n)
+  out_type = jax.ShapeDtypeStruct((config.m, config.n), config.out_dtype)
+  if config.warp_specialized:
+    compute_fn, memory_fn = _ws_fns(config, epilogue, has_c)
+    return pipeline_lib.warp_specialized_kernel(
+      _ws_pipeline(config, has_c),
+      compute_fn=compute_fn,
+      memory_fn=memory_fn,
+      out_types=out_type,
+      scratch_types=_ws_scratch(config, has_c),
+      grid=grid,
+      grid_names=GRID_NAMES,
+      multi_mesh=multi_mesh,
+      interpret=interpret,
+      name=f"{name}_ws",
+    )
+  mesh = plgpu.Mesh(
+    grid=grid, grid_names=GRID_NAMES, num_threads=1, thread_name=SOFTWARE_AXIS
+  )
+  return mpmd.mpmd_map(
+    [(mesh, _software_kernel(config, epilogue, has_c))],
+    out_types=out_type,
+    interpret=interpret,
+    name=name,
+  )
+
+
+def matmul(
+  a: jax.Array,
+  b: jax.Array,
+  *,
+  block_m: int = 128,
+  block_n: int = 128,
+  block_k: int = 64,
+  max_concurrent_steps: int = 2,
+  warp_specialized: bool = False,
+  num_compute_wgs: int = 2,
+  out_dtype: Any = None,
+  interpret: Any = None,
+  multi_mesh: bool = True,
+) -> jax.Array:
+  """``a @ b`` with TMA, swizzled SMEM and WGMMA, accumulated in f32.
+
+  Args:
+    a: ``(M, K)`` float16 or bfloat16.
+    b: ``(K, N)``, the dtype of ``a``.
+    block_m: rows of an output tile, a multiple of 64, dividing M.
+    block_n: columns of an output tile, dividing N, a multiple of the
+      swizzle atom (64 elements) times the compute warpgroups.
+    block_k: depth of one pipeline step, a multiple of 64, dividing K.
+    max_concurrent_steps: pipeline stages in flight (SMEM slots).
+    warp_specialized: a memory mesh and a compute mesh instead of one mesh.
+    num_compute_wgs: compute warpgroups when ``warp_specialized``; each
+      computes ``block_n // num_compute_wgs`` columns of the tile.
+    out_dtype: float16, bfloat16 or float32; defaults to the input dtype.
+    interpret: None compiles with Mosaic GPU on a GPU and runs the Mosaic GPU
+      simulator on CPU; otherwise passed to ``mpmd_map``.
+    multi_mesh: with ``warp_specialized``, two meshes in one ``mpmd_map``
+      (False: the single-mesh form of the same schedule, one mesh whose
+      threads branch on their index).
+
+  Returns:
+    ``(M, N)`` array of ``out_dtype``.
+
+  Example::
+
+    a = jnp.ones((256, 128), jnp.float16)
+    b = jnp.ones((128, 256), jnp.float16)
+    c = matmul(a, b, warp_specialized=True)  # (256, 256) float16
+  """
+  config = check_config(
+    a,
+    b,
+    block_m=block_m,
+    block_n=block_n,
+    block_k=block_k,
+    max_concurrent_steps=max_concurrent_steps,
+    warp_specialized=warp_specialized,
+    num_compute_wgs=num_compute_wgs,
+    out_dtype=out_dtype,
+  )
+  return build(config, multi_mesh=multi_mesh, interpret=interpret)(a, b)
+
+
+def _demo(warp_specialized: bool):
+  from mpmd.registry import Demo
+
+  # One CTA row of two tiles, two K steps: small enough for the simulator.
+  m, n, k = 128, 256, 128
+  key_a, key_b = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(key_a, (m, k), jnp.float16)
+  b = jax.random.normal(key_b, (k, n), jnp.float16)
+  return Demo(
+    fn=lambda a, b: matmul(a, b, warp_specialized=warp_specialized),
+    args=(a, b),
+    platforms=("cuda", "cpu"),
+  )
+
+
+def _register_demos() -> None:
+  from mpmd.registry import register_demo
+
+  register_demo("gpu_matmul")(lambda: _demo(False))
+  register_demo("gpu_matmul_ws")(lambda: _demo(True))
+
+
+_register_demos()

@@ -1,0 +1,977 @@
+"""Software-pipelined and warp-specialized GPU pipelines for ``mpmd_map``.
+
+A pipeline walks a sequential ``grid`` of steps. At every step the body sees
+one block of each input and output in shared memory (SMEM); the pipeline
+moves blocks between global memory (GMEM) and SMEM with TMA copies so that the
+copies of the next ``max_concurrent_steps - 1`` steps overlap the body.
+
+Two flavours share one contract (block specs, body signature, carry):
+
+* :func:`pipeline` runs inside the function of one GPU mesh. The same
+  warpgroup issues the copies and runs the body (software pipelining).
+* :func:`warp_specialized_pipeline` splits that work across meshes of one
+  ``mpmd_map`` call: a *memory* mesh (one warpgroup) issues the TMA copies into
+  a ring of SMEM slots and waits for slots to be released, while a *compute*
+  mesh (``num_compute_wgs`` warpgroups) waits for the loads, runs the body and
+  releases the slots through "consumed" barriers. That is warp specialization
+  written as what it is, MPMD: two functions on two meshes sharing SMEM and
+  barriers.
+
+Both pipelines support index-invariant operands (loaded once, stored once),
+``delay_release`` on inputs (keep a slot alive for ``delay_release`` more steps,
+e.g. for asynchronous WGMMA) and outputs that are stored only when their block
+changes (consecutive steps with the same output block reuse one SMEM buffer, so
+the body may accumulate into it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jex_core
+
+# Buffers per streamed output: the body fills one while the TMA engine drains
+# the other.
+_OUTPUT_SLOTS = 2
+
+# Registers per thread (H100): a warpgroup may use at most this many, and a
+# warpgroup-sized share of the 64K register file is 512.
+_MAX_REGISTERS = 256
+_REGISTER_FILE_PER_WG = 512
+_REGISTER_GRANULE = 8
+MEMORY_WG_REGISTERS = 40
+
+
+# ---------------------------------------------------------------------------
+# Block specs
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+  """A validated block spec of one pipeline operand."""
+
+  block_shape: tuple[int, ...] | None  # None: the whole ref, never copied.
+  index_map: Callable[..., Any] | None
+  transforms: tuple[Any, ...]
+  delay_release: int
+  invariant: bool  # The block does not depend on the grid indices.
+
+  @property
+  def in_smem(self) -> bool:
+    return self.block_shape is not None
+
+
+def _depends_on_indices(index_map: Callable[..., Any], ndim: int) -> bool:
+  """Whether any block index returned by ``index_map`` uses a grid index."""
+  index_aval = jax.ShapeDtypeStruct((), jnp.int32)
+  jaxpr = jax.make_jaxpr(index_map)(*(index_aval,) * ndim).jaxpr
+  dependent = set(jaxpr.invars)
+
+  def uses(v):
+    return not isinstance(v, jex_core.Literal) and v in dependent
+
+  for eqn in jaxpr.eqns:
+    # Conservative for nested jaxprs: any dependent input taints every output.
+    if any(map(uses, eqn.invars)):
+      dependent.update(eqn.outvars)
+  return any(map(uses, jaxpr.outvars))
+
+
+def _make_operand(where: str, spec: Any, grid: tuple[int, ...]) -> _Operand:
+  if not isinstance(spec, pl.BlockSpec):
+    raise TypeError(
+      f"{where}: expected a pl.BlockSpec or plgpu.BlockSpec, got "
+      f"{type(spec).__name__}"
+    )
+  memory_space = spec.memory_space
+  if memory_space not in (None, plgpu.SMEM, plgpu.GMEM) and (
+    memory_space is not pl.MemorySpace.ANY
+  ):
+    raise ValueError(
+      f"{where}: expected memory_space SMEM (copied block by block) or "
+      f"GMEM (passed through), got {memory_space}"
+    )
+  if spec.pipeline_mode is not None:
+    raise NotImplementedError(
+      f"{where}: pipeline_mode is not supported; use max_concurrent_steps"
+    )
+  if getattr(spec, "collective_axes", ()):
+    raise NotImplementedError(
+      f"{where}: collective_axes (cluster multicast) is not supported"
+    )
+  delay_release = int(getattr(spec, "delay_release", 0))
+  transforms = tuple(getattr(spec, "transforms", ()))
+  if memory_space in (plgpu.GMEM, pl.MemorySpace.ANY):
+    return _Operand(None, None, (), 0, True)
+  if spec.block_shape is None or spec.index_map is None:
+    raise ValueError(
+      f"{where}: expected block_shape and index_map for an SMEM operand, "
+      f"got block_shape={spec.block_shape}, index_map={spec.index_map}"
+    )
+  block_shape = tuple(spec.block_shape)
+  if not all(isinstance(b, int) and b > 0 for b in block_shape):
+    raise ValueError(
+      f"{where}: expected block_shape of positive ints, got {block_shape}"
+    )
+  invariant = not _depends_on_indices(spec.index_map, len(grid))
+  return _Operand(
+    block_shape, spec.index_map, transforms, delay_release, invariant
+  )
+
+
+def _check_grid(where: str, grid: Any) -> tuple[int, ...]:
+  if isinstance(grid, int):
+    grid = (grid,)
+  if not isinstance(grid, (tuple, list)) or not grid:
+    raise TypeError(f"{where}: expected 'grid' as a tuple of ints, got {grid}")
+  if not all(isinstance(g, int) and g > 0 for g in grid):
+    raise ValueError(
+      f"{where}: expected 'grid' of positive ints, got {tuple(grid)}"
+    )
+  return tuple(grid)
+
+
+def _check_steps(where: str, max_concurrent_steps: Any) -> int:
+  if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
+    raise ValueError(
+      f"{where}: expected 'max_concurrent_steps' >= 1, got "
+      f"{max_concurrent_steps}"
+    )
+  return max_concurrent_steps
+
+
+def _check_refs(
+  where: str, operands: Sequence[_Operand], refs: Sequence[Any], kind: str
+) -> None:
+  if len(operands) != len(refs):
+    raise ValueError(
+      f"{where}: expected {len(operands)} {kind} refs (one per spec), got "
+      f"{len(refs)}"
+    )
+  for i, (op, ref) in enumerate(zip(operands, refs, strict=True)):
+    if op.block_shape is None:
+      continue
+    shape = tuple(ref.shape)
+    if len(shape) != len(op.block_shape) or any(
+      s % b for s, b in zip(shape, op.block_shape, strict=True)
+    ):
+      raise ValueError(
+        f"{where}: {kind}[{i}] expected a shape divisible by its "
+        f"block_shape {op.block_shape}, got {shape}"
+      )
+
+
+# ---------------------------------------------------------------------------
+# Shared schedule pieces
+# ---------------------------------------------------------------------------
+
+
+def _unravel(step: jax.Array, grid: tuple[int, ...]) -> tuple[jax.Array, ...]:
+  """Grid indices (row-major, int32) of the linear ``step``."""
+  indices = []
+  for size in reversed(grid):
+    indices.append(lax.rem(step, jnp.int32(size)))
+    step = lax.div(step, jnp.int32(size))
+  return tuple(reversed(indices))
+
+
+def _block_indices(op: _Operand, indices: tuple[jax.Array, ...]):
+  out = op.index_map(*indices)
+  out = out if isinstance(out, (tuple, list)) else (out,)
+  if len(out) != len(op.block_shape):
+    raise ValueError(
+      f"pipeline: expected index_map to return {len(op.block_shape)} block "
+      f"indices (one per block dim), got {len(out)}"
+    )
+  return tuple(jnp.asarray(i, jnp.int32) for i in out)
+
+
+def _gmem_block(op: _Operand, gmem_ref, indices):
+  slices = tuple(
+    pl.ds(i * b, b)
+    for i, b in zip(_block_indices(op, indices), op.block_shape, strict=True)
+  )
+  return gmem_ref.at[slices]
+
+
+def _differs(a: Sequence[jax.Array], b: Sequence[jax.Array]) -> jax.Array:
+  return functools.reduce(
+    jnp.logical_or, (x != y for x, y in zip(a, b, strict=True))
+  )
+
+
+def _smem(op: _Operand, slots: int, dtype) -> Any:
+  return plgpu.SMEM((slots, *op.block_shape), dtype, transforms=op.transforms)
+
+
+class _Outputs:
+  """Stores output blocks when their block index changes.
+
+  A run is a maximal range of consecutive steps with the same output block.
+  All steps of a run see the same SMEM buffer (so the body may accumulate);
+  the block is stored once, after the last step of its run. Runs alternate
+  between two buffers so that a store overlaps the next run.
+  """
+
+  def __init__(self, operands, gmem_refs, smem_refs, grid, num_steps):
+    self.operands = operands
+    self.gmem_refs = gmem_refs
+    self.smem_refs = smem_refs
+    self.grid = grid
+    self.num_steps = num_steps
+    self.streamed = [op.in_smem and not op.invariant for op in self.operands]
+
+  def init_runs(self):
+    return tuple(jnp.int32(0) for _ in self.operands)
+
+  def body_refs(self, runs):
+    refs = []
+    for op, gmem, smem, run in zip(
+      self.operands, self.gmem_refs, self.smem_refs, runs, strict=True
+    ):
+      if not op.in_smem:
+        refs.append(gmem)
+      elif op.invariant:
+        refs.append(smem.at[0])
+      else:
+        refs.append(smem.at[lax.rem(run, jnp.int32(_OUTPUT_SLOTS))])
+    return refs
+
+  def before_body(self):
+    if any(self.streamed):
+      # The buffer this run writes was stored two runs ago: every store but
+      # the newest must have finished reading SMEM.
+      plgpu.wait_smem_to_gmem(_OUTPUT_SLOTS - 1, wait_read_only=True)
+
+  def after_body(self, step, indices, runs):
+    """Stores the blocks whose run ends at ``step``; returns the new runs."""
+    if not any(self.streamed):
+      return runs
+    plgpu.commit_smem()
+    last = jnp.int32(self.num_steps - 1)
+    next_indices = _unravel(jnp.minimum(step + 1, last), self.grid)
+    new_runs = []
+    for op, gmem, smem, run, streamed in zip(
+      self.operands,
+      self.gmem_refs,
+      self.smem_refs,
+      runs,
+      self.streamed,
+      strict=True,
+    ):
+      if not streamed:
+        new_runs.append(run)
+        continue
+      ends = jnp.logical_or(
+        step == last,
+        _differs(_block_indices(op, indices), _block_indices(op, next_indices)),
+      )
+      slot = lax.rem(run, jnp.int32(_OUTPUT_SLOTS))
+
+      @pl.when(ends)
+      def _store(op=op, gmem=gmem, smem=smem, slot=slot):
+        plgpu.copy_smem_to_gmem(smem.at[slot], _gmem_block(op, gmem, indices))
+        plgpu.commit_smem_to_gmem_group()
+
+      new_runs.append(run + ends.astype(jnp.int32))
+    return tuple(new_runs)
+
+  def finish(self):
+    """Stores the index-invariant outputs and waits for every store."""
+    invariant = [
+      (op, gmem, smem)
+      for op, gmem, smem in zip(
+        self.operands, self.gmem_refs, self.smem_refs, strict=True
+      )
+      if op.in_smem and op.invariant
+    ]
+    if invariant:
+      plgpu.commit_smem()
+      zeros = (jnp.int32(0),) * len(self.grid)
+      for op, gmem, smem in invariant:
+        plgpu.copy_smem_to_gmem(smem.at[0], _gmem_block(op, gmem, zeros))
+      plgpu.commit_smem_to_gmem_group()
+    if invariant or any(self.streamed):
+      plgpu.wait_smem_to_gmem(0)
+
+
+# ---------------------------------------------------------------------------
+# Software pipeline (one mesh)
+# ---------------------------------------------------------------------------
+
+
+def pipeline(
+  body: Callable[..., Any],
+  *,
+  grid: Sequence[int],
+  in_specs: Sequence[pl.BlockSpec] = (),
+  out_specs: Sequence[pl.BlockSpec] = (),
+  max_concurrent_steps: int = 2,
+  init_carry: Any = None,
+  compute_context: Callable[..., Any] | None = None,
+  collective_axes: str | tuple[str, ...] = (),
+) -> Callable[..., Any]:
+  """Builds a software pipeline to call inside one GPU mesh's function.
+
+  At step ``s`` of the row-major walk over ``grid`` the body runs on SMEM
+  blocks while TMA copies for steps ``s + 1 .. s + max_concurrent_steps - 1``
+  are in flight. Inputs whose ``index_map`` ignores the grid are loaded once;
+  outputs are stored when their block index changes (and index-invariant
+  outputs once, after the last step).
+
+  Args:
+    body: ``body(indices, *in_blocks, *out_blocks[, carry])``; ``indices`` is
+      a tuple of int32 scalars, blocks are SMEM refs of ``block_shape``. With
+      ``init_carry`` it returns the next carry, otherwise None.
+    grid: sequential grid, positive ints, walked in row-major order.
+    in_specs: one ``pl.BlockSpec`` / ``plgpu.BlockSpec`` per input:
+      ``block_shape`` (ints dividing the operand's shape) and ``index_map``
+      from grid indices to block indices; ``plgpu.BlockSpec`` may add SMEM
+      ``transforms`` (tiling, swizzle) and ``delay_release``. A spec with
+      ``memory_space=plgpu.GMEM`` passes the whole GMEM ref to the body.
+    out_specs: like ``in_specs``, for outputs.
+    max_concurrent_steps: SMEM slots per streamed input (steps in flight);
+      capped at the number of steps.
+    init_carry: optional pytree carried through the body.
+    compute_context: instead of ``init_carry``, ``compute_context(run)`` is
+      called inside the pipeline's SMEM scope; ``run(init_carry)`` runs the
+      steps and returns the final carry. Use it to allocate a WGMMA
+      accumulator (``pl.run_scoped(..., plgpu.ACC(...))``) around the steps
+      and to run an epilogue after them.
+    collective_axes: the mesh's thread axis, if it has one (the simulator and
+      Mosaic GPU allocate SMEM per block, collectively over the threads).
+
+  Returns:
+    ``run(*in_gmem_refs, *out_gmem_refs)``, returning the final carry (or
+    None). Call it from a mesh function with one thread per block.
+
+  Example::
+
+    def kernel(x_gmem, o_gmem):
+      def body(indices, x, o):
+        o[...] = x[...] + 1.0
+      spec = pl.BlockSpec((128, 64), lambda i: (0, i))
+      pipeline(body, grid=(4,), in_specs=[spec], out_specs=[spec])(
+          x_gmem, o_gmem)
+  """
+  where = "pipeline"
+  grid = _check_grid(where, grid)
+  max_concurrent_steps = _check_steps(where, max_concurrent_steps)
+  ins = [
+    _make_operand(f"{where}: in_specs[{i}]", s, grid)
+    for i, s in enumerate(in_specs)
+  ]
+  outs = [
+    _make_operand(f"{where}: out_specs[{i}]", s, grid)
+    for i, s in enumerate(out_specs)
+  ]
+  for i, op in enumerate(ins):
+    if op.delay_release >= max_concurrent_steps:
+      raise ValueError(
+        f"{where}: in_specs[{i}] expected delay_release < "
+        f"max_concurrent_steps={max_concurrent_steps}, got "
+        f"{op.delay_release}"
+      )
+  if init_carry is not None and compute_context is not None:
+    raise ValueError(
+      f"{where}: expected init_carry or compute_context, got both"
+    )
+  has_carry = init_carry is not None or compute_context is not None
+  num_steps = math.prod(grid)
+  slots = min(max_concurrent_steps, num_steps)
+  streamed = [op.in_smem and not op.invariant for op in ins]
+  once = [op.in_smem and op.invariant for op in ins]
+
+  def run(*gmem_refs):
+    in_refs, out_refs = gmem_refs[: len(ins)], gmem_refs[len(ins) :]
+    _check_refs(where, ins, in_refs, "input")
+    _check_refs(where, outs, out_refs, "output")
+    scratch = dict(
+      in_smem=[
+        _smem(op, slots if s else 1, ref.dtype) if op.in_smem else None
+        for op, ref, s in zip(ins, in_refs, streamed, strict=True)
+      ],
+      out_smem=[
+        _smem(op, 1 if op.invariant else _OUTPUT_SLOTS, ref.dtype)
+        if op.in_smem
+        else None
+        for op, ref in zip(outs, out_refs, strict=True)
+      ],
+      loaded=plgpu.Barrier(num_arrivals=sum(streamed), num_barriers=slots)
+      if any(streamed)
+      else None,
+      loaded_once=plgpu.Barrier(num_arrivals=sum(once)) if any(once) else None,
+    )
+    return pl.run_scoped(
+      lambda **refs: _run(in_refs, out_refs, **refs),
+      **scratch,
+      collective_axes=collective_axes,
+    )
+
+  def _run(in_gmem, out_gmem, *, in_smem, out_smem, loaded, loaded_once):
+    def fetch(step, delay=None):
+      """Starts the copies of ``step``'s streamed blocks (one delay level)."""
+      indices = _unravel(step, grid)
+      slot = lax.rem(step, jnp.int32(slots))
+      for op, gmem, smem, s in zip(
+        ins, in_gmem, in_smem, streamed, strict=True
+      ):
+        if s and (delay is None or op.delay_release == delay):
+          plgpu.copy_gmem_to_smem(
+            _gmem_block(op, gmem, indices), smem.at[slot], loaded.at[slot]
+          )
+
+    zeros = (jnp.int32(0),) * len(grid)
+    for op, gmem, smem, o in zip(ins, in_gmem, in_smem, once, strict=True):
+      if o:
+        plgpu.copy_gmem_to_smem(
+          _gmem_block(op, gmem, zeros), smem.at[0], loaded_once
+        )
+    if any(streamed):
+      for step in range(slots):
+        fetch(jnp.int32(step))
+    if loaded_once is not None:
+      plgpu.barrier_wait(loaded_once)
+
+    outputs = _Outputs(outs, out_gmem, out_smem, grid, num_steps)
+    delays = sorted(
+      {op.delay_release for op, s in zip(ins, streamed, strict=True) if s}
+    )
+
+    def step_fn(step, carry):
+      runs, body_carry = carry
+      indices = _unravel(step, grid)
+      slot = lax.rem(step, jnp.int32(slots))
+      if loaded is not None:
+        plgpu.barrier_wait(loaded.at[slot])
+      outputs.before_body()
+      blocks = []
+      for op, gmem, smem, s in zip(
+        ins, in_gmem, in_smem, streamed, strict=True
+      ):
+        if not op.in_smem:
+          blocks.append(gmem)
+        else:
+          blocks.append(smem.at[slot if s else 0])
+      blocks += outputs.body_refs(runs)
+      if has_carry:
+        new_carry = body(indices, *blocks, body_carry)
+      else:
+        body(indices, *blocks)
+        new_carry = None
+      runs = outputs.after_body(step, indices, runs)
+      # A slot is refilled ``delay`` steps after the body that last read it.
+      for delay in delays:
+        refill = step - delay + slots
+
+        @pl.when(jnp.logical_and(step >= delay, refill < num_steps))
+        def _refill(refill=refill, delay=delay):
+          fetch(refill, delay)
+
+      return runs, new_carry
+
+    def loop(carry=None):
+      _, final = lax.fori_loop(
+        0, num_steps, step_fn, (outputs.init_runs(), carry)
+      )
+      return final
+
+    if compute_context is not None:
+      final_carry = _run_once(where, compute_context, loop)
+    else:
+      final_carry = loop(init_carry)
+    outputs.finish()
+    return final_carry
+
+  return run
+
+
+def _run_once(where: str, compute_context, loop) -> None:
+  """Calls ``compute_context(run)``, checking that it runs ``loop`` once."""
+  calls = []
+
+  def run(init_carry):
+    if calls:
+      raise ValueError(
+        f"{where}: compute_context must run the pipeline exactly once, got "
+        "a second call"
+      )
+    calls.append(True)
+    return loop(init_carry)
+
+  compute_context(run)
+  if not calls:
+    raise ValueError(
+      f"{where}: compute_context must run the pipeline exactly once, got no "
+      "call"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Warp-specialized pipeline (a memory mesh and a compute mesh)
+# ---------------------------------------------------------------------------
+
+
+def compute_registers(num_compute_wgs: int, memory_registers: int) -> int:
+  """Registers per thread for each compute warpgroup.
+
+  The register file holds ``_REGISTER_FILE_PER_WG`` registers per thread of
+  one warpgroup; the memory warpgroup keeps ``memory_registers`` and the
+  compute warpgroups split the rest, capped at the per-thread maximum and
+  rounded down to the allocation granule.
+  """
+  share = (_REGISTER_FILE_PER_WG - memory_registers) // num_compute_wgs
+  share = min(_MAX_REGISTERS, share)
+  return share // _REGISTER_GRANULE * _REGISTER_GRANULE
+
+
+@dataclasses.dataclass(frozen=True)
+class WarpSpecializedPipeline:
+  """A pipeline split between a memory mesh and a compute mesh.
+
+  Build it with :func:`warp_specialized_pipeline`. Its three parts go into one
+  ``mpmd_map`` call (or :func:`warp_specialized_kernel` assembles it):
+
+  * :meth:`scratch_types`: the SMEM rings and barriers, passed in
+    ``scratch_types`` so that both meshes share them;
+  * :meth:`memory`: called by the memory mesh's function (one warpgroup);
+  * :meth:`compute`: called by the compute mesh's function (every compute
+    warpgroup).
+  """
+
+  body: Callable[..., Any]
+  grid: tuple[int, ...]
+  ins: tuple[_Operand, ...]
+  outs: tuple[_Operand, ...]
+  slots: int
+  delay_release: int
+  num_compute_wgs: int
+  manual_consumed_barriers: bool
+  compute_context: Callable[..., Any] | None
+  memory_registers: int | None
+
+  @property
+  def num_steps(self) -> int:
+    return math.prod(self.grid)
+
+  @property
+  def _streamed(self) -> list[bool]:
+    return [op.in_smem and not op.invariant for op in self.ins]
+
+  @property
+  def _once(self) -> list[bool]:
+    return [op.in_smem and op.invariant for op in self.ins]
+
+  def scratch_types(self, *gmem_types: Any) -> dict[str, Any]:
+    """SMEM and barrier types for ``mpmd_map(..., scratch_types=...)``.
+
+    Args:
+      *gmem_types: the GMEM operands the pipeline will be called with (after
+        any slicing), as anything with ``shape`` and ``dtype``.
+
+    Returns:
+      A dict pytree of ``plgpu.SMEM`` / ``plgpu.Barrier`` types (None where a
+      buffer is not needed): pass it in ``scratch_types`` and hand the refs
+      that the kernel function receives to :meth:`memory` and
+      :meth:`compute` as ``scratch``.
+    """
+    where = "warp_specialized_pipeline.scratch_types"
+    in_types = gmem_types[: len(self.ins)]
+    out_types = gmem_types[len(self.ins) :]
+    _check_refs(where, self.ins, in_types, "input")
+    _check_refs(where, self.outs, out_types, "output")
+    streamed, once = self._streamed, self._once
+    num_consumed = len(self.ins) if self.manual_consumed_barriers else 1
+    return dict(
+      in_smem=[
+        _smem(op, self.slots if s else 1, t.dtype) if op.in_smem else None
+        for op, t, s in zip(self.ins, in_types, streamed, strict=True)
+      ],
+      out_smem=[
+        _smem(op, 1 if op.invariant else _OUTPUT_SLOTS, t.dtype)
+        if op.in_smem
+        else None
+        for op, t in zip(self.outs, out_types, strict=True)
+      ],
+      loaded=plgpu.Barrier(num_arrivals=sum(streamed), num_barriers=self.slots)
+      if any(streamed)
+      else None,
+      loaded_once=plgpu.Barrier(num_arrivals=sum(once)) if any(once) else None,
+      consumed=[
+        plgpu.Barrier(
+          num_arrivals=self.num_compute_wgs, num_barriers=self.slots
+        )
+        for _ in range(num_consumed)
+      ]
+      if any(streamed)
+      else [],
+    )
+
+  def _fetch(self, step, in_gmem, scratch, only=None):
+    indices = _unravel(step, self.grid)
+    slot = lax.rem(step, jnp.int32(self.slots))
+    for i, (op, gmem, smem, s) in enumerate(
+      zip(self.ins, in_gmem, scratch["in_smem"], self._streamed, strict=True)
+    ):
+      if s and (only is None or only == i):
+        plgpu.copy_gmem_to_smem(
+          _gmem_block(op, gmem, indices),
+          smem.at[slot],
+          scratch["loaded"].at[slot],
+        )
+
+  def memory(self, *gmem_refs: Any, scratch: dict[str, Any]) -> None:
+    """The memory warpgroup's part: every GMEM->SMEM copy.
+
+    Args:
+      *gmem_refs: the GMEM input and output refs, as for :func:`pipeline`.
+      scratch: the refs of :meth:`scratch_types`.
+    """
+    if self.memory_registers is not None:
+      plgpu.set_max_registers(self.memory_registers, action="decrease")
+    in_gmem = gmem_refs[: len(self.ins)]
+    _check_refs("warp_specialized_pipeline", self.ins, in_gmem, "input")
+    zeros = (jnp.int32(0),) * len(self.grid)
+    for op, gmem, smem, o in zip(
+      self.ins, in_gmem, scratch["in_smem"], self._once, strict=True
+    ):
+      if o:
+        plgpu.copy_gmem_to_smem(
+          _gmem_block(op, gmem, zeros), smem.at[0], scratch["loaded_once"]
+        )
+    if not any(self._streamed):
+      return
+    consumed = scratch["consumed"]
+    for step in range(self.slots):
+      self._fetch(jnp.int32(step), in_gmem, scratch)
+
+    def refill(step, _):
+      # Step ``step`` released its slot: load step ``step + slots`` into it.
+      slot = lax.rem(step, jnp.int32(self.slots))
+      if self.manual_consumed_barriers:
+        for i, barrier in enumerate(consumed):
+          if self._streamed[i]:
+            plgpu.barrier_wait(barrier.at[slot])
+            self._fetch(step + self.slots, in_gmem, scratch, only=i)
+          else:
+            plgpu.barrier_wait(barrier.at[slot])
+      else:
+        plgpu.barrier_wait(consumed[0].at[slot])
+        self._fetch(step + self.slots, in_gmem, scratch)
+
+    lax.fori_loop(0, self.num_steps - self.slots, refill, None)
+
+    # Observe the remaining releases so that no barrier is left mid-phase.
+    @pl.loop(self.num_steps - self.slots, self.num_steps - self.delay_release)
+    def _drain(step):
+      slot = lax.rem(step, jnp.int32(self.slots))
+      for barrier in consumed:
+        plgpu.barrier_wait(barrier.at[slot])
+
+  def compute(
+    self,
+    *gmem_refs: Any,
+    scratch: dict[str, Any],
+    body: Callable[..., Any] | None = None,
+    compute_context: Callable[..., Any] | None = None,
+  ) -> None:
+    """A compute warpgroup's part: wait for blocks, run the body, release.
+
+    Args:
+      *gmem_refs: the GMEM input and output refs, as for :func:`pipeline`.
+      scratch: the refs of :meth:`scratch_types`.
+      body: replaces the pipeline's body for this call, typically a closure
+        over this warpgroup's index (the allocations do not depend on it).
+      compute_context: replaces the pipeline's compute context likewise.
+    """
+    if body is not None or compute_context is not None:
+      pipe = dataclasses.replace(
+        self,
+        body=body or self.body,
+        compute_context=compute_context or self.compute_context,
+      )
+      return pipe.compute(*gmem_refs, scratch=scratch)
+    if self.memory_registers is not None:
+      plgpu.set_max_registers(
+        compute_registers(self.num_compute_wgs, self.memory_registers),
+        action="increase",
+      )
+    in_gmem = gmem_refs[: len(self.ins)]
+    out_gmem = gmem_refs[len(self.ins) :]
+    where = "warp_specialized_pipeline"
+    _check_refs(where, self.ins, in_gmem, "input")
+    _check_refs(where, self.outs, out_gmem, "output")
+    streamed = self._streamed
+    if scratch["loaded_once"] is not None:
+      plgpu.barrier_wait(scratch["loaded_once"])
+    outputs = _Outputs(
+      self.outs, out_gmem, scratch["out_smem"], self.grid, self.num_steps
+    )
+    has_carry = self.compute_context is not None
+    consumed = scratch["consumed"]
+
+    def step_fn(step, carry):
+      runs, body_carry = carry
+      indices = _unravel(step, self.grid)
+      slot = lax.rem(step, jnp.int32(self.slots))
+      if any(streamed):
+        plgpu.barrier_wait(scratch["loaded"].at[slot])
+      outputs.before_body()
+      blocks = []
+      for op, gmem, smem, s in zip(
+        self.ins, in_gmem, scratch["in_smem"], streamed, strict=True
+      ):
+        blocks.append(smem.at[slot if s else 0] if op.in_smem else gmem)
+      blocks += outputs.body_refs(runs)
+      if self.manual_consumed_barriers:
+        blocks += [barrier.at[slot] for barrier in consumed]
+      if has_carry:
+        new_carry = self.body(indices, *blocks, body_carry)
+      else:
+        self.body(indices, *blocks)
+        new_carry = None
+      if any(streamed) and not self.manual_consumed_barriers:
+        release = lax.rem(step - self.delay_release, jnp.int32(self.slots))
+
+        @pl.when(step >= self.delay_release)
+        def _release():
+          plgpu.barrier_arrive(consumed[0].at[release])
+
+      return outputs.after_body(step, indices, runs), new_carry
+
+    def loop(carry=None):
+      _, final = lax.fori_loop(
+        0, self.num_steps, step_fn, (outputs.init_runs(), carry)
+      )
+      return final
+
+    if has_carry:
+      _run_once("warp_specialized_pipeline", self.compute_context, loop)
+    else:
+      loop()
+    outputs.finish()
+
+
+def warp_specialized_pipeline(
+  body: Callable[..., Any],
+  *,
+  grid: Sequence[int],
+  in_specs: Sequence[pl.BlockSpec] = (),
+  out_specs: Sequence[pl.BlockSpec] = (),
+  max_concurrent_steps: int = 2,
+  num_compute_wgs: int = 1,
+  manual_consumed_barriers: bool = False,
+  compute_context: Callable[..., Any] | None = None,
+  memory_registers: int | None = MEMORY_WG_REGISTERS,
+) -> WarpSpecializedPipeline:
+  """Builds a pipeline whose copies and compute run on different meshes.
+
+  The memory mesh (one warpgroup) keeps ``max_concurrent_steps`` steps of
+  input blocks in flight in a ring of SMEM slots. Each slot has a "loaded"
+  barrier (the TMA copies arrive on it) and a "consumed" barrier (every
+  compute warpgroup arrives on it when its body no longer reads the slot).
+  The memory warpgroup refills a slot after its consumed barrier completes;
+  compute warpgroups wait on the loaded barrier before their body.
+
+  Args:
+    body: ``body(indices, *in_blocks, *out_blocks[, *consumed][, carry])``.
+      ``consumed`` (one barrier per input, for this step's slot) is passed
+      only with ``manual_consumed_barriers``; the body must then arrive on
+      each of them exactly once per step. ``carry`` is passed (and the next
+      carry returned) only with ``compute_context``.
+    grid: sequential grid, positive ints, walked in row-major order.
+    in_specs: input block specs, as for :func:`pipeline`. Every streamed
+      input must use the same ``delay_release``.
+    out_specs: output block specs; SMEM outputs need ``num_compute_wgs=1``
+      (the compute warpgroup stores them when their block changes).
+    max_concurrent_steps: SMEM slots per streamed input.
+    num_compute_wgs: warpgroups in the compute mesh; each runs the body on
+      every step (it picks its share of the block with its axis index).
+    manual_consumed_barriers: the body releases slots itself (e.g. after an
+      asynchronous WGMMA that reads them has finished).
+    compute_context: ``compute_context(run)`` runs only on compute
+      warpgroups; ``run(init_carry)`` runs the pipeline and returns the final
+      carry, so the context can set up an accumulator and an epilogue.
+    memory_registers: registers per thread left to the memory warpgroup (the
+      compute warpgroups take the rest); None leaves registers alone.
+
+  Returns:
+    A :class:`WarpSpecializedPipeline`.
+
+  Example::
+
+    pipe = warp_specialized_pipeline(
+        body, grid=(k // 64,),
+        in_specs=[plgpu.BlockSpec((128, 64), lambda k: (0, k))])
+    call = warp_specialized_kernel(
+        pipe, out_types=..., scratch_types=pipe.scratch_types(x_type),
+        compute_fn=lambda x, o, s, wg: pipe.compute(x, scratch=s),
+        memory_fn=lambda x, o, s: pipe.memory(x, scratch=s))
+  """
+  where = "warp_specialized_pipeline"
+  grid = _check_grid(where, grid)
+  max_concurrent_steps = _check_steps(where, max_concurrent_steps)
+  if not isinstance(num_compute_wgs, int) or num_compute_wgs < 1:
+    raise ValueError(
+      f"{where}: expected 'num_compute_wgs' >= 1, got {num_compute_wgs}"
+    )
+  ins = tuple(
+    _make_operand(f"{where}: in_specs[{i}]", s, grid)
+    for i, s in enumerate(in_specs)
+  )
+  outs = tuple(
+    _make_operand(f"{where}: out_specs[{i}]", s, grid)
+    for i, s in enumerate(out_specs)
+  )
+  delays = {op.delay_release for op in ins if op.in_smem and not op.invariant}
+  if len(delays) > 1:
+    raise NotImplementedError(
+      f"{where}: expected one delay_release for all streamed inputs, got "
+      f"{sorted(delays)}"
+    )
+  delay_release = delays.pop() if delays else 0
+  if delay_release >= max_concurrent_steps:
+    raise ValueError(
+      f"{where}: expected delay_release < max_concurrent_steps="
+      f"{max_concurrent_steps}, got {delay_release}"
+    )
+  if manual_consumed_barriers and delay_release:
+    raise NotImplementedError(
+      f"{where}: manual_consumed_barriers with delay_release="
+      f"{delay_release}; arrive on the barriers later in the body instead"
+    )
+  if num_compute_wgs > 1 and any(op.in_smem for op in outs):
+    raise NotImplementedError(
+      f"{where}: SMEM outputs need num_compute_wgs=1, got "
+      f"{num_compute_wgs}; write outputs from compute_context instead"
+    )
+  num_steps = math.prod(grid)
+  return WarpSpecializedPipeline(
+    body=body,
+    grid=grid,
+    ins=ins,
+    outs=outs,
+    slots=min(max_concurrent_steps, num_steps),
+    delay_release=delay_release,
+    num_compute_wgs=num_compute_wgs,
+    manual_consumed_barriers=manual_consumed_barriers,
+    compute_context=compute_context,
+    memory_registers=memory_registers,
+  )
+
+
+# ---------------------------------------------------------------------------
+# Assembling the mpmd_map call
+# ---------------------------------------------------------------------------
+
+COMPUTE_AXIS = "compute"
+MEMORY_AXIS = "memory"
+# Thread axis of the single-mesh form (compute warpgroups first, memory last).
+SINGLE_MESH_AXIS = "wg"
+
+
+def warp_specialized_kernel(
+  pipe: WarpSpecializedPipeline,
+  *,
+  compute_fn: Callable[..., None],
+  memory_fn: Callable[..., None],
+  out_types: Any,
+  scratch_types: Any,
+  grid: Sequence[int] = (),
+  grid_names: Sequence[str] = (),
+  multi_mesh: bool = True,
+  compiler_params: Any = None,
+  interpret: Any = None,
+  name: str | None = None,
+) -> Callable[..., Any]:
+  """One ``mpmd_map`` call: a compute mesh and a memory mesh.
+
+  ``compute_fn(*in_refs, *out_refs, scratch, wg_index)`` runs on each of the
+  ``pipe.num_compute_wgs`` warpgroups of the compute mesh (thread axis
+  ``COMPUTE_AXIS``); ``memory_fn(*in_refs, *out_refs, scratch)`` runs on the
+  single warpgroup of the memory mesh (thread axis ``MEMORY_AXIS``).
+  ``scratch`` is the pytree of ``scratch_types`` (which must include the
+  pipeline's own :meth:`WarpSpecializedPipeline.scratch_types`), shared by
+  both meshes. Both meshes have the CTA ``grid`` with ``grid_names``.
+
+  With ``multi_mesh=False`` the same functions run as one mesh of
+  ``num_compute_wgs + 1`` threads that branches on its thread index, with the
+  scratch allocated collectively in the kernel: the schedule is identical.
+
+  Returns:
+    The ``mpmd_map`` callable, taking the input arrays.
+  """
+  import mpmd  # The kernels package is imported by mpmd; resolve late.
+
+  grid, grid_names = tuple(grid), tuple(grid_names)
+  if len(grid) != len(grid_names):
+    raise ValueError(
+      "warp_specialized_kernel: expected one grid_names entry per grid "
+      f"dim, got grid={grid} and grid_names={grid_names}"
+    )
+  num_compute = pipe.num_compute_wgs
+  if multi_mesh:
+    compute_mesh = plgpu.Mesh(
+      grid=grid,
+      grid_names=grid_names,
+      num_threads=num_compute,
+      thread_name=COMPUTE_AXIS,
+    )
+    memory_mesh = plgpu.Mesh(
+      grid=grid, grid_names=grid_names, num_threads=1, thread_name=MEMORY_AXIS
+    )
+
+    def compute_kernel(*refs):
+      *refs, scratch = refs
+      compute_fn(*refs, scratch, lax.axis_index(COMPUTE_AXIS))
+
+    def memory_kernel(*refs):
+      *refs, scratch = refs
+      memory_fn(*refs, scratch)
+
+    return mpmd.mpmd_map(
+      [(compute_mesh, compute_kernel), (memory_mesh, memory_kernel)],
+      out_types=out_types,
+      scratch_types=(scratch_types,),
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name=name,
+    )
+
+  mesh = plgpu.Mesh(
+    grid=grid,
+    grid_names=grid_names,
+    num_threads=num_compute + 1,
+    thread_name=SINGLE_MESH_AXIS,
+  )
+
+  def kernel(*refs):
+    def scoped(scratch):
+      wg = lax.axis_index(SINGLE_MESH_AXIS)
+      lax.cond(
+        wg < num_compute,
+        lambda: compute_fn(*refs, scratch, wg),
+        lambda: memory_fn(*refs, scratch),
+      )
+
+    pl.run_scoped(
+      scoped, scratch=scratch_types, collective_axes=SINGLE_MESH_AXIS
+    )
+
+  return mpmd.mpmd_map(
+    [(mesh, kernel)],
+    out_types=out_types,
+    compiler_params=compiler_params,
+    interpret=interpret,
+    name=name,
+  )
