@@ -31,28 +31,22 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
       **_buffers(len(in_nodes), params, programs[0]),
     )
     return mlir.lower_fun(run, multiple_results=True)(ctx, *in_nodes)
+  ranges = None
   if len(meshes) > 1:
     from mpmd.lowering import merge
 
-    mesh, jaxpr, params = merge.merge_for_simulator(len(in_nodes), params, path)
+    mesh, jaxpr, params, ranges = merge.merge_for_simulator(
+        len(in_nodes), params, path
+    )
   else:
     [mesh], [jaxpr] = meshes, jaxprs
   if path.kind == paths.TPU_SIMULATOR:
-    from mpmd.lowering import tpu_simulator
-
-    return tpu_simulator.lower(
-      ctx,
-      *in_nodes,
-      mesh=mesh,
-      jaxpr=jaxpr,
-      interpret=path.params,
-      params=params,
-    )
-  return pallas_call._pallas_call_lowering(
-    ctx,
-    *in_nodes,
-    interpret=path.params,
-    **common.pallas_params(mesh, jaxpr, ctx, params),
+    from mpmd.lowering import tpu_simulator as simulator
+  else:
+    from mpmd.lowering import gpu_simulator as simulator
+  return simulator.lower(
+      ctx, *in_nodes, mesh=mesh, jaxpr=jaxpr, interpret=path.params,
+      params=params, ranges=ranges,
   )
 
 

@@ -10,11 +10,14 @@ Two traps of that simulator on jax 0.10.2 are worked around here, narrowly:
    caller never sees.
 """
 
+import functools
 from typing import Any
 
 import jax
 
 from mpmd._jax import (
+  callback,
+  source_info_util,
   core,
   mlir,
   pallas_call,
@@ -24,7 +27,7 @@ from mpmd._jax import (
   tree_util,
   util,
 )
-from mpmd.lowering import common, jaxpr_util
+from mpmd.lowering import common, jaxpr_util, watchdog
 from mpmd.primitives import mpmd_map as prim
 
 
@@ -55,15 +58,78 @@ def _is_hbm(aval) -> bool:
   return space in (pallas_core.MemorySpace.ANY, tpu().core.MemorySpace.HBM)
 
 
+class RaceError(RuntimeError):
+  """The simulator's race detector saw two programs race on a buffer."""
+
+
+@functools.cache
+def _install_wait_hook() -> None:
+  """Records every simulated semaphore wait for the deadlock watchdog."""
+  semaphore = tpu().simulator_memory.Semaphore
+  original = semaphore.wait
+
+  @functools.wraps(original)
+  def wait(self, value, global_core_id, *, has_tasks=False, logging_info=None):
+    memory = self.shared_memory
+    device, core = divmod(int(global_core_id), memory.num_cores_per_device)
+    where = ""
+    if logging_info is not None and logging_info.source_info is not None:
+      where = source_info_util.summarize(logging_info.source_info)
+    kind = "DMA semaphore" if has_tasks else "semaphore"
+
+    def abort(message):
+      memory.set_failed(
+          watchdog.DeadlockError(message), device, core, top_level=False
+      )
+
+    with watchdog.waiting(
+        f"device {device} {watchdog.describe_program(core)}",
+        f"on a {kind} for {value} (it holds "
+        f"{int(self.count_by_core[global_core_id])})",
+        where, abort,
+    ):
+      return original(
+          self, value, global_core_id, has_tasks=has_tasks,
+          logging_info=logging_info,
+      )
+
+  semaphore.wait = wait
+
+
+def _enter(key):
+  simulator = tpu().simulator
+  # A launch that failed (a deadlock, say) leaves the simulator's state for
+  # post-mortem inspection; the next launch starts from a clean one.
+  memory = simulator._shared_memory
+  if memory is not None and memory._failure is not None:
+    simulator.reset_tpu_interpret_mode_state()
+  watchdog.enter_launch(key)
+
+
+def _exit(detect_races: bool):
+  races = tpu().simulator.races
+  if detect_races and races is not None and races.races_found:
+    raise RaceError(
+        "mpmd_map: the TPU simulator's race detector found programs racing "
+        "on a buffer (accesses not ordered by semaphores or DMA waits)"
+    )
+
+
 def lower(
-  ctx: mlir.LoweringRuleContext,
-  *in_nodes,
-  mesh: Any,
-  jaxpr: core.Jaxpr,
-  interpret: Any,
-  params: dict[str, Any],
+    ctx: mlir.LoweringRuleContext,
+    *in_nodes,
+    mesh: Any,
+    jaxpr: core.Jaxpr,
+    interpret: Any,
+    params: dict[str, Any],
+    ranges: tuple[watchdog.MeshRange, ...] | None = None,
 ):
-  """Lowers one (possibly merged) TPU mesh kernel to the simulator."""
+  """Lowers one (possibly merged) TPU mesh kernel to the simulator.
+
+  ``ranges`` says which programs belong to which of the user's meshes (for
+  error messages); by default, all to mesh 0.
+  """
+  _install_wait_hook()
   num_in, num_out = len(in_nodes), len(params["out_avals"])
   [core_axis] = mesh.shape
   with prim.tracing_context(mesh, params["meshes"]):
@@ -75,17 +141,21 @@ def lower(
   if hidden:
     kept = [v for v in scratch if not _is_hbm(v.aval)]
     jaxpr = jaxpr.replace(invars=[*ins, *outs, *hidden, *kept])
-    params = dict(
-      params,
-      out_avals=(*params["out_avals"], *(v.aval.inner_aval for v in hidden)),
+    hidden_avals = [v.aval.inner_aval for v in hidden]
+    params = dict(params, out_avals=(*params["out_avals"], *hidden_avals))
+  pallas_params = common.pallas_params(mesh, jaxpr, ctx, params)
+  if ranges is None:
+    ranges = (watchdog.MeshRange(0, dict(mesh.shape), 0),)
+  key = watchdog.register_launch(ranges)
+
+  def launch(*args):
+    callback.io_callback(functools.partial(_enter, key), None, ordered=True)
+    results = tpu().simulator.interpret_pallas_call(
+        *args, interpret_params=interpret, **pallas_params
     )
-    ctx = ctx.replace(
-      avals_out=[*ctx.avals_out, *(v.aval.inner_aval for v in hidden)]
+    callback.io_callback(
+        functools.partial(_exit, interpret.detect_races), None, ordered=True
     )
-  results = pallas_call._pallas_call_lowering(
-    ctx,
-    *in_nodes,
-    interpret=interpret,
-    **common.pallas_params(mesh, jaxpr, ctx, params),
-  )
-  return results[:num_out]
+    return results[:num_out]
+
+  return mlir.lower_fun(launch, multiple_results=True)(ctx, *in_nodes)

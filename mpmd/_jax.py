@@ -7,6 +7,9 @@ tested against, so that a mismatch fails at import with a clear message
 instead of deep inside a lowering.
 """
 
+import functools
+import types
+
 import jax
 import jaxlib
 
@@ -25,6 +28,7 @@ if jax.__version__ != SUPPORTED_JAX_VERSION or (
 
 # ruff: noqa: E402, F401, I001
 from jax._src import api_util
+from jax._src import callback
 from jax._src import config
 from jax._src import core
 from jax._src import effects
@@ -48,6 +52,7 @@ from jax._src.state import types as state_types
 from jax._src.pallas import hlo_interpreter
 
 
+@functools.cache
 def tpu():
   """Pallas TPU (Mosaic) internals, imported on first use."""
   try:
@@ -55,41 +60,47 @@ def tpu():
     from jax._src.pallas.mosaic import pallas_call_registration
     from jax._src.pallas.mosaic import primitives as tpu_primitives
     from jax._src.pallas.mosaic import tpu_info
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
     from jax._src.pallas.mosaic.interpret import params as interpret_params
+    from jax._src.pallas.mosaic.interpret import shared_memory
   except ImportError as e:
     raise ImportError(
       "jax-mpmd: the Pallas TPU backend is missing from this jaxlib; "
       "install jax-mpmd[tpu]"
     ) from e
-  return _Namespace(
+  return types.SimpleNamespace(
     core=tpu_core,
     registration=pallas_call_registration,
     primitives=tpu_primitives,
     info=tpu_info,
     interpret=interpret_params,
+    simulator=interpret_pallas_call,
+    simulator_memory=shared_memory,
   )
 
 
+@functools.cache
 def gpu():
   """Pallas Mosaic GPU internals, imported on first use."""
   try:
     from jax._src.pallas.mosaic_gpu import core as gpu_core
     from jax._src.pallas.mosaic_gpu import pallas_call_registration
     from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
     from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
+    from jax._src.pallas.mosaic_gpu.interpret import shared_memory
   except ImportError as e:
     raise ImportError(
       "jax-mpmd: the Pallas Mosaic GPU backend is missing from this "
       "jaxlib; install jax-mpmd[cuda]"
     ) from e
-  return _Namespace(
+  return types.SimpleNamespace(
     core=gpu_core,
     registration=pallas_call_registration,
     primitives=gpu_primitives,
     interpret=interpret_params,
+    simulator=interpret_pallas_call,
+    simulator_callbacks=gpu_callbacks,
+    simulator_memory=shared_memory,
   )
-
-
-class _Namespace:
-  def __init__(self, **kw):
-    self.__dict__.update(kw)

@@ -1,0 +1,101 @@
+"""The faithful CPU path for GPU meshes: Pallas' Mosaic GPU simulator.
+
+Besides running the kernel, it records barrier waits for the deadlock
+watchdog (a simulated barrier wait otherwise blocks forever) and turns the
+race detector's verdict into an error.
+"""
+
+import functools
+import threading
+from typing import Any
+
+from mpmd._jax import callback, core, gpu, mlir, source_info_util
+from mpmd.lowering import common, watchdog
+
+
+class RaceError(RuntimeError):
+  """The simulator's race detector saw two programs race on a buffer."""
+
+
+@functools.cache
+def _install_wait_hook() -> None:
+  barrier = gpu().simulator_memory.Barrier
+  original = barrier.wait
+
+  @functools.wraps(original)
+  def wait(self, device_id, local_thread_id, logging_info=None):
+    where = ""
+    if logging_info is not None and logging_info.source_info is not None:
+      where = source_info_util.summarize(logging_info.source_info)
+
+    def notify():
+      with self.cv:
+        self.cv.notify_all()
+
+    raise_here = watchdog.raise_in_thread(threading.get_ident(), notify)
+
+    def abort(message):
+      _aborted.set()
+      raise_here(message)
+
+    with (
+        watchdog.reraise_with_message(),
+        watchdog.waiting(
+            f"device {device_id} "
+            f"{watchdog.describe_program(int(local_thread_id))}",
+            f"on a barrier (phase {self.phase})", where, abort,
+        ),
+    ):
+      return original(self, device_id, local_thread_id, logging_info)
+
+  barrier.wait = wait
+
+
+_aborted = threading.Event()
+
+
+def _enter(key):
+  # A failed launch leaves its state behind for inspection; start clean.
+  if _aborted.is_set():
+    gpu().simulator_callbacks.reset_gpu_interpret_mode_state()
+    _aborted.clear()
+  watchdog.enter_launch(key)
+
+
+def _exit(detect_races: bool):
+  races = gpu().simulator_callbacks._races
+  if detect_races and races is not None and races.races_found:
+    raise RaceError(
+        "mpmd_map: the GPU simulator's race detector found programs racing "
+        "on a buffer (accesses not ordered by barriers)"
+    )
+
+
+def lower(
+    ctx: mlir.LoweringRuleContext,
+    *in_nodes,
+    mesh: Any,
+    jaxpr: core.Jaxpr,
+    interpret: Any,
+    params: dict[str, Any],
+    ranges: tuple[watchdog.MeshRange, ...] | None = None,
+):
+  """Lowers one (possibly merged) GPU mesh kernel to the simulator."""
+  _install_wait_hook()
+  pallas_params = common.pallas_params(mesh, jaxpr, ctx, params)
+  if ranges is None:
+    thread_axis = {mesh.thread_name: mesh.num_threads} if mesh.num_threads else {}
+    ranges = (watchdog.MeshRange(0, thread_axis, 0),)
+  key = watchdog.register_launch(ranges)
+
+  def launch(*args):
+    callback.io_callback(functools.partial(_enter, key), None, ordered=True)
+    results = gpu().simulator.interpret_pallas_call(
+        *args, interpret_params=interpret, **pallas_params
+    )
+    callback.io_callback(
+        functools.partial(_exit, interpret.detect_races), None, ordered=True
+    )
+    return results
+
+  return mlir.lower_fun(launch, multiple_results=True)(ctx, *in_nodes)
