@@ -456,6 +456,19 @@ def _row_mask(row0, lo, hi, shape, dim):
   return jnp.logical_and(rows >= lo, rows < hi)
 
 
+def _out_type(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+  """The output type, varying over the manual mesh axes its operands vary
+  over (needed inside ``jax.shard_map(..., check_vma=True)``)."""
+  varying = frozenset().union(
+    *(jax.typeof(x).manual_axis_type.varying for x in operands)
+  )
+  return jax.ShapeDtypeStruct(
+    shape,
+    dtype,
+    manual_axis_type=jax.sharding.ManualAxisType(varying=varying),
+  )
+
+
 # Kernel operands are (metadata, lhs, rhs, existing_out): the output is
 # written in place of existing_out.
 _EXISTING_OUT_INDEX = 3
@@ -648,7 +661,7 @@ def _gmm_call(
   )
   call = _mpmd_map(
     [(_mesh(), kernel)],
-    out_types=jax.ShapeDtypeStruct((m, n), out_dtype),
+    out_types=_out_type((m, n), out_dtype, *operands),
     input_output_aliases={_EXISTING_OUT_INDEX: 0} if has_existing else {},
     scratch_types=scratch,
     interpret=cfg.interpret,
@@ -672,6 +685,23 @@ def _active_rows(
   return jnp.logical_and(rows >= lo[0], rows < hi[-1])
 
 
+def _sum_over_new_axes(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+  """Sums a cotangent over the mesh axes it varies over and its primal not.
+
+  Inside ``shard_map`` a replicated operand (e.g. lhs under expert sharding)
+  meets per-device metadata; its cotangent is the sum of every device's
+  contribution, which is what autodiff's transpose of the implicit
+  broadcast (``pvary``) would give.
+  """
+  extra = (
+    jax.typeof(cotangent).manual_axis_type.varying
+    - jax.typeof(primal).manual_axis_type.varying
+  )
+  if not extra:
+    return cotangent
+  return lax.psum(cotangent, tuple(sorted(extra)))
+
+
 @functools.cache
 def _differentiable_gmm(cfg: _GmmConfig):
   """gmm with a custom VJP for one static configuration."""
@@ -682,10 +712,13 @@ def _differentiable_gmm(cfg: _GmmConfig):
 
   def fwd(lhs, rhs, group_sizes, group_offset, existing_out):
     out = f(lhs, rhs, group_sizes, group_offset, existing_out)
-    return out, (lhs, rhs, group_sizes, group_offset, existing_out is None)
+    # A zero-size slice remembers existing_out's type (its varying mesh
+    # axes) for free.
+    existing_type = None if existing_out is None else existing_out[:0]
+    return out, (lhs, rhs, group_sizes, group_offset, existing_type)
 
   def bwd(res, grad):
-    lhs, rhs, group_sizes, group_offset, no_existing = res
+    lhs, rhs, group_sizes, group_offset, existing_type = res
     m = lhs.shape[0]
     num_local = rhs.shape[0]
     tm, tk, tn = cfg.tiling
@@ -718,15 +751,16 @@ def _differentiable_gmm(cfg: _GmmConfig):
     )
     if cfg.transpose_rhs:
       drhs = jnp.swapaxes(drhs, 1, 2)
-    zero_ints = np.zeros(group_sizes.shape, jax.dtypes.float0)
-    zero_offset = np.zeros((), jax.dtypes.float0)
-    if no_existing:
+    if existing_type is None:
       dexisting = None
     else:
       # existing_out survives only in rows outside the local groups.
       active = _active_rows(group_sizes, group_offset, num_local, m)
       dexisting = jnp.where(active, jnp.zeros((), grad.dtype), grad)
-    return dlhs, drhs, zero_ints, zero_offset, dexisting
+      dexisting = _sum_over_new_axes(dexisting, existing_type)
+    dlhs = _sum_over_new_axes(dlhs, lhs)
+    drhs = _sum_over_new_axes(drhs, rhs)
+    return dlhs, drhs, None, None, dexisting
 
   f.defvjp(fwd, bwd)
   return f
@@ -975,7 +1009,7 @@ def _tgmm_call(
   )
   call = _mpmd_map(
     [(_mesh(), kernel)],
-    out_types=jax.ShapeDtypeStruct((num_local, k, n), out_dtype),
+    out_types=_out_type((num_local, k, n), out_dtype, *operands),
     input_output_aliases={_EXISTING_OUT_INDEX: 0} if has_existing else {},
     scratch_types=scratch,
     interpret=cfg.interpret,
