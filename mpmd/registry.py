@@ -18,9 +18,12 @@ class Demo(NamedTuple):
   platforms: Sequence[str]
   # Simulated CPU devices the demo needs (for shard_map demos).
   num_devices: int = 1
+  # A plain-JAX function of the same args, to check a run against.
+  reference: Callable[..., Any] | None = None
 
 
-_DEMOS: dict[str, Callable[[], Demo]] = {}
+DemoFactory = Callable[[], Demo]
+_DEMOS: dict[str, DemoFactory] = {}
 
 
 def register_demo(
@@ -37,8 +40,25 @@ def register_demo(
   return decorator
 
 
-def demos() -> dict[str, Callable[[], Demo]]:
+def demos() -> dict[str, DemoFactory]:
   """All registered demos, by name (kernels imported first)."""
-  import mpmd.kernels  # noqa: F401  (kernels register on import)
+  import mpmd.demos  # noqa: F401  (these register on import)
+  import mpmd.kernels  # noqa: F401
 
   return dict(_DEMOS)
+
+
+def check(demo: Demo) -> str:
+  """Runs a demo and compares it with its reference: ``"max |err| 0"``."""
+  import jax
+  import numpy as np
+
+  got = jax.jit(demo.fn)(*demo.args)
+  if demo.reference is None:
+    return "ran (no reference)"
+  want = demo.reference(*demo.args)
+  err = max(
+      float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32))))
+      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+  )
+  return f"max |error| {err:.3g}"

@@ -27,3 +27,9 @@ def rng(request):
   import numpy as np
 
   return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_terminal_summary(terminalreporter):
+  """CI prints the skip count: a skipped kernel test is a bug report."""
+  skipped = len(terminalreporter.stats.get("skipped", []))
+  terminalreporter.write_line(f"mpmd: {skipped} tests skipped")

@@ -1,0 +1,159 @@
+"""The ``mpmd`` command: check the install, lower kernels, benchmark them.
+
+  mpmd check                               versions, what lowers, what runs
+  mpmd lower NAME|FILE.py --platform tpu   print (or -o write) the module
+  mpmd bench NAME [args...]                benchmarks/NAME.py, as ratios
+"""
+
+import argparse
+import importlib.util
+import os
+from pathlib import Path
+import platform
+import sys
+import time
+import traceback
+
+# Shard_map demos need several devices; set before any backend starts.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_NUM_CPU_DEVICES = 8
+
+
+def _jax():
+  import jax
+
+  jax.config.update("jax_num_cpu_devices", _NUM_CPU_DEVICES)
+  return jax
+
+
+def _check(args) -> int:
+  del args
+  jax = _jax()
+  import jaxlib
+
+  import mpmd
+  from mpmd import registry
+
+  print(f"jax-mpmd {mpmd.__version__}")
+  print(f"python   {platform.python_version()}")
+  print(f"jax      {jax.__version__}   jaxlib {jaxlib.__version__}")
+  print(f"backend  {jax.default_backend()} ({len(jax.devices())} devices)")
+  rows, ok = [], True
+  for demo_name in ("quickstart", "gpu_quickstart"):
+    demo = registry.demos()[demo_name]()
+    for target in demo.platforms:
+      start = time.perf_counter()
+      try:
+        if target == "cpu":
+          status = "runs, " + registry.check(demo)
+        else:
+          text = _lowered_text(demo, target)
+          marker = {"tpu": "tpu_custom_call", "cuda": "mosaic_gpu"}[target]
+          status = "lowers" if marker in text else f"no {marker} in module"
+      except Exception as e:  # noqa: BLE001 (report, do not crash)
+        status = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0]}"
+        ok = ok and target != "cpu"
+      rows.append((demo_name, target, status, time.perf_counter() - start))
+  width = max(len(r[0]) for r in rows)
+  print(f"\n{'kernel':<{width}}  platform  {'seconds':>7}  status")
+  for name, target, status, seconds in rows:
+    print(f"{name:<{width}}  {target:<8}  {seconds:7.2f}  {status}")
+  return 0 if ok else 1
+
+
+def _lowered_text(demo, target: str) -> str:
+  jax = _jax()
+  from mpmd import targets
+
+  with targets.tpu_facts() if target == "tpu" else _nullcontext():
+    traced = jax.jit(demo.fn).trace(*demo.args)
+    return traced.lower(lowering_platforms=(target,)).as_text()
+
+
+class _nullcontext:
+  def __enter__(self):
+    return None
+
+  def __exit__(self, *exc):
+    return False
+
+
+def _load_demo(name: str):
+  from mpmd import registry
+
+  if name.endswith(".py"):
+    path = Path(name)
+    if not path.exists():
+      raise SystemExit(f"mpmd lower: no such file {name}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "demo"):
+      raise SystemExit(
+          f"mpmd lower: {name} defines no demo() returning mpmd.registry.Demo"
+      )
+    return module.demo()
+  known = registry.demos()
+  if name not in known:
+    raise SystemExit(
+        f"mpmd lower: unknown kernel {name!r}; known: {', '.join(sorted(known))}"
+        " (or pass an examples/*.py file)"
+    )
+  return known[name]()
+
+
+def _lower(args) -> int:
+  _jax()
+  demo = _load_demo(args.name)
+  text = _lowered_text(demo, args.platform)
+  if args.output:
+    Path(args.output).write_text(text)
+    print(f"wrote {len(text)} characters to {args.output}")
+  else:
+    print(text)
+  return 0
+
+
+def _bench(args) -> int:
+  _jax()
+  root = Path(__file__).resolve().parent.parent / "benchmarks"
+  path = root / f"{args.name}.py"
+  if not path.exists():
+    names = sorted(p.stem for p in root.glob("*.py")) if root.exists() else []
+    raise SystemExit(
+        f"mpmd bench: no benchmark {args.name!r} in {root} (benchmarks live "
+        f"in a source checkout); known: {', '.join(names) or 'none'}"
+    )
+  spec = importlib.util.spec_from_file_location(f"bench_{args.name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.main(args.rest) or 0
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="mpmd", description=__doc__,
+                                   formatter_class=argparse.RawTextHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  sub.add_parser("check", help="versions, which platforms lower and run")
+  lower = sub.add_parser("lower", help="print the lowered module of a kernel")
+  lower.add_argument("name", help="a registered kernel or an examples/*.py")
+  lower.add_argument("--platform", choices=("tpu", "cuda", "cpu"),
+                     default="tpu")
+  lower.add_argument("-o", "--output", help="write the module to this file")
+  bench = sub.add_parser("bench", help="run benchmarks/NAME.py")
+  bench.add_argument("name")
+  bench.add_argument("rest", nargs=argparse.REMAINDER)
+  args = parser.parse_args(argv)
+  try:
+    return {"check": _check, "lower": _lower, "bench": _bench}[args.command](
+        args
+    )
+  except SystemExit:
+    raise
+  except Exception:  # noqa: BLE001 (a CLI prints, then fails)
+    traceback.print_exc()
+    return 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
