@@ -50,7 +50,7 @@ def fused_matmul(
   num_compute_wgs: int = 2,
   out_dtype: Any = None,
   interpret: Any = None,
-  multi_mesh: bool = True,
+  multi_mesh: bool = matmul_lib.MULTI_MESH_DEFAULT,
 ) -> jax.Array:
   """``activation(a @ b + c)`` with the epilogue fused into the matmul.
 

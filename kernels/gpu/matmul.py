@@ -38,6 +38,11 @@ SWIZZLE_BYTES = 128
 SMEM_BYTES = 227 * 1024
 
 GRID_NAMES = ("m", "n")
+# The warp-specialized matmul's default form. Two meshes need mpmd_map to
+# accept shared SMEM scratch with tiling/swizzle transforms (a TransformedRef
+# aval), which it does not yet; until then the single-mesh form (same
+# schedule, one mesh whose threads branch on their index) is the default.
+MULTI_MESH_DEFAULT = False
 SOFTWARE_AXIS = "wg"
 
 
@@ -374,7 +379,7 @@ def build(
   *,
   epilogue: Epilogue = _default_epilogue,
   has_c: bool = False,
-  multi_mesh: bool = True,
+  multi_mesh: bool = MULTI_MESH_DEFAULT,
   interpret: Any = None,
   name: str = "matmul",
 ) -> Callable[..., jax.Array]:
@@ -420,7 +425,7 @@ def matmul(
   num_compute_wgs: int = 2,
   out_dtype: Any = None,
   interpret: Any = None,
-  multi_mesh: bool = True,
+  multi_mesh: bool = MULTI_MESH_DEFAULT,
 ) -> jax.Array:
   """``a @ b`` with TMA, swizzled SMEM and WGMMA, accumulated in f32.
 
@@ -438,9 +443,9 @@ def matmul(
     out_dtype: float16, bfloat16 or float32; defaults to the input dtype.
     interpret: None compiles with Mosaic GPU on a GPU and runs the Mosaic GPU
       simulator on CPU; otherwise passed to ``mpmd_map``.
-    multi_mesh: with ``warp_specialized``, two meshes in one ``mpmd_map``
-      (False: the single-mesh form of the same schedule, one mesh whose
-      threads branch on their index).
+    multi_mesh: with ``warp_specialized``, two meshes (memory, compute) in
+      one ``mpmd_map``; False runs the same schedule as one mesh whose
+      threads branch on their index (see ``MULTI_MESH_DEFAULT``).
 
   Returns:
     ``(M, N)`` array of ``out_dtype``.
