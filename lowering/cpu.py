@@ -32,14 +32,17 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     )
     return mlir.lower_fun(run, multiple_results=True)(ctx, *in_nodes)
   ranges = None
-  if len(meshes) > 1:
+  if len(meshes) == 1 and getattr(meshes[0], "num_threads", 0) is None:
+    # A GPU mesh without warpgroups: nothing to merge or share.
+    [mesh], [jaxpr] = meshes, jaxprs
+  else:
+    # Even one mesh goes through the merge: it resolves programs named by
+    # mesh axes (device_id={"core": 1}) and shares GPU scratch collectively.
     from mpmd.lowering import merge
 
     mesh, jaxpr, params, ranges = merge.merge_for_simulator(
         len(in_nodes), params, path
     )
-  else:
-    [mesh], [jaxpr] = meshes, jaxprs
   if path.kind == paths.TPU_SIMULATOR:
     from mpmd.lowering import tpu_simulator as simulator
   else:

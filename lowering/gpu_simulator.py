@@ -13,10 +13,6 @@ from mpmd._jax import callback, core, gpu, mlir, source_info_util
 from mpmd.lowering import common, watchdog
 
 
-class RaceError(RuntimeError):
-  """The simulator's race detector saw two programs race on a buffer."""
-
-
 @functools.cache
 def _install_wait_hook() -> None:
   barrier = gpu().simulator_memory.Barrier
@@ -65,7 +61,7 @@ def _enter(key):
 def _exit(detect_races: bool):
   races = gpu().simulator_callbacks._races
   if detect_races and races is not None and races.races_found:
-    raise RaceError(
+    raise watchdog.RaceError(
         "mpmd_map: the GPU simulator's race detector found programs racing "
         "on a buffer (accesses not ordered by barriers)"
     )

@@ -174,3 +174,43 @@ def literal_axis_values(
   """The axis indices of flat ``program`` in a mesh of ``sizes`` (row-major)."""
   coords = np.unravel_index(program, tuple(sizes.values()))
   return {n: np.int32(c) for n, c in zip(sizes, coords, strict=True)}
+
+
+def map_avals(jaxpr: core.Jaxpr, fn: Callable[[Any], Any]) -> core.Jaxpr:
+  """``jaxpr`` with every variable's aval replaced by ``fn(aval)``, nested
+  jaxprs included (structural: nothing is re-traced or re-checked)."""
+  env: dict[core.Var, core.Var] = {}
+
+  def var(v):
+    if isinstance(v, core.Literal):
+      return v
+    if v not in env:
+      cls = core.DropVar if isinstance(v, core.DropVar) else core.Var
+      env[v] = cls(fn(v.aval))
+    return env[v]
+
+  def sub(j):
+    if isinstance(j, core.ClosedJaxpr):
+      return core.ClosedJaxpr(map_avals(j.jaxpr, fn), j.consts)
+    return map_avals(j, fn)
+
+  def effect(e):
+    if isinstance(getattr(e, "input", None), core.Var):
+      return e.replace(input=var(e.input))
+    return e
+
+  constvars = [var(v) for v in jaxpr.constvars]
+  invars = [var(v) for v in jaxpr.invars]
+  eqns = []
+  for eqn in jaxpr.eqns:
+    eqns.append(eqn.replace(
+        invars=[var(v) for v in eqn.invars],
+        outvars=[var(v) for v in eqn.outvars],
+        params={k: _map_jaxprs(v, sub) for k, v in eqn.params.items()},
+        effects={effect(e) for e in eqn.effects},
+    ))
+  return jaxpr.replace(
+      constvars=constvars, invars=invars,
+      outvars=[var(v) for v in jaxpr.outvars], eqns=eqns,
+      effects={effect(e) for e in jaxpr.effects},
+  )

@@ -181,6 +181,7 @@ def _merge(layout: Layout, merged_mesh, jaxprs, platform, avals=None):
   meshes = layout.meshes
   rewritten = []
   for i, (mesh, jaxpr) in enumerate(zip(meshes, jaxprs, strict=True)):
+    jaxpr = jaxpr_util.map_avals(jaxpr, _strip_owner)
     with prim.tracing_context(merged_mesh, (*meshes, merged_mesh)):
       with mesh.tracing_context():
         rewritten.append(jaxpr_util.rewrite(jaxpr, _rule(layout, i, platform)))

@@ -58,10 +58,6 @@ def _is_hbm(aval) -> bool:
   return space in (pallas_core.MemorySpace.ANY, tpu().core.MemorySpace.HBM)
 
 
-class RaceError(RuntimeError):
-  """The simulator's race detector saw two programs race on a buffer."""
-
-
 @functools.cache
 def _install_wait_hook() -> None:
   """Records every simulated semaphore wait for the deadlock watchdog."""
@@ -109,7 +105,7 @@ def _enter(key):
 def _exit(detect_races: bool):
   races = tpu().simulator.races
   if detect_races and races is not None and races.races_found:
-    raise RaceError(
+    raise watchdog.RaceError(
         "mpmd_map: the TPU simulator's race detector found programs racing "
         "on a buffer (accesses not ordered by semaphores or DMA waits)"
     )

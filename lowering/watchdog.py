@@ -24,6 +24,10 @@ class DeadlockError(RuntimeError):
   """A simulated program waited longer than the deadlock timeout."""
 
 
+class RaceError(RuntimeError):
+  """A simulator's race detector saw two programs race on a buffer."""
+
+
 def set_deadlock_timeout(seconds: float) -> None:
   """Sets how long a simulated program may wait before the launch fails.
 

@@ -9,6 +9,10 @@ fallback on CPU.
 from mpmd import _jax as _jax  # checks the jax pin before anything else
 from mpmd import lowering as _lowering  # registers the per-platform rules
 from mpmd.api import mpmd_map as mpmd_map
+from mpmd.lowering.watchdog import DeadlockError as DeadlockError
+from mpmd.lowering.watchdog import RaceError as RaceError
+from mpmd.lowering.watchdog import deadlock_timeout as deadlock_timeout
+from mpmd.lowering.watchdog import set_deadlock_timeout as set_deadlock_timeout
 from mpmd.primitives.mpmd_map import mpmd_map_p as mpmd_map_p
 from mpmd.targets import TPU_TARGETS as TPU_TARGETS
 from mpmd.targets import tpu_target as tpu_target

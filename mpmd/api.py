@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from mpmd import targets
+from mpmd import _jax, targets
 from mpmd._jax import (
   FrozenDict,
   api_util,
@@ -88,7 +88,10 @@ def mpmd_map(
   flat_out_types, out_tree = tree_util.tree_flatten(out_types)
   out_avals = tuple(_out_aval(t, i) for i, t in enumerate(flat_out_types))
   flat_scratch, scratch_tree = tree_util.tree_flatten(scratch_types)
-  scratch_avals = [_scratch_aval(t, i) for i, t in enumerate(flat_scratch)]
+  scratch_avals = [
+      _canonical_owner(_scratch_aval(t, i)) for i, t in enumerate(flat_scratch)
+  ]
+  _check_scratch_owners(scratch_avals, meshes)
   aliases = FrozenDict(dict(input_output_aliases or {}))
   if interpret is False:
     interpret = None  # CPU has no native path: False means "the default".
@@ -170,7 +173,7 @@ def _check_meshes_and_fns(meshes_and_fns) -> tuple[tuple[Any, ...], list]:
         f"mpmd_map: expected meshes_and_fns[{i}][1] to be callable, got "
         f"{type(fn).__name__}"
       )
-    meshes.append(mesh)
+    meshes.append(_canonical_mesh(mesh))
     fns.append(fn)
   sizes: dict[Any, tuple[int, int]] = {}
   for i, mesh in enumerate(meshes):
@@ -213,6 +216,63 @@ def _scratch_aval(scratch_type: Any, i: int) -> Any:
       f"plgpu.SMEM(...)), got {type(scratch_type).__name__}"
     )
   return scratch_type.get_ref_aval()
+
+
+_CANONICAL_MESHES: dict[Any, Any] = {}
+
+
+def _canonical_mesh(mesh: Any) -> Any:
+  """One object per distinct mesh.
+
+  Equal meshes created twice (say, per call) meet in avals, which JAX
+  compares; a TensorCoreMesh compares its device arrays elementwise and
+  crashes on multi-core meshes (jax 0.10.2), unless both sides are the same
+  object, which Python's equality checks first.
+  """
+  key = (type(mesh), hash(mesh), tuple(mesh.shape.items()))
+  return _CANONICAL_MESHES.setdefault(key, mesh)
+
+
+def _canonical_owner(aval: Any) -> Any:
+  space = getattr(aval, "memory_space", None)
+  if isinstance(space, pallas_core.CoreMemorySpace):
+    owner = _canonical_mesh(space.mesh)
+    if owner is not space.mesh:
+      return state.AbstractRef(
+          aval.inner_aval,
+          pallas_core.CoreMemorySpace(space.memory_space, owner),
+      )
+  return aval
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+  # Not `==`: TensorCoreMesh compares its device arrays elementwise and
+  # crashes on meshes of different sizes (jax 0.10.2).
+  return a is b or (
+      type(a) is type(b) and hash(a) == hash(b)
+      and dict(a.shape) == dict(b.shape)
+  )
+
+
+def _check_scratch_owners(scratch_avals, meshes) -> None:
+  shared = (pallas_core.MemorySpace.ANY, _jax.tpu().core.MemorySpace.HBM)
+  for i, aval in enumerate(scratch_avals):
+    space = getattr(aval, "memory_space", None)
+    if isinstance(space, pallas_core.CoreMemorySpace):
+      if not any(_same_mesh(space.mesh, m) for m in meshes):
+        raise ValueError(
+            f"mpmd_map: scratch_types leaf {i} is owned (`@ mesh`) by a mesh "
+            f"of core type {space.mesh.core_type} that is not in this launch"
+        )
+      continue
+    tpu_launch = not any(paths.is_gpu_mesh(m) for m in meshes)
+    if len(meshes) > 1 and tpu_launch and space not in shared:
+      raise ValueError(
+          f"mpmd_map: scratch_types leaf {i} is in {space} with no owner; "
+          "with several meshes, per-program scratch names its mesh "
+          "(`pltpu.VMEM @ mesh`, `pltpu.SemaphoreType.REGULAR @ mesh`) and "
+          "scratch shared by all programs is pltpu.HBM"
+      )
 
 
 def _kernel_aval(aval: Any, meshes: Sequence[Any]) -> Any:

@@ -1,0 +1,343 @@
+"""Several (mesh, function) pairs in one launch: CPU fallback and lowering."""
+
+import re
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpmd
+from mpmd import registry
+from mpmd.lowering import watchdog
+
+ROWS = (8, 128)
+
+
+def tc(name, n):
+  return pltpu.create_tensorcore_mesh(name, num_cores=n)
+
+
+def producer_consumer(x, *, consumers=2, wait=True, interpret=None):
+  """One producer stages 2x in shared HBM and signals every consumer."""
+  producer, consumer = tc("producer", 1), tc("consumer", consumers)
+
+  def produce(x_hbm, o_hbm, staged, ready, buf):
+    pltpu.sync_copy(x_hbm, buf)
+    buf[...] = buf[...] * 2.0
+    pltpu.sync_copy(buf, staged)
+    for c in range(consumers):
+      pl.semaphore_signal(ready, 1, device_id={"consumer": c})
+
+  def consume(x_hbm, o_hbm, staged, ready, buf):
+    c = jax.lax.axis_index("consumer")
+    if wait:
+      pl.semaphore_wait(ready, 1)
+    pltpu.sync_copy(staged, buf)
+    buf[...] = buf[...] + c.astype(jnp.float32)
+    pltpu.sync_copy(buf, o_hbm.at[c])
+
+  return mpmd.mpmd_map(
+      # The consumers are listed first: they must wait for a later mesh.
+      [(consumer, consume), (producer, produce)],
+      jax.ShapeDtypeStruct((consumers, *x.shape), x.dtype),
+      scratch_types=[
+          pltpu.HBM(x.shape, x.dtype),
+          pltpu.SemaphoreType.REGULAR @ consumer,
+          pltpu.VMEM @ consumer,
+      ][:2] + [(pltpu.VMEM @ consumer)(x.shape, x.dtype)],
+      interpret=interpret,
+  )(x)
+
+
+def pc_reference(x, consumers=2):
+  c = jnp.arange(consumers, dtype=x.dtype)[:, None, None]
+  return 2.0 * x[None] + c
+
+
+def test_producer_consumer_consumer_listed_first(rng):
+  x = jnp.asarray(rng.standard_normal(ROWS), jnp.float32)
+  np.testing.assert_allclose(producer_consumer(x), pc_reference(x))
+
+
+def test_producer_consumer_takes_the_simulator_path(capsys):
+  x = jnp.ones(ROWS, jnp.float32)
+  producer = tc("producer", 1)
+
+  def produce(x_hbm, o_hbm, sem):
+    pltpu.sync_copy(x_hbm, o_hbm)
+    pl.semaphore_signal(sem, 1, device_id={"producer": 0})
+    pl.semaphore_wait(sem, 1)
+
+  mpmd.mpmd_map(
+      [(producer, produce)], jax.ShapeDtypeStruct(ROWS, jnp.float32),
+      scratch_types=[pltpu.SemaphoreType.REGULAR(())], debug=True,
+  )(x)
+  assert "takes the tpu-simulator path: it signals a semaphore of another " \
+         "program" in capsys.readouterr().out
+
+
+def test_two_independent_meshes_write_their_own_outputs(rng, capsys):
+  x = jnp.asarray(rng.standard_normal(ROWS), jnp.float32)
+
+  def doubles(x_hbm, o2, o3, buf):
+    del o3
+    pltpu.sync_copy(x_hbm, buf)
+    buf[...] *= 2.0
+    pltpu.sync_copy(buf, o2)
+
+  def triples(x_hbm, o2, o3, buf):
+    del o2
+    pltpu.sync_copy(x_hbm, buf)
+    buf[...] *= 3.0
+    pltpu.sync_copy(buf, o3)
+
+  a, b = tc("a", 1), tc("b", 1)
+  out = jax.ShapeDtypeStruct(ROWS, jnp.float32)
+  o2, o3 = mpmd.mpmd_map(
+      [(a, doubles), (b, triples)], (out, out),
+      scratch_types=[pltpu.VMEM(ROWS, jnp.float32) @ a], debug=True,
+  ) if False else mpmd.mpmd_map(
+      [(a, doubles), (b, triples)], (out, out),
+      scratch_types=[(pltpu.VMEM @ a)(ROWS, jnp.float32)], debug=True,
+  )(x)
+  assert "takes the fast path" in capsys.readouterr().out
+  np.testing.assert_allclose(o2, 2.0 * x)
+  np.testing.assert_allclose(o3, 3.0 * x)
+
+
+def three_meshes(x, interpret=None):
+  """Meshes of 1, 2 and 4 programs: a chain of signals 1 -> 2 -> 4."""
+  m1, m2, m4 = tc("one", 1), tc("two", 2), tc("four", 4)
+
+  def first(x_hbm, o_hbm, stage, sem, buf):
+    pltpu.sync_copy(x_hbm, buf)
+    buf[...] += 1.0
+    pltpu.sync_copy(buf, stage.at[0])
+    for k in range(2):
+      pl.semaphore_signal(sem, 1, device_id={"two": k})
+
+  def second(x_hbm, o_hbm, stage, sem, buf):
+    k = jax.lax.axis_index("two")
+    pl.semaphore_wait(sem, 1)
+    pltpu.sync_copy(stage.at[0], buf)
+    buf[...] *= (k + 2).astype(jnp.float32)
+    pltpu.sync_copy(buf, stage.at[1 + k])
+    for j in range(2):
+      pl.semaphore_signal(sem, 1, device_id={"four": 2 * k + j})
+
+  def third(x_hbm, o_hbm, stage, sem, buf):
+    j = jax.lax.axis_index("four")
+    pl.semaphore_wait(sem, 1)
+    pltpu.sync_copy(stage.at[1 + j // 2], buf)
+    buf[...] += j.astype(jnp.float32)
+    pltpu.sync_copy(buf, o_hbm.at[j])
+
+  return mpmd.mpmd_map(
+      [(m4, third), (m1, first), (m2, second)],
+      jax.ShapeDtypeStruct((4, *x.shape), x.dtype),
+      scratch_types=[
+          pltpu.HBM((3, *x.shape), x.dtype),
+          pltpu.SemaphoreType.REGULAR @ m2,
+          (pltpu.VMEM @ m1)(x.shape, x.dtype),
+      ],
+      interpret=interpret,
+  )(x)
+
+
+def three_reference(x):
+  j = jnp.arange(4, dtype=x.dtype)
+  return (x[None] + 1.0) * (j // 2 + 2)[:, None, None] + j[:, None, None]
+
+
+def test_three_meshes_of_sizes_1_2_4(rng):
+  x = jnp.asarray(rng.standard_normal(ROWS), jnp.float32)
+  np.testing.assert_allclose(three_meshes(x), three_reference(x), rtol=1e-6)
+
+
+def test_vmap_over_a_two_mesh_call(rng):
+  xs = jnp.asarray(rng.standard_normal((3, *ROWS)), jnp.float32)
+  got = jax.vmap(producer_consumer)(xs)
+  np.testing.assert_allclose(got, jnp.stack([pc_reference(x) for x in xs]))
+
+
+def test_tpu_cross_lowering_of_two_tensorcore_meshes():
+  x = jnp.ones(ROWS, jnp.float32)
+  for target in ("v5e", "v7x"):
+    with mpmd.tpu_target(target):
+      text = jax.jit(producer_consumer).trace(x).lower(
+          lowering_platforms=("tpu",)
+      ).as_text()
+    assert text.count("tpu_custom_call") == 1
+
+
+# -- no hangs, and races -----------------------------------------------------------
+
+
+def test_deadlock_names_mesh_program_and_semaphore():
+  x = jnp.ones(ROWS, jnp.float32)
+  a, b = tc("a", 1), tc("b", 2)
+
+  def signals_one(x_hbm, o_hbm, sem):
+    pltpu.sync_copy(x_hbm, o_hbm)
+    pl.semaphore_signal(sem, 1, device_id={"b": 0})  # b=1 never signalled
+
+  def waits(x_hbm, o_hbm, sem):
+    pl.semaphore_wait(sem, 1)
+
+  f = mpmd.mpmd_map(
+      [(a, signals_one), (b, waits)], jax.ShapeDtypeStruct(ROWS, jnp.float32),
+      scratch_types=[pltpu.SemaphoreType.REGULAR @ b],
+  )
+  with watchdog.deadlock_timeout(1.0):
+    with pytest.raises(Exception, match=r"mpmd_map deadlock(.|\n)*mesh 1 "
+                       r"program 1 \(b=1\) waits on a semaphore for 1 \(it "
+                       r"holds 0\)"):
+      jax.block_until_ready(f(x))
+  # The simulator recovers: the next launch runs.
+  np.testing.assert_allclose(producer_consumer(x), pc_reference(x))
+
+
+def test_deadlock_timeout_is_validated():
+  with pytest.raises(ValueError, match="expected 'seconds' > 0, got 0"):
+    mpmd.set_deadlock_timeout(0)
+
+
+def test_race_detector_flags_a_racy_kernel_and_passes_a_synchronised_one():
+  x = jnp.ones(ROWS, jnp.float32)
+  detect = pltpu.InterpretParams(detect_races=True)
+  np.testing.assert_allclose(
+      producer_consumer(x, interpret=detect), pc_reference(x)
+  )
+  with pytest.raises(Exception, match="race detector found programs racing"):
+    jax.block_until_ready(producer_consumer(x, wait=False, interpret=detect))
+
+
+# -- GPU ---------------------------------------------------------------------------
+
+
+def gpu_two_meshes(x):
+  memory = plgpu.Mesh(num_threads=1, thread_name="memory")
+  compute = plgpu.Mesh(num_threads=2, thread_name="compute")
+
+  def load(x_ref, o_ref, smem, loaded):
+    plgpu.copy_gmem_to_smem(x_ref, smem, loaded)
+
+  def scale(x_ref, o_ref, smem, loaded):
+    rows = pl.ds(jax.lax.axis_index("compute") * 64, 64)
+    plgpu.barrier_wait(loaded)
+    o_ref[rows, :] = smem[rows, :] * 2.0
+
+  return mpmd.mpmd_map(
+      [(memory, load), (compute, scale)],
+      jax.ShapeDtypeStruct(x.shape, x.dtype),
+      scratch_types=[plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier(num_arrivals=1)],
+  )(x)
+
+
+def test_gpu_two_meshes_run_in_the_simulator_and_lower_for_cuda(rng):
+  x = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+  np.testing.assert_allclose(gpu_two_meshes(x), 2.0 * x)
+  text = jax.jit(gpu_two_meshes).trace(x).lower(
+      lowering_platforms=("cuda",)
+  ).as_text()
+  assert re.search(r"custom_call @mosaic_gpu", text)
+  [eqn] = jax.make_jaxpr(gpu_two_meshes)(x).eqns
+  assert [m.thread_name for m in eqn.params["meshes"]] == ["memory", "compute"]
+
+
+def test_gpu_barrier_deadlock_names_the_warpgroup():
+  memory = plgpu.Mesh(num_threads=1, thread_name="memory")
+  compute = plgpu.Mesh(num_threads=2, thread_name="compute")
+
+  def idle(x_ref, o_ref, loaded):
+    pass  # never arrives
+
+  def waits(x_ref, o_ref, loaded):
+    plgpu.barrier_wait(loaded)
+    o_ref[...] = x_ref[...]
+
+  f = mpmd.mpmd_map(
+      [(memory, idle), (compute, waits)],
+      jax.ShapeDtypeStruct((128, 128), jnp.float32),
+      scratch_types=[plgpu.Barrier(num_arrivals=1)],
+  )
+  with watchdog.deadlock_timeout(1.0):
+    with pytest.raises(Exception, match=r"mpmd_map deadlock(.|\n)*mesh 1 "
+                       r"program \d \(compute=\d\) waits on a barrier"):
+      jax.block_until_ready(f(jnp.ones((128, 128), jnp.float32)))
+
+
+# -- validation ----------------------------------------------------------------------
+
+
+def _noop(*refs):
+  del refs
+
+
+def test_error_unowned_vmem_with_several_meshes():
+  with pytest.raises(ValueError, match=r"scratch_types leaf 0 is in .*vmem.* "
+                     r"with no owner; .*`pltpu.VMEM @ mesh`"):
+    mpmd.mpmd_map([(tc("a", 1), _noop), (tc("b", 1), _noop)], (),
+                  scratch_types=[pltpu.VMEM(ROWS, jnp.float32)])
+
+
+def test_error_scratch_owned_by_a_foreign_mesh():
+  with pytest.raises(ValueError, match="scratch_types leaf 0 is owned"):
+    mpmd.mpmd_map([(tc("a", 1), _noop)], (),
+                  scratch_types=[pltpu.SemaphoreType.REGULAR @ tc("z", 3)])
+
+
+def test_error_signal_naming_two_meshes():
+  a, b = tc("a", 1), tc("b", 1)
+
+  def bad(x_hbm, o_hbm, sem):
+    pl.semaphore_signal(sem, 1, device_id={"a": 0, "b": 0})
+
+  f = mpmd.mpmd_map(
+      [(a, bad), (b, _noop)], jax.ShapeDtypeStruct(ROWS, jnp.float32),
+      scratch_types=[pltpu.SemaphoreType.REGULAR @ a],
+  )
+  with pytest.raises(ValueError, match=r"names axes \['a', 'b'\] of several "
+                     "meshes"):
+    f(jnp.ones(ROWS, jnp.float32))
+
+
+def test_error_gpu_meshes_with_different_grids():
+  m1 = plgpu.Mesh(grid=(2,), grid_names=("g",), num_threads=1,
+                  thread_name="memory")
+  m2 = plgpu.Mesh(grid=(4,), grid_names=("h",), num_threads=1,
+                  thread_name="compute")
+  f = mpmd.mpmd_map([(m1, _noop), (m2, _noop)],
+                    jax.ShapeDtypeStruct((128,), jnp.float32))
+  with pytest.raises(ValueError, match="share the grid and cluster"):
+    f(jnp.ones((128,), jnp.float32))
+
+
+# -- the CLI on the examples ------------------------------------------------------
+
+
+@pytest.mark.parametrize("example, platform, marker", [
+    ("examples/producer_consumer.py", "tpu", "tpu_custom_call"),
+    ("examples/warp_specialized_copy.py", "cuda", "mosaic_gpu"),
+])
+def test_mpmd_lower_on_the_examples(tmp_path, example, platform, marker):
+  from mpmd import cli
+
+  out = tmp_path / "module.mlir"
+  assert cli.main(["lower", example, "--platform", platform,
+                   "-o", str(out)]) == 0
+  assert marker in out.read_text()
+
+
+@pytest.mark.parametrize("example", [
+    "examples/producer_consumer.py", "examples/warp_specialized_copy.py",
+])
+def test_examples_run_correctly_on_cpu(example):
+  from mpmd import cli
+
+  demo = cli._load_demo(example)
+  assert registry.check(demo) == "max |error| 0"
