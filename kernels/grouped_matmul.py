@@ -474,6 +474,29 @@ def _out_type(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
 _EXISTING_OUT_INDEX = 3
 
 
+def _default_buffer_count() -> int:
+  """Buffers per pipelined operand for the current target.
+
+  On TPU two, so the DMA of step i+1 overlaps the matmul of step i. The CPU
+  fallback runs DMAs as copies in program order, where a second buffer only
+  adds a copy per step: one buffer measured ~20% faster on the benchmark.
+  """
+  return 2 if _target_platform() == "tpu" else 1
+
+
+def _block_specs(buffer_count: int):
+  """``pl.BlockSpec`` with this many buffers per operand."""
+
+  def spec(block_shape, index_map):
+    return pl.BlockSpec(
+      block_shape,
+      index_map,
+      pipeline_mode=pl.Buffered(buffer_count=buffer_count),
+    )
+
+  return spec
+
+
 def _mesh():
   return pltpu.create_tensorcore_mesh("core", num_cores=1)
 
@@ -488,6 +511,7 @@ class _GmmConfig(NamedTuple):
   preferred_element_type: jnp.dtype
   transpose_rhs: bool
   interpret: Any
+  buffer_count: int
 
 
 def _gmm_call(
@@ -511,6 +535,7 @@ def _gmm_call(
   tiles_k = k_main // tk
   col_strips = _strips(n, tn)
   has_existing = existing_out is not None
+  block_spec = _block_specs(cfg.buffer_count)
 
   def rhs_view(ref, k_slice, n_slice):
     if cfg.transpose_rhs:
@@ -520,8 +545,8 @@ def _gmm_call(
   def rhs_block(bk, bn, kmap):
     # kmap(n_i, v, k_i) -> (expert, k block, n block)
     if cfg.transpose_rhs:
-      return pl.BlockSpec((None, bn, bk), lambda *idx: _swap_last(kmap(*idx)))
-    return pl.BlockSpec((None, bk, bn), kmap)
+      return block_spec((None, bn, bk), lambda *idx: _swap_last(kmap(*idx)))
+    return block_spec((None, bk, bn), kmap)
 
   def kernel(*refs):
     meta_hbm, lhs_hbm, rhs_hbm, *refs = refs
@@ -620,7 +645,7 @@ def _gmm_call(
             store(acc[...] + remainder())
 
       in_specs = [
-        pl.BlockSpec((tm, tk), lhs_map),
+        block_spec((tm, tk), lhs_map),
         rhs_block(tk, bn, rhs_map),
       ]
       in_refs = [
@@ -629,7 +654,7 @@ def _gmm_call(
       ]
       if k_rem:
         in_specs += [
-          pl.BlockSpec((tm, k_rem), rem_lhs_map),
+          block_spec((tm, k_rem), rem_lhs_map),
           rhs_block(k_rem, bn, rem_rhs_map),
         ]
         in_refs += [
@@ -637,13 +662,13 @@ def _gmm_call(
           rhs_view(rhs_hbm, pl.ds(k_main, k_rem), n_slice),
         ]
       if has_existing:
-        in_specs.append(pl.BlockSpec((tm, bn), out_map))
+        in_specs.append(block_spec((tm, bn), out_map))
         in_refs.append(existing_hbm.at[:, n_slice])
       pltpu.emit_pipeline(
         step,
         grid=(strip.size // bn, num_visits, tiles_k),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((tm, bn), out_map)],
+        out_specs=[block_spec((tm, bn), out_map)],
       )(*in_refs, out_hbm.at[:, n_slice])
 
   scratch = [pltpu.SMEM((layout.length,), jnp.int32)]
@@ -747,6 +772,7 @@ def _differentiable_gmm(cfg: _GmmConfig):
         preferred_element_type=jnp.dtype(rhs.dtype),
         num_actual_groups=num_local,
         interpret=cfg.interpret,
+        buffer_count=cfg.buffer_count,
       ),
     )
     if cfg.transpose_rhs:
@@ -860,6 +886,7 @@ def gmm(
     preferred_element_type=out_dtype,
     transpose_rhs=bool(transpose_rhs),
     interpret=interpret,
+    buffer_count=_default_buffer_count(),
   )
   return _jitted(_differentiable_gmm(cfg))(
     lhs, rhs, group_sizes, offset, existing_out
@@ -879,6 +906,7 @@ class _TgmmConfig(NamedTuple):
   preferred_element_type: jnp.dtype
   num_actual_groups: int
   interpret: Any
+  buffer_count: int
 
 
 def _tgmm_call(
@@ -899,6 +927,7 @@ def _tgmm_call(
     group_sizes, group_offset, m=m, tm=tm, num_local=num_local
   )
   has_existing = existing_out is not None
+  block_spec = _block_specs(cfg.buffer_count)
   strips = [(ks, ns) for ks in _strips(k, tk) for ns in _strips(n, tn)]
 
   def kernel(*refs):
@@ -978,18 +1007,18 @@ def _tgmm_call(
       k_slice = pl.ds(ks.start, ks.size)
       n_slice = pl.ds(ns.start, ns.size)
       in_specs = [
-        pl.BlockSpec((bk, tm), lhs_map),
-        pl.BlockSpec((tm, bn), rhs_map),
+        block_spec((bk, tm), lhs_map),
+        block_spec((tm, bn), rhs_map),
       ]
       in_refs = [lhs_hbm.at[k_slice, :], rhs_hbm.at[:, n_slice]]
       if has_existing:
-        in_specs.append(pl.BlockSpec((None, bk, bn), out_map))
+        in_specs.append(block_spec((None, bk, bn), out_map))
         in_refs.append(existing_hbm.at[:, k_slice, n_slice])
       pltpu.emit_pipeline(
         step,
         grid=(ns.size // bn, ks.size // bk, num_visits),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bk, bn), out_map)],
+        out_specs=[block_spec((None, bk, bn), out_map)],
       )(*in_refs, out_hbm.at[:, k_slice, n_slice])
 
   scratch = [pltpu.SMEM((layout.length,), jnp.int32)]
@@ -1103,6 +1132,7 @@ def tgmm(
     preferred_element_type=out_dtype,
     num_actual_groups=int(num_actual_groups),
     interpret=interpret,
+    buffer_count=_default_buffer_count(),
   )
   return _jitted_tgmm(cfg)(lhs, rhs, group_sizes, offset, existing_out)
 

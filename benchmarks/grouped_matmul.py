@@ -1,0 +1,184 @@
+"""gmm / tgmm on the CPU fallback vs jax.lax.ragged_dot and a dense matmul.
+
+Every ratio is ours / reference, timed in the same run with rounds
+interleaved (ours, reference, dense, ours, ...) so that load from other
+processes hits all sides alike; each side's time is its median over rounds.
+
+* gmm vs ``lax.ragged_dot`` and vs one dense ``(m, k) @ (k, n)`` matmul (the
+  same useful FLOPs). Targets: <= 0.5x ragged_dot, <= 3x dense.
+* tgmm vs ``lax.ragged_dot_general`` with the ragged dimension contracted
+  (the same computation).
+* forward + backward of a gmm loss vs the same with ragged_dot.
+
+  python benchmarks/grouped_matmul.py            # the issue's shapes
+  python benchmarks/grouped_matmul.py --quick    # small shapes, seconds
+  mpmd bench grouped_matmul [--quick]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mpmd.kernels import grouped_matmul as gm
+
+
+class Case(NamedTuple):
+  name: str
+  m: int
+  k: int
+  n: int
+  groups: int
+  dtype: str
+
+
+FULL_CASES = (
+  Case("issue", 1024, 512, 512, 8, "float32"),
+  Case("issue", 1024, 512, 512, 8, "bfloat16"),
+  Case("moe-large", 4096, 768, 1024, 16, "bfloat16"),
+)
+QUICK_CASES = (
+  Case("quick", 256, 128, 128, 4, "float32"),
+  Case("quick", 256, 128, 128, 4, "bfloat16"),
+)
+
+
+def _time_interleaved(
+  fns: dict[str, Callable[[], jax.Array]], rounds: int
+) -> dict[str, float]:
+  """Median seconds per call of each fn, timed round-robin."""
+  for fn in fns.values():  # compile and warm up
+    jax.block_until_ready(fn())
+  times: dict[str, list[float]] = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _group_sizes(rng: np.random.Generator, m: int, groups: int) -> np.ndarray:
+  """Uneven MoE-like routing: Dirichlet shares, every row assigned."""
+  shares = rng.dirichlet(np.full(groups, 2.0))
+  sizes = np.floor(shares * m).astype(np.int32)
+  sizes[np.argmax(sizes)] += m - sizes.sum()
+  return sizes
+
+
+def run_case(case: Case, rounds: int) -> dict[str, float]:
+  rng = np.random.default_rng(0)
+  dtype = jnp.dtype(case.dtype)
+  m, k, n, g = case.m, case.k, case.n, case.groups
+  lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  rhs = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), dtype)
+  dy = jnp.asarray(rng.standard_normal((m, n)), dtype)
+  sizes = jnp.asarray(_group_sizes(rng, m, g))
+  f32 = jnp.float32
+
+  ours = jax.jit(lambda a, b, s: gm.gmm(a, b, s, preferred_element_type=f32))
+  ref = jax.jit(
+    lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=f32)
+  )
+  dense = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=f32))
+  ours_t = jax.jit(lambda x, y, s: gm.tgmm(x, y, s, preferred_element_type=f32))
+  ragged_contract = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[],
+  )
+  ref_t = jax.jit(
+    lambda x, y, s: lax.ragged_dot_general(
+      x, y, s, ragged_contract, preferred_element_type=f32
+    )
+  )
+
+  def loss(matmul):
+    def f(a, b, s):
+      return jnp.sum(matmul(a, b, s).astype(f32) * dy.astype(f32))
+
+    return jax.jit(jax.grad(f, argnums=(0, 1)))
+
+  ours_grad = loss(lambda a, b, s: gm.gmm(a, b, s, preferred_element_type=f32))
+  ref_grad = loss(
+    lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=f32)
+  )
+
+  # Same answers before timing anything.
+  np.testing.assert_allclose(
+    ours(lhs, rhs, sizes), ref(lhs, rhs, sizes), rtol=2e-2, atol=2e-2
+  )
+  np.testing.assert_allclose(
+    ours_t(lhs.T, dy, sizes),
+    ref_t(lhs, dy, sizes),
+    rtol=2e-2,
+    atol=2e-2 * np.sqrt(m),
+  )
+
+  t = _time_interleaved(
+    {
+      "gmm": lambda: ours(lhs, rhs, sizes),
+      "ragged_dot": lambda: ref(lhs, rhs, sizes),
+      "dense": lambda: dense(lhs, rhs[0]),
+      "tgmm": lambda: ours_t(lhs.T, dy, sizes),
+      "ragged_dot_general": lambda: ref_t(lhs, dy, sizes),
+      "gmm fwd+bwd": lambda: ours_grad(lhs, rhs, sizes),
+      "ragged_dot fwd+bwd": lambda: ref_grad(lhs, rhs, sizes),
+    },
+    rounds,
+  )
+  return {
+    "tiling": gm.default_tiling(m, k, n, num_groups=g),
+    "gmm_ms": t["gmm"] * 1e3,
+    "gmm/ragged_dot": t["gmm"] / t["ragged_dot"],
+    "gmm/dense": t["gmm"] / t["dense"],
+    "tgmm/ragged_dot_general": t["tgmm"] / t["ragged_dot_general"],
+    "grad/ragged_dot_grad": t["gmm fwd+bwd"] / t["ragged_dot fwd+bwd"],
+  }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+    prog="mpmd bench grouped_matmul", description=__doc__.split("\n")[0]
+  )
+  parser.add_argument(
+    "--quick", action="store_true", help="small shapes (seconds on 2 cores)"
+  )
+  parser.add_argument(
+    "--rounds", type=int, default=None, help="timed rounds per function"
+  )
+  args = parser.parse_args(argv)
+  cases = QUICK_CASES if args.quick else FULL_CASES
+  rounds = args.rounds or (3 if args.quick else 7)
+  print(
+    f"grouped_matmul on the {jax.default_backend()} backend "
+    f"({'quick' if args.quick else 'full'}, {rounds} rounds, medians); "
+    "ratios are ours / reference, < 1 is faster"
+  )
+  for i, case in enumerate(cases, 1):
+    print(
+      f"[{i}/{len(cases)}] {case.name}: m={case.m} k={case.k} n={case.n} "
+      f"groups={case.groups} {case.dtype} ...",
+      flush=True,
+    )
+    r = run_case(case, rounds)
+    print(
+      f"    tiling {r['tiling']}  gmm {r['gmm_ms']:.2f} ms  "
+      f"gmm/ragged_dot {r['gmm/ragged_dot']:.2f}x (target <= 0.5)  "
+      f"gmm/dense {r['gmm/dense']:.2f}x (target <= 3)\n"
+      f"    tgmm/ragged_dot_general {r['tgmm/ragged_dot_general']:.2f}x  "
+      f"fwd+bwd vs ragged_dot {r['grad/ragged_dot_grad']:.2f}x",
+      flush=True,
+    )
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
