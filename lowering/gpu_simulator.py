@@ -9,8 +9,17 @@ import functools
 import threading
 from typing import Any
 
-from mpmd._jax import callback, core, gpu, mlir, source_info_util
+from mpmd._jax import (
+  callback,
+  core,
+  gpu,
+  mlir,
+  pallas_core,
+  pallas_primitives,
+  source_info_util,
+)
 from mpmd.lowering import common, watchdog
+from mpmd.primitives import mpmd_map as prim
 
 
 @functools.cache
@@ -67,6 +76,49 @@ def _exit(detect_races: bool):
     )
 
 
+def _is_barrier(aval) -> bool:
+  return isinstance(aval.inner_aval.dtype, gpu().core.BarrierType)
+
+
+def _scoped_barriers(jaxpr, num_operands, transforms, mesh, meshes):
+  """Barrier scratch -> one collective ``run_scoped`` over the warpgroups.
+
+  The simulator cannot take barriers as kernel scratch on jax 0.10.2 ("nan +
+  barrier"); a scope collective over the thread axis is the same allocation,
+  shared by every warpgroup of the block.
+  """
+  scratch = [v.aval for v in jaxpr.invars[num_operands:]]
+  barriers = [i for i, a in enumerate(scratch) if _is_barrier(a)]
+  if not barriers or mesh.thread_name is None:
+    return jaxpr, tuple(transforms)
+  kept = [i for i in range(len(scratch)) if i not in barriers]
+  types = [
+      pallas_core.MemoryRef(scratch[i].inner_aval, scratch[i].memory_space)
+      for i in barriers
+  ]
+
+  def body(*refs):
+    operands, kept_refs = refs[:num_operands], refs[num_operands:]
+
+    def scoped(*barrier_refs):
+      all_scratch = [None] * len(scratch)
+      for i, r in zip(kept, kept_refs, strict=True):
+        all_scratch[i] = r
+      for i, r in zip(barriers, barrier_refs, strict=True):
+        all_scratch[i] = r
+      core.eval_jaxpr(jaxpr, (), *operands, *all_scratch)
+
+    pallas_primitives.run_scoped(
+        scoped, *types, collective_axes=mesh.thread_name
+    )
+    return ()
+
+  avals = [v.aval for v in jaxpr.invars[:num_operands]]
+  avals += [scratch[i] for i in kept]
+  new = prim.retrace(jaxpr, mesh, (*meshes, mesh), body, avals)
+  return new, tuple(transforms[i] for i in kept)
+
+
 def lower(
     ctx: mlir.LoweringRuleContext,
     *in_nodes,
@@ -78,7 +130,13 @@ def lower(
 ):
   """Lowers one (possibly merged) GPU mesh kernel to the simulator."""
   _install_wait_hook()
+  num_operands = len(in_nodes) + len(params["out_avals"])
+  transforms = params["scratch_transforms"]
+  jaxpr, transforms = _scoped_barriers(
+      jaxpr, num_operands, transforms, mesh, params["meshes"]
+  )
   pallas_params = common.pallas_params(mesh, jaxpr, ctx, params)
+  pallas_params["kernel_arg_transforms"] = ((),) * num_operands + transforms
   if ranges is None:
     thread_axis = {mesh.thread_name: mesh.num_threads} if mesh.num_threads else {}
     ranges = (watchdog.MeshRange(0, thread_axis, 0),)

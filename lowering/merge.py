@@ -255,42 +255,14 @@ def _merged_gpu_mesh(meshes, total: int):
 def merge_for_gpu(num_in: int, params):
   """GPU meshes -> one Mosaic GPU mesh; each owns a warpgroup range.
 
-  Scratch (SMEM, barriers) becomes one collective ``run_scoped`` allocation
-  over all warpgroups of the block, shared by every mesh.
+  Kernel scratch (SMEM, barriers) is per block, so every mesh shares it.
   """
+  del num_in
   meshes = params["meshes"]
   layout = _gpu_layout(meshes)
   mesh = _merged_gpu_mesh(meshes, layout.total)
   jaxpr = _merge(layout, mesh, params["jaxprs"], "gpu")
-  jaxpr = scoped_scratch(
-      jaxpr, num_in + len(params["out_avals"]), mesh, (*meshes, mesh)
-  )
   return mesh, jaxpr, _strip_params(params, mesh, jaxpr)
-
-
-def scoped_scratch(jaxpr, num_operands: int, mesh, meshes):
-  """Kernel scratch -> a ``run_scoped`` allocation shared by the block.
-
-  Mosaic GPU allocates SMEM and barriers per block; allocating them in a
-  collective scope over the thread axis is how the simulator (and the
-  warp-specialized kernels upstream) share them between warpgroups.
-  """
-  scratch = [v.aval for v in jaxpr.invars[num_operands:]]
-  if not scratch or mesh.thread_name is None:
-    return jaxpr
-  types = [pallas_core.MemoryRef(a.inner_aval, a.memory_space) for a in scratch]
-
-  def body(*operands):
-    def scoped(*scratch_refs):
-      core.eval_jaxpr(jaxpr, (), *operands, *scratch_refs)
-
-    pallas_primitives.run_scoped(
-        scoped, *types, collective_axes=mesh.thread_name
-    )
-    return ()
-
-  avals = [v.aval for v in jaxpr.invars[:num_operands]]
-  return prim.retrace(jaxpr, mesh, meshes, body, avals)
 
 
 def merge_for_simulator(num_in: int, params, path):

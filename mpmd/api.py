@@ -15,6 +15,7 @@ from mpmd._jax import (
   pallas_core,
   pe,
   state,
+  state_types,
   tree_util,
 )
 from mpmd.lowering import paths
@@ -92,6 +93,12 @@ def mpmd_map(
       _canonical_owner(_scratch_aval(t, i)) for i, t in enumerate(flat_scratch)
   ]
   _check_scratch_owners(scratch_avals, meshes)
+  # Layout transforms of scratch (swizzled / tiled SMEM): the simulators
+  # allocate the logical buffer and need them.
+  scratch_transforms = tuple(
+      a.transforms if isinstance(a, state_types.TransformedRef) else ()
+      for a in scratch_avals
+  )
   aliases = FrozenDict(dict(input_output_aliases or {}))
   if interpret is False:
     interpret = None  # CPU has no native path: False means "the default".
@@ -125,6 +132,7 @@ def mpmd_map(
         cost_estimate=cost_estimate,
         name=name,
         metadata=FrozenDict(metadata) if metadata is not None else None,
+        scratch_transforms=scratch_transforms,
       )
     return out_tree.unflatten(flat_outs)
 
@@ -374,21 +382,39 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
   else:
     args = [*in_tree.unflatten(kernel_avals), *out_args, *scratch]
     kwargs = {}
-  flat_kernel_avals, kernel_tree = tree_util.tree_flatten((args, kwargs))
+  flat_views, kernel_tree = tree_util.tree_flatten((args, kwargs))
+  # Scratch with layout transforms (e.g. swizzled SMEM) is traced as its
+  # physical Ref; the kernel sees the transformed view of it.
+  flat_kernel_avals = [
+      v.ref if isinstance(v, state_types.TransformedRef) else v
+      for v in flat_views
+  ]
   traced = []
   for mesh, fn in zip(meshes, spec.fns, strict=True):
     debug_info = api_util.debug_info("mpmd_map", fn, flat_kernel_avals, {})
     if spec.name is not None:
       debug_info = debug_info.replace_func_name(spec.name)
-    flat_fn, fn_out_tree = api_util.flatten_fun(
-        lu.wrap_init(fn, debug_info=debug_info), kernel_tree
-    )
+    returned = []
+
+    def flat_fn(*refs, fn=fn, returned=returned):
+      refs = [
+          state_types.TransformedRef(r, v.transforms)
+          if isinstance(v, state_types.TransformedRef) else r
+          for r, v in zip(refs, flat_views, strict=True)
+      ]
+      args, kwargs = kernel_tree.unflatten(refs)
+      returned.append(fn(*args, **kwargs))
+      return []
+
     with _trace_context(mesh, meshes):
-      jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(flat_fn, flat_kernel_avals)
-    if fn_out_tree() != tree_util.tree_structure(None):
+      jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+          lu.wrap_init(flat_fn, debug_info=debug_info), flat_kernel_avals
+      )
+    if returned[0] is not None:
       raise ValueError(
           f"mpmd_map: kernel {debug_info.func_src_info}: must return None "
-          f"(write to its output refs), but it returned {fn_out_tree()}"
+          "(write to its output refs), but it returned "
+          f"{tree_util.tree_structure(returned[0])}"
       )
     _check_consts(consts, debug_info)
     traced.append((jaxpr, consts))

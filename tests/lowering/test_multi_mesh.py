@@ -341,3 +341,31 @@ def test_examples_run_correctly_on_cpu(example):
 
   demo = cli._load_demo(example)
   assert registry.check(demo) == "max |error| 0"
+
+
+def test_gpu_swizzled_smem_scratch_shared_by_two_meshes(rng):
+  memory = plgpu.Mesh(num_threads=1, thread_name="memory")
+  compute = plgpu.Mesh(num_threads=1, thread_name="compute")
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def load(x_ref, o_ref, smem, loaded):
+    plgpu.copy_gmem_to_smem(x_ref, smem, loaded)
+
+  def use(x_ref, o_ref, smem, loaded):
+    plgpu.barrier_wait(loaded)
+    o_ref[...] = smem[...] + 1.0
+
+  def f(x):
+    return mpmd.mpmd_map(
+        [(memory, load), (compute, use)],
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_types=[
+            plgpu.SMEM(x.shape, x.dtype, transforms=swizzled),
+            plgpu.Barrier(num_arrivals=1),
+        ],
+    )(x)
+
+  x = jnp.asarray(rng.standard_normal((128, 64)), jnp.float16)
+  np.testing.assert_array_equal(f(x), x + 1.0)
+  text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
