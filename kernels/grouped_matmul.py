@@ -25,6 +25,12 @@ and a remainder strip, each a static, in-bounds view with its own block
 shape. In ``gmm`` the K remainder is an extra input block accumulated on the
 last K step; N remainders (and, in ``tgmm``, K remainders, which are output
 dimensions there) run as a second pipeline over the strip.
+
+Per-platform choices (``tiling=None`` and the pipeline depth) follow the
+target: the abstract device of ``mpmd.tpu_target`` when cross-lowering,
+else the default backend. On TPU: megablox's (128, 128, 128) tiles, two
+buffers per operand. On the CPU fallback, where each pipeline step is a loop
+iteration and each DMA a copy: whole K and N blocks and one buffer.
 """
 
 from __future__ import annotations
@@ -1145,7 +1151,7 @@ def _jitted_tgmm(cfg: _TgmmConfig):
 # -------------------------------------------------------------------- demos
 
 
-def _demo_operands(transpose: bool = False):
+def _demo_operands():
   m, k, n, groups = 256, 128, 128, 4
   lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
   rhs = jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16)
