@@ -48,13 +48,13 @@ def consume(x_hbm, o_hbm, staged, ready, buf):
 def producer_consumer(x: jax.Array) -> jax.Array:
   """``out[c] = 2 * x + c`` for each consumer ``c``; x is f32 ``(8, 128)``."""
   return mpmd.mpmd_map(
-      [(consumers, consume), (producer, produce)],
-      jax.ShapeDtypeStruct((NUM_CONSUMERS, *x.shape), x.dtype),
-      scratch_types=[
-          pltpu.HBM(x.shape, x.dtype),              # shared by all programs
-          pltpu.SemaphoreType.REGULAR @ consumers,  # the consumers' semaphore
-          pltpu.VMEM(x.shape, x.dtype) @ consumers,
-      ],
+    [(consumers, consume), (producer, produce)],
+    jax.ShapeDtypeStruct((NUM_CONSUMERS, *x.shape), x.dtype),
+    scratch_types=[
+      pltpu.HBM(x.shape, x.dtype),  # shared by all programs
+      pltpu.SemaphoreType.REGULAR @ consumers,  # the consumers' semaphore
+      pltpu.VMEM(x.shape, x.dtype) @ consumers,
+    ],
   )(x)
 
 
@@ -65,17 +65,21 @@ def reference(x):
 def demo() -> registry.Demo:
   """For ``mpmd lower examples/producer_consumer.py --platform tpu``."""
   x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
-  return registry.Demo(producer_consumer, (x,), ("tpu", "cpu"),
-                       reference=reference)
+  return registry.Demo(
+    producer_consumer, (x,), ("tpu", "cpu"), reference=reference
+  )
 
 
 def main():
   x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
   np.testing.assert_allclose(jax.jit(producer_consumer)(x), reference(x))
   print("producer/consumer on the CPU fallback: OK")
-  text = jax.jit(producer_consumer).trace(x).lower(
-      lowering_platforms=("tpu",)
-  ).as_text()
+  text = (
+    jax.jit(producer_consumer)
+    .trace(x)
+    .lower(lowering_platforms=("tpu",))
+    .as_text()
+  )
   print("TPU lowering:", "OK" if "tpu_custom_call" in text else "FAIL")
 
 

@@ -1,6 +1,6 @@
 """Quickstart: a single-mesh mpmd_map kernel, run on CPU, lowered for TPU/CUDA.
 
-    python examples/quickstart.py
+python examples/quickstart.py
 """
 
 import os
@@ -29,9 +29,9 @@ def axpy_kernel(x_hbm, y_hbm, o_hbm, x_vmem, y_vmem):
 
 def axpy(x, y):
   return mpmd.mpmd_map(
-      [(mesh, axpy_kernel)],
-      jax.ShapeDtypeStruct(x.shape, x.dtype),
-      scratch_types=[pltpu.VMEM(x.shape, x.dtype)] * 2,
+    [(mesh, axpy_kernel)],
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+    scratch_types=[pltpu.VMEM(x.shape, x.dtype)] * 2,
   )(x, y)
 
 
@@ -54,8 +54,11 @@ def main():
   z = jnp.ones((128, 128), jnp.float32)
   np.testing.assert_allclose(gpu_add_one(z), z + 1.0)
   cuda = jax.jit(gpu_add_one).trace(z).lower(lowering_platforms=("cuda",))
-  print("GPU simulator: OK;", "CUDA lowering:",
-        "OK" if "mosaic_gpu" in cuda.as_text() else "FAIL")
+  print(
+    "GPU simulator: OK;",
+    "CUDA lowering:",
+    "OK" if "mosaic_gpu" in cuda.as_text() else "FAIL",
+  )
 
 
 if __name__ == "__main__":

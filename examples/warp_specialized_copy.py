@@ -54,7 +54,9 @@ def stream_in(x_ref, o_ref, ring, loaded, consumed):
 
 def transform(x_ref, o_ref, ring, loaded, consumed):
   wg = jax.lax.axis_index("compute")
-  cols = pl.ds(wg * (x_ref.shape[1] // COMPUTE_WGS), x_ref.shape[1] // COMPUTE_WGS)
+  cols = pl.ds(
+    wg * (x_ref.shape[1] // COMPUTE_WGS), x_ref.shape[1] // COMPUTE_WGS
+  )
 
   @pl.loop(0, _steps(x_ref))
   def _(step):
@@ -68,30 +70,37 @@ def transform(x_ref, o_ref, ring, loaded, consumed):
 def warp_specialized_copy(x: jax.Array) -> jax.Array:
   """``2 * x + 1`` for f32 ``x`` of shape ``(64 * k, 128)``."""
   return mpmd.mpmd_map(
-      [(memory, stream_in), (compute, transform)],
-      jax.ShapeDtypeStruct(x.shape, x.dtype),
-      scratch_types=[
-          plgpu.SMEM((SLOTS, BLOCK_ROWS, x.shape[1]), x.dtype),
-          plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
-          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=SLOTS),
-      ],
+    [(memory, stream_in), (compute, transform)],
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+    scratch_types=[
+      plgpu.SMEM((SLOTS, BLOCK_ROWS, x.shape[1]), x.dtype),
+      plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=SLOTS),
+    ],
   )(x)
 
 
 def demo() -> registry.Demo:
   """For ``mpmd lower examples/warp_specialized_copy.py --platform cuda``."""
   x = jnp.arange(4 * BLOCK_ROWS * 128, dtype=jnp.float32).reshape(-1, 128)
-  return registry.Demo(warp_specialized_copy, (x,), ("cuda", "cpu"),
-                       reference=lambda x: 2.0 * x + 1.0)
+  return registry.Demo(
+    warp_specialized_copy,
+    (x,),
+    ("cuda", "cpu"),
+    reference=lambda x: 2.0 * x + 1.0,
+  )
 
 
 def main():
   x = jnp.arange(4 * BLOCK_ROWS * 128, dtype=jnp.float32).reshape(-1, 128)
   np.testing.assert_allclose(jax.jit(warp_specialized_copy)(x), 2.0 * x + 1.0)
   print("warp-specialized copy in the GPU simulator: OK")
-  text = jax.jit(warp_specialized_copy).trace(x).lower(
-      lowering_platforms=("cuda",)
-  ).as_text()
+  text = (
+    jax.jit(warp_specialized_copy)
+    .trace(x)
+    .lower(lowering_platforms=("cuda",))
+    .as_text()
+  )
   print("CUDA lowering:", "OK" if "mosaic_gpu" in text else "FAIL")
 
 

@@ -7,14 +7,13 @@ from mpmd._jax import (
   core,
   hlo_interpreter,
   mlir,
-  pallas_call,
   pallas_core,
   pallas_primitives,
   state,
   state_discharge,
   tpu,
 )
-from mpmd.lowering import common, jaxpr_util, paths
+from mpmd.lowering import jaxpr_util, paths
 from mpmd.primitives import mpmd_map as prim
 
 
@@ -41,19 +40,24 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     from mpmd.lowering import merge
 
     mesh, jaxpr, params, ranges = merge.merge_for_simulator(
-        len(in_nodes), params, path
+      len(in_nodes), params, path
     )
   if path.kind == paths.TPU_SIMULATOR:
     from mpmd.lowering import tpu_simulator as simulator
   else:
     from mpmd.lowering import gpu_simulator as simulator
   return simulator.lower(
-      ctx, *in_nodes, mesh=mesh, jaxpr=jaxpr, interpret=path.params,
-      params=params, ranges=ranges,
+    ctx,
+    *in_nodes,
+    mesh=mesh,
+    jaxpr=jaxpr,
+    interpret=path.params,
+    params=params,
+    ranges=ranges,
   )
 
 
-# -- the fast path ---------------------------------------------------------------
+# -- the fast path ------------------------------------------------------------
 
 
 def _is_shared(aval) -> bool:
@@ -146,7 +150,9 @@ def _run_unrolled(
     ]
     # The discharged program returns the final value of each Ref operand.
     updated = iter(core.eval_jaxpr(program.jaxpr, program.consts, *operands))
-    operands = [next(updated) if r else x for x, r in zip(operands, is_ref)]
+    operands = [
+      next(updated) if r else x for x, r in zip(operands, is_ref, strict=True)
+    ]
     outs = operands[num_in : num_in + num_out]
     shared = {k: operands[num_in + num_out + k] for k in shared}
   return outs

@@ -44,12 +44,13 @@ def _install_wait_hook() -> None:
       raise_here(message)
 
     with (
-        watchdog.reraise_with_message(),
-        watchdog.waiting(
-            f"device {device_id} "
-            f"{watchdog.describe_program(int(local_thread_id))}",
-            f"on a barrier (phase {self.phase})", where, abort,
-        ),
+      watchdog.reraise_with_message(),
+      watchdog.waiting(
+        f"device {device_id} {watchdog.describe_program(int(local_thread_id))}",
+        f"on a barrier (phase {self.phase})",
+        where,
+        abort,
+      ),
     ):
       return original(self, device_id, local_thread_id, logging_info)
 
@@ -71,8 +72,8 @@ def _exit(detect_races: bool):
   races = gpu().simulator_callbacks._races
   if detect_races and races is not None and races.races_found:
     raise watchdog.RaceError(
-        "mpmd_map: the GPU simulator's race detector found programs racing "
-        "on a buffer (accesses not ordered by barriers)"
+      "mpmd_map: the GPU simulator's race detector found programs racing "
+      "on a buffer (accesses not ordered by barriers)"
     )
 
 
@@ -93,8 +94,8 @@ def _scoped_barriers(jaxpr, num_operands, transforms, mesh, meshes):
     return jaxpr, tuple(transforms)
   kept = [i for i in range(len(scratch)) if i not in barriers]
   types = [
-      pallas_core.MemoryRef(scratch[i].inner_aval, scratch[i].memory_space)
-      for i in barriers
+    pallas_core.MemoryRef(scratch[i].inner_aval, scratch[i].memory_space)
+    for i in barriers
   ]
 
   def body(*refs):
@@ -109,7 +110,7 @@ def _scoped_barriers(jaxpr, num_operands, transforms, mesh, meshes):
       core.eval_jaxpr(jaxpr, (), *operands, *all_scratch)
 
     pallas_primitives.run_scoped(
-        scoped, *types, collective_axes=mesh.thread_name
+      scoped, *types, collective_axes=mesh.thread_name
     )
     return ()
 
@@ -120,35 +121,37 @@ def _scoped_barriers(jaxpr, num_operands, transforms, mesh, meshes):
 
 
 def lower(
-    ctx: mlir.LoweringRuleContext,
-    *in_nodes,
-    mesh: Any,
-    jaxpr: core.Jaxpr,
-    interpret: Any,
-    params: dict[str, Any],
-    ranges: tuple[watchdog.MeshRange, ...] | None = None,
+  ctx: mlir.LoweringRuleContext,
+  *in_nodes,
+  mesh: Any,
+  jaxpr: core.Jaxpr,
+  interpret: Any,
+  params: dict[str, Any],
+  ranges: tuple[watchdog.MeshRange, ...] | None = None,
 ):
   """Lowers one (possibly merged) GPU mesh kernel to the simulator."""
   _install_wait_hook()
   num_operands = len(in_nodes) + len(params["out_avals"])
   transforms = params["scratch_transforms"]
   jaxpr, transforms = _scoped_barriers(
-      jaxpr, num_operands, transforms, mesh, params["meshes"]
+    jaxpr, num_operands, transforms, mesh, params["meshes"]
   )
   pallas_params = common.pallas_params(mesh, jaxpr, ctx, params)
   pallas_params["kernel_arg_transforms"] = ((),) * num_operands + transforms
   if ranges is None:
-    thread_axis = {mesh.thread_name: mesh.num_threads} if mesh.num_threads else {}
+    thread_axis = (
+      {mesh.thread_name: mesh.num_threads} if mesh.num_threads else {}
+    )
     ranges = (watchdog.MeshRange(0, thread_axis, 0),)
   key = watchdog.register_launch(ranges)
 
   def launch(*args):
     callback.io_callback(functools.partial(_enter, key), None, ordered=True)
     results = gpu().simulator.interpret_pallas_call(
-        *args, interpret_params=interpret, **pallas_params
+      *args, interpret_params=interpret, **pallas_params
     )
     callback.io_callback(
-        functools.partial(_exit, interpret.detect_races), None, ordered=True
+      functools.partial(_exit, interpret.detect_races), None, ordered=True
     )
     return results
 

@@ -203,14 +203,18 @@ def map_avals(jaxpr: core.Jaxpr, fn: Callable[[Any], Any]) -> core.Jaxpr:
   invars = [var(v) for v in jaxpr.invars]
   eqns = []
   for eqn in jaxpr.eqns:
-    eqns.append(eqn.replace(
+    eqns.append(
+      eqn.replace(
         invars=[var(v) for v in eqn.invars],
         outvars=[var(v) for v in eqn.outvars],
         params={k: _map_jaxprs(v, sub) for k, v in eqn.params.items()},
         effects={effect(e) for e in eqn.effects},
-    ))
+      )
+    )
   return jaxpr.replace(
-      constvars=constvars, invars=invars,
-      outvars=[var(v) for v in jaxpr.outvars], eqns=eqns,
-      effects={effect(e) for e in jaxpr.effects},
+    constvars=constvars,
+    invars=invars,
+    outvars=[var(v) for v in jaxpr.outvars],
+    eqns=eqns,
+    effects={effect(e) for e in jaxpr.effects},
   )

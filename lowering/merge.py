@@ -24,13 +24,13 @@ import jax
 import numpy as np
 
 from mpmd._jax import (
-    core,
-    gpu,
-    pallas_core,
-    pallas_primitives,
-    state,
-    tpu,
-    tree_util,
+  core,
+  gpu,
+  pallas_core,
+  pallas_primitives,
+  state,
+  tpu,
+  tree_util,
 )
 from mpmd.lowering import jaxpr_util, watchdog
 from mpmd.primitives import mpmd_map as prim
@@ -61,10 +61,10 @@ class Layout:
 
   def ranges(self) -> tuple[watchdog.MeshRange, ...]:
     return tuple(
-        watchdog.MeshRange(i, dict(axes), offset)
-        for i, (axes, offset) in enumerate(
-            zip(self.local_axes, self.offsets, strict=True)
-        )
+      watchdog.MeshRange(i, dict(axes), offset)
+      for i, (axes, offset) in enumerate(
+        zip(self.local_axes, self.offsets, strict=True)
+      )
     )
 
   def owner(self, axis: Any) -> int | None:
@@ -89,8 +89,8 @@ def _program_of(layout: Layout, j: int, coords: dict[Any, Any], caller: str):
   missing = [a for a in axes if a not in coords]
   if missing:
     raise ValueError(
-        f"mpmd_map: {caller} names mesh {j} by axes {sorted(map(str, coords))}"
-        f" but not {missing}; name every axis of the target mesh"
+      f"mpmd_map: {caller} names mesh {j} by axes {sorted(map(str, coords))}"
+      f" but not {missing}; name every axis of the target mesh"
     )
   sizes = list(axes.values())
   flat = jax.numpy.int32(layout.offsets[j])
@@ -104,14 +104,16 @@ def _split_device_id(layout: Layout, device_id: Any, caller: str):
   """Splits a ``device_id`` dict into (target program, device-mesh part)."""
   if not isinstance(device_id, dict):
     return None, device_id
-  kernel_axes = {a: v for a, v in device_id.items() if layout.owner(a) is not None}
+  kernel_axes = {
+    a: v for a, v in device_id.items() if layout.owner(a) is not None
+  }
   if not kernel_axes:
     return None, device_id
   owners = {layout.owner(a) for a in kernel_axes}
   if len(owners) > 1:
     raise ValueError(
-        f"mpmd_map: {caller} names axes {sorted(map(str, kernel_axes))} of "
-        f"several meshes {sorted(owners)}; a program belongs to one mesh"
+      f"mpmd_map: {caller} names axes {sorted(map(str, kernel_axes))} of "
+      f"several meshes {sorted(owners)}; a program belongs to one mesh"
     )
   [j] = owners
   rest = {a: v for a, v in device_id.items() if a not in kernel_axes}
@@ -120,9 +122,10 @@ def _split_device_id(layout: Layout, device_id: Any, caller: str):
 
 def _rule(layout: Layout, i: int, platform: str):
   axis_rule = jaxpr_util.axis_index_rule(
-      lambda axis: _local_index(layout, i, axis)
-      if axis in layout.local_axes[i] else None,
-      dict(layout.local_axes[i]),
+    lambda axis: (
+      _local_index(layout, i, axis) if axis in layout.local_axes[i] else None
+    ),
+    dict(layout.local_axes[i]),
   )
 
   def rule(eqn, invals):
@@ -130,37 +133,38 @@ def _rule(layout: Layout, i: int, platform: str):
       tree = eqn.params["args_tree"]
       ref, transforms, inc, device_id, core_index = tree.unflatten(invals)
       target, device_id = _split_device_id(
-          layout, device_id, "semaphore_signal(device_id=...)"
+        layout, device_id, "semaphore_signal(device_id=...)"
       )
       if target is None:
         return axis_rule(eqn, invals)
       if core_index is not None:
         raise ValueError(
-            "mpmd_map: semaphore_signal names its target program both by "
-            "device_id mesh axes and by core_index; use one"
+          "mpmd_map: semaphore_signal names its target program both by "
+          "device_id mesh axes and by core_index; use one"
         )
       if platform == "gpu":
         raise NotImplementedError(
-            "mpmd_map: GPU programs synchronise through barriers; "
-            "semaphore_signal to another mesh's program is TPU-only"
+          "mpmd_map: GPU programs synchronise through barriers; "
+          "semaphore_signal to another mesh's program is TPU-only"
         )
       flat, new_tree = tree_util.tree_flatten(
-          [ref, transforms, inc, device_id, target]
+        [ref, transforms, inc, device_id, target]
       )
       pallas_primitives.semaphore_signal_p.bind(
-          *flat, args_tree=new_tree,
-          device_id_type=eqn.params["device_id_type"],
+        *flat,
+        args_tree=new_tree,
+        device_id_type=eqn.params["device_id_type"],
       )
       return []
     if eqn.primitive.name in ("dma_start", "dma_wait"):
       *_, device_id = eqn.params["tree"].unflatten(invals)
       if isinstance(device_id, dict) and any(
-          layout.owner(a) is not None for a in device_id
+        layout.owner(a) is not None for a in device_id
       ):
         raise NotImplementedError(
-            "mpmd_map: a DMA cannot target another program of the launch "
-            "(DMAs land on the same core of the destination device); stage "
-            "cross-mesh data in shared HBM scratch and signal a semaphore"
+          "mpmd_map: a DMA cannot target another program of the launch "
+          "(DMAs land on the same core of the destination device); stage "
+          "cross-mesh data in shared HBM scratch and signal a semaphore"
         )
     return axis_rule(eqn, invals)
 
@@ -170,7 +174,7 @@ def _rule(layout: Layout, i: int, platform: str):
 def _strip_owner(aval):
   """``type @ mesh`` is a plain memory space once programs are merged."""
   if isinstance(aval, state.AbstractRef) and isinstance(
-      aval.memory_space, pallas_core.CoreMemorySpace
+    aval.memory_space, pallas_core.CoreMemorySpace
   ):
     return state.AbstractRef(aval.inner_aval, aval.memory_space.memory_space)
   return aval
@@ -189,18 +193,18 @@ def _merge(layout: Layout, merged_mesh, jaxprs, platform, avals=None):
 
   def body(*refs):
     program = jax.lax.axis_index(SUPER_AXIS)
-    which = sum(
-        (program >= np.int32(o)).astype(np.int32) for o in offsets[1:]
-    ) if len(offsets) > 1 else np.int32(0)
-    branches = [
-        (lambda j=j: core.eval_jaxpr(j, (), *refs)) for j in rewritten
-    ]
+    which = (
+      sum((program >= np.int32(o)).astype(np.int32) for o in offsets[1:])
+      if len(offsets) > 1
+      else np.int32(0)
+    )
+    branches = [(lambda j=j: core.eval_jaxpr(j, (), *refs)) for j in rewritten]
     jax.lax.switch(which, [lambda b=b: (b(), None)[1] for b in branches])
     return ()
 
   avals = avals or [_strip_owner(v.aval) for v in jaxprs[0].invars]
   return prim.retrace(
-      jaxprs[0], merged_mesh, (*meshes, merged_mesh), body, avals
+    jaxprs[0], merged_mesh, (*meshes, merged_mesh), body, avals
   )
 
 
@@ -225,30 +229,37 @@ def _gpu_layout(meshes) -> Layout:
   first = meshes[0]
   for i, m in enumerate(meshes):
     if (m.grid, m.grid_names, m.cluster, m.cluster_names) != (
-        first.grid, first.grid_names, first.cluster, first.cluster_names
+      first.grid,
+      first.grid_names,
+      first.cluster,
+      first.cluster_names,
     ):
       raise ValueError(
-          "mpmd_map: GPU meshes of one launch share the grid and cluster "
-          f"(they are warpgroups of the same blocks); mesh 0 has grid "
-          f"{dict(zip(first.grid_names, first.grid))}, mesh {i} has "
-          f"{dict(zip(m.grid_names, m.grid))}"
+        "mpmd_map: GPU meshes of one launch share the grid and cluster "
+        f"(they are warpgroups of the same blocks); mesh 0 has grid "
+        f"{dict(zip(first.grid_names, first.grid, strict=True))}, mesh {i} has "
+        f"{dict(zip(m.grid_names, m.grid, strict=True))}"
       )
     if m.num_threads is None:
       raise ValueError(
-          f"mpmd_map: GPU mesh {i} needs num_threads and thread_name (its "
-          "warpgroups) to share a launch with other meshes"
+        f"mpmd_map: GPU mesh {i} needs num_threads and thread_name (its "
+        "warpgroups) to share a launch with other meshes"
       )
   return Layout(
-      tuple(meshes), tuple({m.thread_name: m.num_threads} for m in meshes)
+    tuple(meshes), tuple({m.thread_name: m.num_threads} for m in meshes)
   )
 
 
 def _merged_gpu_mesh(meshes, total: int):
   first = meshes[0]
   return gpu().core.Mesh(
-      grid=first.grid, grid_names=first.grid_names, cluster=first.cluster,
-      cluster_names=first.cluster_names, num_threads=total,
-      thread_name=SUPER_AXIS, kernel_name=first.kernel_name,
+    grid=first.grid,
+    grid_names=first.grid_names,
+    cluster=first.cluster,
+    cluster_names=first.cluster_names,
+    num_threads=total,
+    thread_name=SUPER_AXIS,
+    kernel_name=first.kernel_name,
   )
 
 

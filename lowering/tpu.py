@@ -1,6 +1,5 @@
 """TPU: Mosaic, natively MPMD where Mosaic is, merged where it is not."""
 
-from mpmd import targets
 from mpmd._jax import mlir, tpu
 from mpmd.primitives import mpmd_map as prim
 
@@ -26,22 +25,21 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
       "next to SparseCore kernels; got meshes of core types "
       f"{sorted(str(t) for t in core_types)}"
     )
-  with targets.tpu_facts():
-    return tpu().registration.mpmd_map_tpu_lowering_rule(
-      ctx,
-      *in_nodes,
-      meshes=meshes,
-      jaxprs=jaxprs,
-      out_avals=params["out_avals"],
-      input_output_aliases=params["input_output_aliases"],
-      compiler_params=params["compiler_params"],
-      interpret=None,
-      debug=params["debug"],
-      cost_estimate=params["cost_estimate"],
-      metadata=params["metadata"],
-      name=params["name"],
-      external_meshes=(),
-      num_scratch=prim.num_scratch(
-        jaxprs, len(in_nodes), len(params["out_avals"])
-      ),
-    )
+  return tpu().registration.mpmd_map_tpu_lowering_rule(
+    ctx,
+    *in_nodes,
+    meshes=meshes,
+    jaxprs=jaxprs,
+    out_avals=params["out_avals"],
+    input_output_aliases=params["input_output_aliases"],
+    compiler_params=params["compiler_params"],
+    interpret=None,
+    debug=params["debug"],
+    cost_estimate=params["cost_estimate"],
+    metadata=params["metadata"],
+    name=params["name"],
+    external_meshes=(),
+    num_scratch=prim.num_scratch(
+      jaxprs, len(in_nodes), len(params["out_avals"])
+    ),
+  )

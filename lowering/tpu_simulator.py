@@ -17,12 +17,11 @@ import jax
 
 from mpmd._jax import (
   callback,
-  source_info_util,
   core,
   mlir,
-  pallas_call,
   pallas_core,
   pallas_primitives,
+  source_info_util,
   tpu,
   tree_util,
   util,
@@ -75,18 +74,22 @@ def _install_wait_hook() -> None:
 
     def abort(message):
       memory.set_failed(
-          watchdog.DeadlockError(message), device, core, top_level=False
+        watchdog.DeadlockError(message), device, core, top_level=False
       )
 
     with watchdog.waiting(
-        f"device {device} {watchdog.describe_program(core)}",
-        f"on a {kind} for {value} (it holds "
-        f"{int(self.count_by_core[global_core_id])})",
-        where, abort,
+      f"device {device} {watchdog.describe_program(core)}",
+      f"on a {kind} for {value} (it holds "
+      f"{int(self.count_by_core[global_core_id])})",
+      where,
+      abort,
     ):
       return original(
-          self, value, global_core_id, has_tasks=has_tasks,
-          logging_info=logging_info,
+        self,
+        value,
+        global_core_id,
+        has_tasks=has_tasks,
+        logging_info=logging_info,
       )
 
   semaphore.wait = wait
@@ -106,19 +109,19 @@ def _exit(detect_races: bool):
   races = tpu().simulator.races
   if detect_races and races is not None and races.races_found:
     raise watchdog.RaceError(
-        "mpmd_map: the TPU simulator's race detector found programs racing "
-        "on a buffer (accesses not ordered by semaphores or DMA waits)"
+      "mpmd_map: the TPU simulator's race detector found programs racing "
+      "on a buffer (accesses not ordered by semaphores or DMA waits)"
     )
 
 
 def lower(
-    ctx: mlir.LoweringRuleContext,
-    *in_nodes,
-    mesh: Any,
-    jaxpr: core.Jaxpr,
-    interpret: Any,
-    params: dict[str, Any],
-    ranges: tuple[watchdog.MeshRange, ...] | None = None,
+  ctx: mlir.LoweringRuleContext,
+  *in_nodes,
+  mesh: Any,
+  jaxpr: core.Jaxpr,
+  interpret: Any,
+  params: dict[str, Any],
+  ranges: tuple[watchdog.MeshRange, ...] | None = None,
 ):
   """Lowers one (possibly merged) TPU mesh kernel to the simulator.
 
@@ -147,10 +150,10 @@ def lower(
   def launch(*args):
     callback.io_callback(functools.partial(_enter, key), None, ordered=True)
     results = tpu().simulator.interpret_pallas_call(
-        *args, interpret_params=interpret, **pallas_params
+      *args, interpret_params=interpret, **pallas_params
     )
     callback.io_callback(
-        functools.partial(_exit, interpret.detect_races), None, ordered=True
+      functools.partial(_exit, interpret.detect_races), None, ordered=True
     )
     return results[:num_out]
 

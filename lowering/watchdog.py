@@ -7,12 +7,12 @@ has lasted longer than the deadlock timeout, with an error naming every
 program that is still waiting.
 """
 
-from collections.abc import Callable, Iterator
 import contextlib
 import ctypes
 import dataclasses
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 DEFAULT_DEADLOCK_TIMEOUT_S = 60.0
 _POLL_S = 0.05
@@ -37,7 +37,7 @@ def set_deadlock_timeout(seconds: float) -> None:
   global _timeout_s
   if not seconds > 0:
     raise ValueError(
-        f"deadlock_timeout: expected 'seconds' > 0, got {seconds!r}"
+      f"deadlock_timeout: expected 'seconds' > 0, got {seconds!r}"
     )
   _timeout_s = float(seconds)
 
@@ -106,13 +106,13 @@ def describe_program(program: int) -> str:
         coords.append(f"{name}={local % size}")
         local //= size
       return (
-          f"mesh {r.index} program {program - r.offset} "
-          f"({', '.join(reversed(coords))})"
+        f"mesh {r.index} program {program - r.offset} "
+        f"({', '.join(reversed(coords))})"
       )
   return f"program {program}"
 
 
-# -- waits ----------------------------------------------------------------------
+# -- waits --------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -137,7 +137,7 @@ def waiting(who: str, what: str, where: str, abort: Callable[[str], None]):
     _waits[ident] = _Wait(who, what, where, time.monotonic(), abort)
     if not _watchdog:
       thread = threading.Thread(
-          target=_watch, name="mpmd-deadlock-watchdog", daemon=True
+        target=_watch, name="mpmd-deadlock-watchdog", daemon=True
       )
       _watchdog.append(thread)
       thread.start()
@@ -159,13 +159,13 @@ def _watch() -> None:
       waits = list(_waits.values())
       _waits.clear()
     lines = "\n".join(
-        f"  {w.who} waits {w.what}" + (f" at {w.where}" if w.where else "")
-        for w in waits
+      f"  {w.who} waits {w.what}" + (f" at {w.where}" if w.where else "")
+      for w in waits
     )
     message = (
-        f"mpmd_map deadlock: a simulated program waited more than "
-        f"{_timeout_s:g} s and nothing can wake it. Still waiting:\n{lines}\n"
-        "(set the limit with mpmd.set_deadlock_timeout)"
+      f"mpmd_map deadlock: a simulated program waited more than "
+      f"{_timeout_s:g} s and nothing can wake it. Still waiting:\n{lines}\n"
+      "(set the limit with mpmd.set_deadlock_timeout)"
     )
     for w in waits:
       w.abort(message)
@@ -185,7 +185,7 @@ def raise_in_thread(ident: int, notify: Callable[[], None]) -> Callable:
   def abort(message: str) -> None:
     _messages[ident] = message
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(ident), ctypes.py_object(DeadlockError)
+      ctypes.c_ulong(ident), ctypes.py_object(DeadlockError)
     )
     notify()
 

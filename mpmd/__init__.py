@@ -15,6 +15,7 @@ from mpmd.lowering.watchdog import deadlock_timeout as deadlock_timeout
 from mpmd.lowering.watchdog import set_deadlock_timeout as set_deadlock_timeout
 from mpmd.primitives.mpmd_map import mpmd_map_p as mpmd_map_p
 from mpmd.targets import TPU_TARGETS as TPU_TARGETS
+from mpmd.targets import install as _install_tpu_targets
 from mpmd.targets import tpu_target as tpu_target
 
 __version__ = "0.1.0"
@@ -26,4 +27,5 @@ __all__ = [
   "tpu_target",
 ]
 
-del _lowering
+_install_tpu_targets()
+del _lowering, _install_tpu_targets

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from mpmd import _jax, targets
+from mpmd import _jax
 from mpmd._jax import (
   FrozenDict,
   api_util,
@@ -22,6 +22,10 @@ from mpmd.lowering import paths
 from mpmd.primitives import mpmd_map as prim
 
 MeshAndFn = tuple[Any, Callable[..., None]]
+
+
+def _short(aval) -> str:
+  return aval.str_short(short_dtypes=True)
 
 
 def mpmd_map(
@@ -90,23 +94,28 @@ def mpmd_map(
   out_avals = tuple(_out_aval(t, i) for i, t in enumerate(flat_out_types))
   flat_scratch, scratch_tree = tree_util.tree_flatten(scratch_types)
   scratch_avals = [
-      _canonical_owner(_scratch_aval(t, i)) for i, t in enumerate(flat_scratch)
+    _canonical_owner(_scratch_aval(t, i)) for i, t in enumerate(flat_scratch)
   ]
   _check_scratch_owners(scratch_avals, meshes)
   # Layout transforms of scratch (swizzled / tiled SMEM): the simulators
   # allocate the logical buffer and need them.
   scratch_transforms = tuple(
-      a.transforms if isinstance(a, state_types.TransformedRef) else ()
-      for a in scratch_avals
+    a.transforms if isinstance(a, state_types.TransformedRef) else ()
+    for a in scratch_avals
   )
   aliases = FrozenDict(dict(input_output_aliases or {}))
   if interpret is False:
     interpret = None  # CPU has no native path: False means "the default".
   is_output_sequence = isinstance(out_types, Sequence)
   kernels = _KernelSpec(
-      meshes=meshes, fns=tuple(fns), out_avals=out_avals, out_tree=out_tree,
-      is_output_sequence=is_output_sequence,
-      scratch_avals=tuple(scratch_avals), scratch_tree=scratch_tree, name=name,
+    meshes=meshes,
+    fns=tuple(fns),
+    out_avals=out_avals,
+    out_tree=out_tree,
+    is_output_sequence=is_output_sequence,
+    scratch_avals=tuple(scratch_avals),
+    scratch_tree=scratch_tree,
+    name=name,
   )
 
   def wrapper(*args):
@@ -139,7 +148,7 @@ def mpmd_map(
   return wrapper
 
 
-# -- validation --------------------------------------------------------------------
+# -- validation ---------------------------------------------------------------
 
 
 def _is_mesh(mesh: Any) -> bool:
@@ -247,8 +256,8 @@ def _canonical_owner(aval: Any) -> Any:
     owner = _canonical_mesh(space.mesh)
     if owner is not space.mesh:
       return state.AbstractRef(
-          aval.inner_aval,
-          pallas_core.CoreMemorySpace(space.memory_space, owner),
+        aval.inner_aval,
+        pallas_core.CoreMemorySpace(space.memory_space, owner),
       )
   return aval
 
@@ -257,8 +266,7 @@ def _same_mesh(a: Any, b: Any) -> bool:
   # Not `==`: TensorCoreMesh compares its device arrays elementwise and
   # crashes on meshes of different sizes (jax 0.10.2).
   return a is b or (
-      type(a) is type(b) and hash(a) == hash(b)
-      and dict(a.shape) == dict(b.shape)
+    type(a) is type(b) and hash(a) == hash(b) and dict(a.shape) == dict(b.shape)
   )
 
 
@@ -269,17 +277,17 @@ def _check_scratch_owners(scratch_avals, meshes) -> None:
     if isinstance(space, pallas_core.CoreMemorySpace):
       if not any(_same_mesh(space.mesh, m) for m in meshes):
         raise ValueError(
-            f"mpmd_map: scratch_types leaf {i} is owned (`@ mesh`) by a mesh "
-            f"of core type {space.mesh.core_type} that is not in this launch"
+          f"mpmd_map: scratch_types leaf {i} is owned (`@ mesh`) by a mesh "
+          f"of core type {space.mesh.core_type} that is not in this launch"
         )
       continue
     tpu_launch = not any(paths.is_gpu_mesh(m) for m in meshes)
     if len(meshes) > 1 and tpu_launch and space not in shared:
       raise ValueError(
-          f"mpmd_map: scratch_types leaf {i} is in {space} with no owner; "
-          "with several meshes, per-program scratch names its mesh "
-          "(`pltpu.VMEM @ mesh`, `pltpu.SemaphoreType.REGULAR @ mesh`) and "
-          "scratch shared by all programs is pltpu.HBM"
+        f"mpmd_map: scratch_types leaf {i} is in {space} with no owner; "
+        "with several meshes, per-program scratch names its mesh "
+        "(`pltpu.VMEM @ mesh`, `pltpu.SemaphoreType.REGULAR @ mesh`) and "
+        "scratch shared by all programs is pltpu.HBM"
       )
 
 
@@ -314,7 +322,7 @@ def _check_consts(consts: Sequence[Any], debug_info) -> None:
   if bad:
     raise ValueError(
       f"mpmd_map: kernel {debug_info.func_src_info}: closes over arrays "
-      f"{[a.str_short(short_dtypes=True) for a in bad]}; pass them as inputs (only Refs and "
+      f"{[_short(a) for a in bad]}; pass them as inputs (only Refs and "
       "scalars may be closed over)"
     )
 
@@ -329,12 +337,12 @@ def _check_aliases(aliases, in_avals, out_avals) -> None:
     a, b = in_avals[i], out_avals[o]
     if (a.shape, a.dtype) != (b.shape, b.dtype):
       raise ValueError(
-        f"mpmd_map: input {i} ({a.str_short(short_dtypes=True)}) cannot alias output {o} "
-        f"({b.str_short(short_dtypes=True)}): shapes and dtypes must match"
+        f"mpmd_map: input {i} ({_short(a)}) cannot alias output {o} "
+        f"({_short(b)}): shapes and dtypes must match"
       )
 
 
-# -- tracing ---------------------------------------------------------------------
+# -- tracing ------------------------------------------------------------------
 
 
 class _KernelSpec(NamedTuple):
@@ -386,8 +394,8 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
   # Scratch with layout transforms (e.g. swizzled SMEM) is traced as its
   # physical Ref; the kernel sees the transformed view of it.
   flat_kernel_avals = [
-      v.ref if isinstance(v, state_types.TransformedRef) else v
-      for v in flat_views
+    v.ref if isinstance(v, state_types.TransformedRef) else v
+    for v in flat_views
   ]
   traced = []
   for mesh, fn in zip(meshes, spec.fns, strict=True):
@@ -398,9 +406,10 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
 
     def flat_fn(*refs, fn=fn, returned=returned):
       refs = [
-          state_types.TransformedRef(r, v.transforms)
-          if isinstance(v, state_types.TransformedRef) else r
-          for r, v in zip(refs, flat_views, strict=True)
+        state_types.TransformedRef(r, v.transforms)
+        if isinstance(v, state_types.TransformedRef)
+        else r
+        for r, v in zip(refs, flat_views, strict=True)
       ]
       args, kwargs = kernel_tree.unflatten(refs)
       returned.append(fn(*args, **kwargs))
@@ -408,13 +417,13 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
 
     with _trace_context(mesh, meshes):
       jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-          lu.wrap_init(flat_fn, debug_info=debug_info), flat_kernel_avals
+        lu.wrap_init(flat_fn, debug_info=debug_info), flat_kernel_avals
       )
     if returned[0] is not None:
       raise ValueError(
-          f"mpmd_map: kernel {debug_info.func_src_info}: must return None "
-          "(write to its output refs), but it returned "
-          f"{tree_util.tree_structure(returned[0])}"
+        f"mpmd_map: kernel {debug_info.func_src_info}: must return None "
+        "(write to its output refs), but it returned "
+        f"{tree_util.tree_structure(returned[0])}"
       )
     _check_consts(consts, debug_info)
     traced.append((jaxpr, consts))
@@ -423,10 +432,7 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
 
 @contextlib.contextmanager
 def _trace_context(mesh: Any, meshes: Sequence[Any]):
-  facts = (
-    contextlib.nullcontext() if paths.is_gpu_mesh(mesh) else targets.tpu_facts()
-  )
-  with facts, prim.tracing_context(mesh, meshes):
+  with prim.tracing_context(mesh, meshes):
     yield
 
 

@@ -1,18 +1,18 @@
 """The ``mpmd`` command: check the install, lower kernels, benchmark them.
 
-  mpmd check                               versions, what lowers, what runs
-  mpmd lower NAME|FILE.py --platform tpu   print (or -o write) the module
-  mpmd bench NAME [args...]                benchmarks/NAME.py, as ratios
+mpmd check                               versions, what lowers, what runs
+mpmd lower NAME|FILE.py --platform tpu   print (or -o write) the module
+mpmd bench NAME [args...]                benchmarks/NAME.py, as ratios
 """
 
 import argparse
 import importlib.util
 import os
-from pathlib import Path
 import platform
 import sys
 import time
 import traceback
+from pathlib import Path
 
 # Shard_map demos need several devices; set before any backend starts.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -63,19 +63,8 @@ def _check(args) -> int:
 
 def _lowered_text(demo, target: str) -> str:
   jax = _jax()
-  from mpmd import targets
-
-  with targets.tpu_facts() if target == "tpu" else _nullcontext():
-    traced = jax.jit(demo.fn).trace(*demo.args)
-    return traced.lower(lowering_platforms=(target,)).as_text()
-
-
-class _nullcontext:
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
+  traced = jax.jit(demo.fn).trace(*demo.args)
+  return traced.lower(lowering_platforms=(target,)).as_text()
 
 
 def _load_demo(name: str):
@@ -90,14 +79,14 @@ def _load_demo(name: str):
     spec.loader.exec_module(module)
     if not hasattr(module, "demo"):
       raise SystemExit(
-          f"mpmd lower: {name} defines no demo() returning mpmd.registry.Demo"
+        f"mpmd lower: {name} defines no demo() returning mpmd.registry.Demo"
       )
     return module.demo()
   known = registry.demos()
   if name not in known:
     raise SystemExit(
-        f"mpmd lower: unknown kernel {name!r}; known: {', '.join(sorted(known))}"
-        " (or pass an examples/*.py file)"
+      f"mpmd lower: unknown kernel {name!r}; known: {', '.join(sorted(known))}"
+      " (or pass an examples/*.py file)"
     )
   return known[name]()
 
@@ -121,8 +110,8 @@ def _bench(args) -> int:
   if not path.exists():
     names = sorted(p.stem for p in root.glob("*.py")) if root.exists() else []
     raise SystemExit(
-        f"mpmd bench: no benchmark {args.name!r} in {root} (benchmarks live "
-        f"in a source checkout); known: {', '.join(names) or 'none'}"
+      f"mpmd bench: no benchmark {args.name!r} in {root} (benchmarks live "
+      f"in a source checkout); known: {', '.join(names) or 'none'}"
     )
   spec = importlib.util.spec_from_file_location(f"bench_{args.name}", path)
   module = importlib.util.module_from_spec(spec)
@@ -131,14 +120,18 @@ def _bench(args) -> int:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="mpmd", description=__doc__,
-                                   formatter_class=argparse.RawTextHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="mpmd",
+    description=__doc__,
+    formatter_class=argparse.RawTextHelpFormatter,
+  )
   sub = parser.add_subparsers(dest="command", required=True)
   sub.add_parser("check", help="versions, which platforms lower and run")
   lower = sub.add_parser("lower", help="print the lowered module of a kernel")
   lower.add_argument("name", help="a registered kernel or an examples/*.py")
-  lower.add_argument("--platform", choices=("tpu", "cuda", "cpu"),
-                     default="tpu")
+  lower.add_argument(
+    "--platform", choices=("tpu", "cuda", "cpu"), default="tpu"
+  )
   lower.add_argument("-o", "--output", help="write the module to this file")
   bench = sub.add_parser("bench", help="run benchmarks/NAME.py")
   bench.add_argument("name")
@@ -146,7 +139,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   try:
     return {"check": _check, "lower": _lower, "bench": _bench}[args.command](
-        args
+      args
     )
   except SystemExit:
     raise

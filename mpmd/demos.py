@@ -1,10 +1,10 @@
 """Built-in demos: the smallest kernels that show each platform works."""
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
-import jax.numpy as jnp
 
 from mpmd.api import mpmd_map
 from mpmd.registry import Demo, register_demo
@@ -21,9 +21,9 @@ def axpy(x: jax.Array, y: jax.Array) -> jax.Array:
   """``2 * x + y`` as a one-core TPU kernel (f32 ``(8k, 128m)`` operands)."""
   mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
   return mpmd_map(
-      [(mesh, _axpy_kernel)],
-      jax.ShapeDtypeStruct(x.shape, x.dtype),
-      scratch_types=[pltpu.VMEM(x.shape, x.dtype)] * 2,
+    [(mesh, _axpy_kernel)],
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+    scratch_types=[pltpu.VMEM(x.shape, x.dtype)] * 2,
   )(x, y)
 
 

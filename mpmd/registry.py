@@ -58,7 +58,7 @@ def check(demo: Demo) -> str:
     return "ran (no reference)"
   want = demo.reference(*demo.args)
   err = max(
-      float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32))))
-      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32))))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
   )
   return f"max |error| {err:.3g}"

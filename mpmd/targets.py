@@ -2,16 +2,19 @@
 
 Some Pallas TPU helpers (``pltpu.emit_pipeline``, tiling queries) ask the
 attached TPU for its generation while tracing. On a CPU host there is none, so
-kernels are traced (and cross-lowered) for a named target instead.
+kernels are traced (and cross-lowered) for a named target instead: the
+innermost ``tpu_target``, else ``"v5e"``.
 """
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
 
+from mpmd import _jax
 from mpmd._jax import mesh_lib
 
 
@@ -30,18 +33,20 @@ TPU_TARGETS = {
 }
 DEFAULT_TPU_TARGET = "v5e"
 
-_current = contextvars.ContextVar("mpmd_tpu_target", default=None)
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+  "mpmd_tpu_target", default=None
+)
 
 
 @contextlib.contextmanager
 def tpu_target(name: str = DEFAULT_TPU_TARGET) -> Iterator[TpuTarget]:
-  """Traces and lowers ``mpmd_map`` kernels for a named TPU generation.
+  """Traces and lowers TPU kernels for a named TPU generation.
 
   Args:
     name: one of ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``, ``"v7x"``.
 
-  Without this context, a CPU host uses ``"v5e"`` and a TPU host its own
-  chip. Example::
+  Without it, a CPU host uses ``"v5e"`` and a TPU host its own chip (an
+  attached TPU always wins). Example::
 
     with mpmd.tpu_target("v6e"):
       lowered = jax.jit(f).trace(x).lower(lowering_platforms=("tpu",))
@@ -52,36 +57,45 @@ def tpu_target(name: str = DEFAULT_TPU_TARGET) -> Iterator[TpuTarget]:
     )
   token = _current.set(name)
   try:
-    with _abstract_device(TPU_TARGETS[name]):
-      yield TPU_TARGETS[name]
+    yield TPU_TARGETS[name]
   finally:
     _current.reset(token)
 
 
-@contextlib.contextmanager
-def _abstract_device(target: TpuTarget) -> Iterator[None]:
-  mesh = mesh_lib.get_abstract_mesh()
-  device = mesh_lib.AbstractDevice(
-    device_kind=target.device_kind,
-    num_cores=target.num_cores,
-    platform="tpu",
-  )
-  with jax.sharding.use_abstract_mesh(mesh.update(abstract_device=device)):
-    yield
+def current() -> TpuTarget:
+  """The TPU generation kernels are traced for when no TPU is attached."""
+  return TPU_TARGETS[_current.get() or DEFAULT_TPU_TARGET]
 
 
-@contextlib.contextmanager
-def tpu_facts() -> Iterator[None]:
-  """Makes TPU hardware queries answerable while tracing / lowering.
+def _no_tpu_attached() -> bool:
+  abstract = mesh_lib.get_abstract_mesh().abstract_device
+  if abstract is not None:
+    return abstract.platform != "tpu"
+  return jax.default_backend() != "tpu"
 
-  A no-op on a TPU host or where an abstract TPU device is already in force;
-  elsewhere the innermost ``tpu_target`` (default ``"v5e"``).
+
+@functools.cache
+def install() -> None:
+  """Answers Pallas' TPU hardware queries with the target off-TPU.
+
+  Pallas asks ``tpu_info.get_device_kind()`` / ``get_num_device_cores()``
+  while tracing (``emit_pipeline``) and lowering; with no TPU attached they
+  raise "Unsupported TPU device kind: cpu". Where a TPU (or an abstract TPU
+  device) is in force, the answers are unchanged. We wrap the two functions
+  rather than enter an abstract mesh of TPU devices, because such a mesh
+  leaks into the avals of kernels traced inside a CPU ``shard_map`` and
+  clashes with its mesh.
   """
-  current = mesh_lib.get_abstract_mesh().abstract_device
-  if (current is not None and current.platform == "tpu") or (
-    _current.get() is None and jax.default_backend() == "tpu"
-  ):
-    yield
-    return
-  with _abstract_device(TPU_TARGETS[_current.get() or DEFAULT_TPU_TARGET]):
-    yield
+  info = _jax.tpu().info
+  device_kind, num_cores = info.get_device_kind, info.get_num_device_cores
+
+  @functools.wraps(device_kind)
+  def get_device_kind() -> str:
+    return current().device_kind if _no_tpu_attached() else device_kind()
+
+  @functools.wraps(num_cores)
+  def get_num_device_cores() -> int:
+    return current().num_cores if _no_tpu_attached() else num_cores()
+
+  info.get_device_kind = get_device_kind
+  info.get_num_device_cores = get_num_device_cores

@@ -43,6 +43,10 @@ mpmd_map_p = core.Primitive("mpmd_map")
 mpmd_map_p.multiple_results = True
 
 
+def _short(aval) -> str:
+  return aval.str_short(short_dtypes=True)
+
+
 def bind(*args: Any, **params: Any) -> list[Any]:
   """Binds ``mpmd_map_p`` (a single place that knows the param names)."""
   return mpmd_map_p.bind(*args, **params)
@@ -94,7 +98,7 @@ def retrace(
   return new_jaxpr
 
 
-# -- impl --------------------------------------------------------------------
+# -- impl ---------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=256)
@@ -165,7 +169,7 @@ def _mpmd_map_abstract_eval(
   return outs, effs
 
 
-# -- typecheck -----------------------------------------------------------------
+# -- typecheck ----------------------------------------------------------------
 
 
 def _kernel_operand_aval(aval):
@@ -195,15 +199,14 @@ def _mpmd_map_typecheck(ctx_factory, *in_atoms, **params):
       want = _kernel_operand_aval(aval)
       if (got.shape, got.dtype) != (want.shape, want.dtype):
         raise core.JaxprTypeError(
-          f"mpmd_map: kernel operand {i} is {got.str_short(short_dtypes=True)} but the "
-          f"launch passes {want.str_short(short_dtypes=True)}"
+          f"mpmd_map: kernel operand {i} is {_short(got)} but the "
+          f"launch passes {_short(want)}"
         )
   for i, o in aliases.items():
     a, b = _kernel_operand_aval(in_avals[i]), out_avals[o]
     if (a.shape, a.dtype) != (b.shape, b.dtype):
       raise core.JaxprTypeError(
-        f"mpmd_map: input {i} ({a.str_short(short_dtypes=True)}) aliases output {o} "
-        f"({b.str_short(short_dtypes=True)})"
+        f"mpmd_map: input {i} ({_short(a)}) aliases output {o} ({_short(b)})"
       )
   return _mpmd_map_abstract_eval(*in_avals, **params)
 
@@ -211,7 +214,7 @@ def _mpmd_map_typecheck(ctx_factory, *in_atoms, **params):
 core.custom_typechecks[mpmd_map_p] = _mpmd_map_typecheck
 
 
-# -- discharge -------------------------------------------------------------------
+# -- discharge ----------------------------------------------------------------
 
 
 def _mpmd_map_discharge(in_avals, avals_out, *args, **params):
@@ -269,7 +272,7 @@ def _mpmd_map_discharge(in_avals, avals_out, *args, **params):
 state_discharge.register_discharge_rule(mpmd_map_p)(_mpmd_map_discharge)
 
 
-# -- DCE -------------------------------------------------------------------------
+# -- DCE ----------------------------------------------------------------------
 
 
 def _mpmd_map_dce(used_outs: list[bool], eqn: core.JaxprEqn):
@@ -283,7 +286,7 @@ def _mpmd_map_dce(used_outs: list[bool], eqn: core.JaxprEqn):
 pe.dce_rules[mpmd_map_p] = _mpmd_map_dce
 
 
-# -- partial eval ----------------------------------------------------------------
+# -- partial eval -------------------------------------------------------------
 
 
 def _mpmd_map_partial_eval_custom(saveable, unks_in, inst_in, eqn):
@@ -313,22 +316,22 @@ def _mpmd_map_partial_eval_custom(saveable, unks_in, inst_in, eqn):
 pe.partial_eval_jaxpr_custom_rules[mpmd_map_p] = _mpmd_map_partial_eval_custom
 
 
-# -- differentiation ---------------------------------------------------------------
+# -- differentiation ----------------------------------------------------------
 
 
 def _mpmd_map_jvp(primals, tangents, **params):
   del primals, tangents, params
   raise NotImplementedError(
-      "mpmd_map: kernels are not differentiable by JAX. Give the function "
-      "that calls mpmd_map a jax.custom_vjp (as mpmd.kernels.gmm does), or "
-      "pass jax.lax.stop_gradient(x) for inputs that need no gradient."
+    "mpmd_map: kernels are not differentiable by JAX. Give the function "
+    "that calls mpmd_map a jax.custom_vjp (as mpmd.kernels.gmm does), or "
+    "pass jax.lax.stop_gradient(x) for inputs that need no gradient."
   )
 
 
 ad.primitive_jvps[mpmd_map_p] = _mpmd_map_jvp
 
 
-# -- batching --------------------------------------------------------------------
+# -- batching -----------------------------------------------------------------
 
 
 def _slice(x, dim, b):

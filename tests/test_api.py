@@ -3,12 +3,12 @@
 import re
 
 import jax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
 
@@ -27,10 +27,10 @@ def scale_kernel(x_hbm, o_hbm, buf):
 
 def scale(x, **kw):
   return mpmd.mpmd_map(
-      [(tc_mesh(), scale_kernel)],
-      jax.ShapeDtypeStruct(x.shape, x.dtype),
-      scratch_types=[pltpu.VMEM(x.shape, x.dtype)],
-      **kw,
+    [(tc_mesh(), scale_kernel)],
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+    scratch_types=[pltpu.VMEM(x.shape, x.dtype)],
+    **kw,
   )(x)
 
 
@@ -59,15 +59,17 @@ def test_pytree_outputs_and_multicore_axis_index(rng):
     pltpu.sync_copy(x_hbm.at[c], outs["copy"].at[c])
 
   f = mpmd.mpmd_map(
-      [(tc_mesh(num_cores=2), kernel)],
-      {"shifted": jax.ShapeDtypeStruct(x.shape, x.dtype),
-       "copy": jax.ShapeDtypeStruct(x.shape, x.dtype)},
-      scratch_types=[pltpu.VMEM((8, 128), jnp.float32)],
+    [(tc_mesh(num_cores=2), kernel)],
+    {
+      "shifted": jax.ShapeDtypeStruct(x.shape, x.dtype),
+      "copy": jax.ShapeDtypeStruct(x.shape, x.dtype),
+    },
+    scratch_types=[pltpu.VMEM((8, 128), jnp.float32)],
   )
   out = f(x)
   np.testing.assert_array_equal(out["copy"], x)
   np.testing.assert_array_equal(
-      out["shifted"], x + jnp.arange(2, dtype=jnp.float32)[:, None, None]
+    out["shifted"], x + jnp.arange(2, dtype=jnp.float32)[:, None, None]
   )
 
 
@@ -80,7 +82,7 @@ def test_tpu_cross_lowering():
 def test_multi_platform_lowering_and_export():
   x = jnp.ones(SHAPE, jnp.float32)
   text = (
-      jax.jit(scale).trace(x).lower(lowering_platforms=("cpu", "tpu")).as_text()
+    jax.jit(scale).trace(x).lower(lowering_platforms=("cpu", "tpu")).as_text()
   )
   assert "tpu_custom_call" in text
   exported = jax.export.export(jax.jit(scale), platforms=("cpu", "tpu"))(x)
@@ -95,17 +97,17 @@ def gpu_add_one(x):
     rows = pl.ds(jax.lax.axis_index("wg") * 64, 64)
     o_ref[rows, :] = x_ref[rows, :] + 1.0
 
-  return mpmd.mpmd_map(
-      [(mesh, body)], jax.ShapeDtypeStruct(x.shape, x.dtype)
-  )(x)
+  return mpmd.mpmd_map([(mesh, body)], jax.ShapeDtypeStruct(x.shape, x.dtype))(
+    x
+  )
 
 
 def test_gpu_mesh_runs_in_simulator_and_lowers_for_cuda(rng):
   x = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
   np.testing.assert_allclose(gpu_add_one(x), x + 1.0)
-  text = jax.jit(gpu_add_one).trace(x).lower(
-      lowering_platforms=("cuda",)
-  ).as_text()
+  text = (
+    jax.jit(gpu_add_one).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  )
   assert re.search(r"custom_call @mosaic_gpu", text)
 
 
@@ -118,13 +120,14 @@ def test_tpu_target_names_the_generation():
 
     # emit_pipeline asks the TPU generation while tracing.
     pltpu.emit_pipeline(
-        body, grid=(2,),
-        in_specs=[pl.BlockSpec((8, 256), lambda i: (i, 0))],
-        out_specs=[pl.BlockSpec((8, 256), lambda i: (i, 0))],
+      body,
+      grid=(2,),
+      in_specs=[pl.BlockSpec((8, 256), lambda i: (i, 0))],
+      out_specs=[pl.BlockSpec((8, 256), lambda i: (i, 0))],
     )(x_hbm, o_hbm)
 
   f = mpmd.mpmd_map(
-      [(tc_mesh(), kernel)], jax.ShapeDtypeStruct(x.shape, x.dtype)
+    [(tc_mesh(), kernel)], jax.ShapeDtypeStruct(x.shape, x.dtype)
   )
   np.testing.assert_array_equal(f(x), x + 1.0)  # default target on CPU
   for target in mpmd.TPU_TARGETS:
@@ -157,14 +160,20 @@ def test_error_not_a_sequence():
 
 
 def test_error_not_a_mesh():
-  with pytest.raises(TypeError, match=r"meshes_and_fns\[0\]\[0\] to be a "
-                     r"Pallas mesh .* got dict"):
+  with pytest.raises(
+    TypeError,
+    match=r"meshes_and_fns\[0\]\[0\] to be a "
+    r"Pallas mesh .* got dict",
+  ):
     mpmd.mpmd_map([({"x": 2}, _noop)], OUT)
 
 
 def test_error_fn_not_callable():
-  with pytest.raises(TypeError, match=r"meshes_and_fns\[0\]\[1\] to be "
-                     "callable, got int"):
+  with pytest.raises(
+    TypeError,
+    match=r"meshes_and_fns\[0\]\[1\] to be "
+    "callable, got int",
+  ):
     mpmd.mpmd_map([(tc_mesh(), 3)], OUT)
 
 
@@ -184,8 +193,11 @@ def test_error_closed_over_array():
     o_ref[...] = x_ref[...] + captured
 
   f = mpmd.mpmd_map([(tc_mesh(), closes)], OUT)
-  with pytest.raises(ValueError, match=r"closes over arrays \['f32\[16,128\]'"
-                     r"\]; pass them as inputs"):
+  with pytest.raises(
+    ValueError,
+    match=r"closes over arrays \['f32\[16,128\]'"
+    r"\]; pass them as inputs",
+  ):
     f(jnp.zeros(SHAPE, jnp.float32))
 
 
@@ -198,21 +210,25 @@ def test_closed_over_scalar_is_fine():
     pltpu.sync_copy(buf, o_hbm)
 
   f = mpmd.mpmd_map(
-      [(tc_mesh(), closes)], OUT, scratch_types=[pltpu.VMEM(SHAPE, jnp.float32)]
+    [(tc_mesh(), closes)], OUT, scratch_types=[pltpu.VMEM(SHAPE, jnp.float32)]
   )
   x = jnp.ones(SHAPE, jnp.float32)
   np.testing.assert_allclose(f(x), x * 2.5)
 
 
 def test_error_conflicting_axis_sizes():
-  with pytest.raises(ValueError, match="axis 'core' has size 1 in mesh 0 but "
-                     "size 2 in mesh 1"):
+  with pytest.raises(
+    ValueError, match="axis 'core' has size 1 in mesh 0 but size 2 in mesh 1"
+  ):
     mpmd.mpmd_map([(tc_mesh(), _noop), (tc_mesh(num_cores=2), _noop)], OUT)
 
 
 def test_error_out_types_not_shape_dtype():
-  with pytest.raises(TypeError, match="out_types leaf 0 to be a "
-                     r"jax.ShapeDtypeStruct .* got ndarray"):
+  with pytest.raises(
+    TypeError,
+    match="out_types leaf 0 to be a "
+    r"jax.ShapeDtypeStruct .* got ndarray",
+  ):
     mpmd.mpmd_map([(tc_mesh(), _noop)], np.zeros(SHAPE, np.float32))
 
 
@@ -223,9 +239,10 @@ def test_error_mixed_tpu_and_gpu_meshes():
 
 
 def test_error_bad_alias():
-  f = mpmd.mpmd_map(
-      [(tc_mesh(), _noop)], OUT, input_output_aliases={0: 0}
-  )
-  with pytest.raises(ValueError, match=r"input 0 \(f32\[8\]\) cannot alias "
-                     r"output 0 \(f32\[16,128\]\)"):
+  f = mpmd.mpmd_map([(tc_mesh(), _noop)], OUT, input_output_aliases={0: 0})
+  with pytest.raises(
+    ValueError,
+    match=r"input 0 \(f32\[8\]\) cannot alias "
+    r"output 0 \(f32\[16,128\]\)",
+  ):
     f(jnp.zeros((8,), jnp.float32))

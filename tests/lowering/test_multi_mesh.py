@@ -3,12 +3,12 @@
 import re
 
 import jax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
 from mpmd import registry
@@ -41,15 +41,16 @@ def producer_consumer(x, *, consumers=2, wait=True, interpret=None):
     pltpu.sync_copy(buf, o_hbm.at[c])
 
   return mpmd.mpmd_map(
-      # The consumers are listed first: they must wait for a later mesh.
-      [(consumer, consume), (producer, produce)],
-      jax.ShapeDtypeStruct((consumers, *x.shape), x.dtype),
-      scratch_types=[
-          pltpu.HBM(x.shape, x.dtype),
-          pltpu.SemaphoreType.REGULAR @ consumer,
-          pltpu.VMEM @ consumer,
-      ][:2] + [(pltpu.VMEM @ consumer)(x.shape, x.dtype)],
-      interpret=interpret,
+    # The consumers are listed first: they must wait for a later mesh.
+    [(consumer, consume), (producer, produce)],
+    jax.ShapeDtypeStruct((consumers, *x.shape), x.dtype),
+    scratch_types=[
+      pltpu.HBM(x.shape, x.dtype),
+      pltpu.SemaphoreType.REGULAR @ consumer,
+      pltpu.VMEM @ consumer,
+    ][:2]
+    + [(pltpu.VMEM @ consumer)(x.shape, x.dtype)],
+    interpret=interpret,
   )(x)
 
 
@@ -73,11 +74,15 @@ def test_producer_consumer_takes_the_simulator_path(capsys):
     pl.semaphore_wait(sem, 1)
 
   mpmd.mpmd_map(
-      [(producer, produce)], jax.ShapeDtypeStruct(ROWS, jnp.float32),
-      scratch_types=[pltpu.SemaphoreType.REGULAR(())], debug=True,
+    [(producer, produce)],
+    jax.ShapeDtypeStruct(ROWS, jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR(())],
+    debug=True,
   )(x)
-  assert "takes the tpu-simulator path: it signals a semaphore of another " \
-         "program" in capsys.readouterr().out
+  assert (
+    "takes the tpu-simulator path: it signals a semaphore of another "
+    "program" in capsys.readouterr().out
+  )
 
 
 def test_two_independent_meshes_write_their_own_outputs(rng, capsys):
@@ -97,13 +102,21 @@ def test_two_independent_meshes_write_their_own_outputs(rng, capsys):
 
   a, b = tc("a", 1), tc("b", 1)
   out = jax.ShapeDtypeStruct(ROWS, jnp.float32)
-  o2, o3 = mpmd.mpmd_map(
-      [(a, doubles), (b, triples)], (out, out),
-      scratch_types=[pltpu.VMEM(ROWS, jnp.float32) @ a], debug=True,
-  ) if False else mpmd.mpmd_map(
-      [(a, doubles), (b, triples)], (out, out),
-      scratch_types=[(pltpu.VMEM @ a)(ROWS, jnp.float32)], debug=True,
-  )(x)
+  o2, o3 = (
+    mpmd.mpmd_map(
+      [(a, doubles), (b, triples)],
+      (out, out),
+      scratch_types=[pltpu.VMEM(ROWS, jnp.float32) @ a],
+      debug=True,
+    )
+    if False
+    else mpmd.mpmd_map(
+      [(a, doubles), (b, triples)],
+      (out, out),
+      scratch_types=[(pltpu.VMEM @ a)(ROWS, jnp.float32)],
+      debug=True,
+    )(x)
+  )
   assert "takes the fast path" in capsys.readouterr().out
   np.testing.assert_allclose(o2, 2.0 * x)
   np.testing.assert_allclose(o3, 3.0 * x)
@@ -137,14 +150,14 @@ def three_meshes(x, interpret=None):
     pltpu.sync_copy(buf, o_hbm.at[j])
 
   return mpmd.mpmd_map(
-      [(m4, third), (m1, first), (m2, second)],
-      jax.ShapeDtypeStruct((4, *x.shape), x.dtype),
-      scratch_types=[
-          pltpu.HBM((3, *x.shape), x.dtype),
-          pltpu.SemaphoreType.REGULAR @ m2,
-          (pltpu.VMEM @ m1)(x.shape, x.dtype),
-      ],
-      interpret=interpret,
+    [(m4, third), (m1, first), (m2, second)],
+    jax.ShapeDtypeStruct((4, *x.shape), x.dtype),
+    scratch_types=[
+      pltpu.HBM((3, *x.shape), x.dtype),
+      pltpu.SemaphoreType.REGULAR @ m2,
+      (pltpu.VMEM @ m1)(x.shape, x.dtype),
+    ],
+    interpret=interpret,
   )(x)
 
 
@@ -168,13 +181,16 @@ def test_tpu_cross_lowering_of_two_tensorcore_meshes():
   x = jnp.ones(ROWS, jnp.float32)
   for target in ("v5e", "v7x"):
     with mpmd.tpu_target(target):
-      text = jax.jit(producer_consumer).trace(x).lower(
-          lowering_platforms=("tpu",)
-      ).as_text()
+      text = (
+        jax.jit(producer_consumer)
+        .trace(x)
+        .lower(lowering_platforms=("tpu",))
+        .as_text()
+      )
     assert text.count("tpu_custom_call") == 1
 
 
-# -- no hangs, and races -----------------------------------------------------------
+# -- no hangs, and races ------------------------------------------------------
 
 
 def test_deadlock_names_mesh_program_and_semaphore():
@@ -189,13 +205,17 @@ def test_deadlock_names_mesh_program_and_semaphore():
     pl.semaphore_wait(sem, 1)
 
   f = mpmd.mpmd_map(
-      [(a, signals_one), (b, waits)], jax.ShapeDtypeStruct(ROWS, jnp.float32),
-      scratch_types=[pltpu.SemaphoreType.REGULAR @ b],
+    [(a, signals_one), (b, waits)],
+    jax.ShapeDtypeStruct(ROWS, jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR @ b],
   )
   with watchdog.deadlock_timeout(1.0):
-    with pytest.raises(Exception, match=r"mpmd_map deadlock(.|\n)*mesh 1 "
-                       r"program 1 \(b=1\) waits on a semaphore for 1 \(it "
-                       r"holds 0\)"):
+    with pytest.raises(
+      Exception,
+      match=r"mpmd_map deadlock(.|\n)*mesh 1 "
+      r"program 1 \(b=1\) waits on a semaphore for 1 \(it "
+      r"holds 0\)",
+    ):
       jax.block_until_ready(f(x))
   # The simulator recovers: the next launch runs.
   np.testing.assert_allclose(producer_consumer(x), pc_reference(x))
@@ -210,13 +230,13 @@ def test_race_detector_flags_a_racy_kernel_and_passes_a_synchronised_one():
   x = jnp.ones(ROWS, jnp.float32)
   detect = pltpu.InterpretParams(detect_races=True)
   np.testing.assert_allclose(
-      producer_consumer(x, interpret=detect), pc_reference(x)
+    producer_consumer(x, interpret=detect), pc_reference(x)
   )
   with pytest.raises(Exception, match="race detector found programs racing"):
     jax.block_until_ready(producer_consumer(x, wait=False, interpret=detect))
 
 
-# -- GPU ---------------------------------------------------------------------------
+# -- GPU ----------------------------------------------------------------------
 
 
 def gpu_two_meshes(x):
@@ -232,18 +252,21 @@ def gpu_two_meshes(x):
     o_ref[rows, :] = smem[rows, :] * 2.0
 
   return mpmd.mpmd_map(
-      [(memory, load), (compute, scale)],
-      jax.ShapeDtypeStruct(x.shape, x.dtype),
-      scratch_types=[plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier(num_arrivals=1)],
+    [(memory, load), (compute, scale)],
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+    scratch_types=[plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier(num_arrivals=1)],
   )(x)
 
 
 def test_gpu_two_meshes_run_in_the_simulator_and_lower_for_cuda(rng):
   x = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
   np.testing.assert_allclose(gpu_two_meshes(x), 2.0 * x)
-  text = jax.jit(gpu_two_meshes).trace(x).lower(
-      lowering_platforms=("cuda",)
-  ).as_text()
+  text = (
+    jax.jit(gpu_two_meshes)
+    .trace(x)
+    .lower(lowering_platforms=("cuda",))
+    .as_text()
+  )
   assert re.search(r"custom_call @mosaic_gpu", text)
   [eqn] = jax.make_jaxpr(gpu_two_meshes)(x).eqns
   assert [m.thread_name for m in eqn.params["meshes"]] == ["memory", "compute"]
@@ -261,17 +284,20 @@ def test_gpu_barrier_deadlock_names_the_warpgroup():
     o_ref[...] = x_ref[...]
 
   f = mpmd.mpmd_map(
-      [(memory, idle), (compute, waits)],
-      jax.ShapeDtypeStruct((128, 128), jnp.float32),
-      scratch_types=[plgpu.Barrier(num_arrivals=1)],
+    [(memory, idle), (compute, waits)],
+    jax.ShapeDtypeStruct((128, 128), jnp.float32),
+    scratch_types=[plgpu.Barrier(num_arrivals=1)],
   )
   with watchdog.deadlock_timeout(1.0):
-    with pytest.raises(Exception, match=r"mpmd_map deadlock(.|\n)*mesh 1 "
-                       r"program \d \(compute=\d\) waits on a barrier"):
+    with pytest.raises(
+      Exception,
+      match=r"mpmd_map deadlock(.|\n)*mesh 1 "
+      r"program \d \(compute=\d\) waits on a barrier",
+    ):
       jax.block_until_ready(f(jnp.ones((128, 128), jnp.float32)))
 
 
-# -- validation ----------------------------------------------------------------------
+# -- validation ---------------------------------------------------------------
 
 
 def _noop(*refs):
@@ -279,16 +305,25 @@ def _noop(*refs):
 
 
 def test_error_unowned_vmem_with_several_meshes():
-  with pytest.raises(ValueError, match=r"scratch_types leaf 0 is in .*vmem.* "
-                     r"with no owner; .*`pltpu.VMEM @ mesh`"):
-    mpmd.mpmd_map([(tc("a", 1), _noop), (tc("b", 1), _noop)], (),
-                  scratch_types=[pltpu.VMEM(ROWS, jnp.float32)])
+  with pytest.raises(
+    ValueError,
+    match=r"scratch_types leaf 0 is in .*vmem.* "
+    r"with no owner; .*`pltpu.VMEM @ mesh`",
+  ):
+    mpmd.mpmd_map(
+      [(tc("a", 1), _noop), (tc("b", 1), _noop)],
+      (),
+      scratch_types=[pltpu.VMEM(ROWS, jnp.float32)],
+    )
 
 
 def test_error_scratch_owned_by_a_foreign_mesh():
   with pytest.raises(ValueError, match="scratch_types leaf 0 is owned"):
-    mpmd.mpmd_map([(tc("a", 1), _noop)], (),
-                  scratch_types=[pltpu.SemaphoreType.REGULAR @ tc("z", 3)])
+    mpmd.mpmd_map(
+      [(tc("a", 1), _noop)],
+      (),
+      scratch_types=[pltpu.SemaphoreType.REGULAR @ tc("z", 3)],
+    )
 
 
 def test_error_signal_naming_two_meshes():
@@ -298,44 +333,59 @@ def test_error_signal_naming_two_meshes():
     pl.semaphore_signal(sem, 1, device_id={"a": 0, "b": 0})
 
   f = mpmd.mpmd_map(
-      [(a, bad), (b, _noop)], jax.ShapeDtypeStruct(ROWS, jnp.float32),
-      scratch_types=[pltpu.SemaphoreType.REGULAR @ a],
+    [(a, bad), (b, _noop)],
+    jax.ShapeDtypeStruct(ROWS, jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR @ a],
   )
-  with pytest.raises(ValueError, match=r"names axes \['a', 'b'\] of several "
-                     "meshes"):
+  with pytest.raises(
+    ValueError,
+    match=r"names axes \['a', 'b'\] of several "
+    "meshes",
+  ):
     f(jnp.ones(ROWS, jnp.float32))
 
 
 def test_error_gpu_meshes_with_different_grids():
-  m1 = plgpu.Mesh(grid=(2,), grid_names=("g",), num_threads=1,
-                  thread_name="memory")
-  m2 = plgpu.Mesh(grid=(4,), grid_names=("h",), num_threads=1,
-                  thread_name="compute")
-  f = mpmd.mpmd_map([(m1, _noop), (m2, _noop)],
-                    jax.ShapeDtypeStruct((128,), jnp.float32))
+  m1 = plgpu.Mesh(
+    grid=(2,), grid_names=("g",), num_threads=1, thread_name="memory"
+  )
+  m2 = plgpu.Mesh(
+    grid=(4,), grid_names=("h",), num_threads=1, thread_name="compute"
+  )
+  f = mpmd.mpmd_map(
+    [(m1, _noop), (m2, _noop)], jax.ShapeDtypeStruct((128,), jnp.float32)
+  )
   with pytest.raises(ValueError, match="share the grid and cluster"):
     f(jnp.ones((128,), jnp.float32))
 
 
-# -- the CLI on the examples ------------------------------------------------------
+# -- the CLI on the examples --------------------------------------------------
 
 
-@pytest.mark.parametrize("example, platform, marker", [
+@pytest.mark.parametrize(
+  "example, platform, marker",
+  [
     ("examples/producer_consumer.py", "tpu", "tpu_custom_call"),
     ("examples/warp_specialized_copy.py", "cuda", "mosaic_gpu"),
-])
+  ],
+)
 def test_mpmd_lower_on_the_examples(tmp_path, example, platform, marker):
   from mpmd import cli
 
   out = tmp_path / "module.mlir"
-  assert cli.main(["lower", example, "--platform", platform,
-                   "-o", str(out)]) == 0
+  assert (
+    cli.main(["lower", example, "--platform", platform, "-o", str(out)]) == 0
+  )
   assert marker in out.read_text()
 
 
-@pytest.mark.parametrize("example", [
-    "examples/producer_consumer.py", "examples/warp_specialized_copy.py",
-])
+@pytest.mark.parametrize(
+  "example",
+  [
+    "examples/producer_consumer.py",
+    "examples/warp_specialized_copy.py",
+  ],
+)
 def test_examples_run_correctly_on_cpu(example):
   from mpmd import cli
 
@@ -357,12 +407,12 @@ def test_gpu_swizzled_smem_scratch_shared_by_two_meshes(rng):
 
   def f(x):
     return mpmd.mpmd_map(
-        [(memory, load), (compute, use)],
-        jax.ShapeDtypeStruct(x.shape, x.dtype),
-        scratch_types=[
-            plgpu.SMEM(x.shape, x.dtype, transforms=swizzled),
-            plgpu.Barrier(num_arrivals=1),
-        ],
+      [(memory, load), (compute, use)],
+      jax.ShapeDtypeStruct(x.shape, x.dtype),
+      scratch_types=[
+        plgpu.SMEM(x.shape, x.dtype, transforms=swizzled),
+        plgpu.Barrier(num_arrivals=1),
+      ],
     )(x)
 
   x = jnp.asarray(rng.standard_normal((128, 64)), jnp.float16)

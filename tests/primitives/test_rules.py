@@ -2,10 +2,10 @@
 
 import jax
 import jax.extend
-from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
 
@@ -21,9 +21,9 @@ def affine_kernel(x_hbm, o_hbm, buf):
 def affine(x):
   mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
   return mpmd.mpmd_map(
-      [(mesh, affine_kernel)],
-      jax.ShapeDtypeStruct(x.shape, x.dtype),
-      scratch_types=[pltpu.VMEM(x.shape, x.dtype)],
+    [(mesh, affine_kernel)],
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+    scratch_types=[pltpu.VMEM(x.shape, x.dtype)],
   )(x)
 
 
@@ -38,7 +38,7 @@ def test_vmap_any_batch_size_equals_separate_calls(rng, batch, in_axis):
   xs = jnp.moveaxis(xs, 0, in_axis)
   got = jax.vmap(affine, in_axes=in_axis)(xs)
   want = jnp.stack(
-      [affine(jnp.take(xs, b, axis=in_axis)) for b in range(batch)]
+    [affine(jnp.take(xs, b, axis=in_axis)) for b in range(batch)]
   )
   np.testing.assert_array_equal(got, want)
 
@@ -53,8 +53,9 @@ def test_vmap_with_an_unbatched_operand(rng):
     pltpu.sync_copy(bx, o_hbm)
 
   f = mpmd.mpmd_map(
-      [(mesh, add)], jax.ShapeDtypeStruct(SHAPE, jnp.float32),
-      scratch_types=[pltpu.VMEM(SHAPE, jnp.float32)] * 2,
+    [(mesh, add)],
+    jax.ShapeDtypeStruct(SHAPE, jnp.float32),
+    scratch_types=[pltpu.VMEM(SHAPE, jnp.float32)] * 2,
   )
   xs = jnp.asarray(rng.standard_normal((3, *SHAPE)), jnp.float32)
   y = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
@@ -64,8 +65,11 @@ def test_vmap_with_an_unbatched_operand(rng):
 def test_same_shapes_do_not_recompile(rng):
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda event, _, **kw: compiles.append(event)
-      if event == "/jax/core/compile/backend_compile_duration" else None
+    lambda event, _, **kw: (
+      compiles.append(event)
+      if event == "/jax/core/compile/backend_compile_duration"
+      else None
+    )
   )
   x = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
   y = x + 1.0
@@ -91,10 +95,13 @@ def test_typecheck_rejects_a_mismatched_operand():
   [eqn] = closed.jaxpr.eqns
   bad_out = (jax.typeof(jnp.zeros((4, 4), jnp.float32)),)
   bad = closed.jaxpr.replace(
-      eqns=[eqn.replace(params={**eqn.params, "out_avals": bad_out})]
+    eqns=[eqn.replace(params={**eqn.params, "out_avals": bad_out})]
   )
-  with pytest.raises(Exception, match="kernel operand 1 is f32\\[8,128\\] but "
-                     "the launch passes f32\\[4,4\\]"):
+  with pytest.raises(
+    Exception,
+    match="kernel operand 1 is f32\\[8,128\\] but "
+    "the launch passes f32\\[4,4\\]",
+  ):
     jax.extend.core.check_jaxpr(bad)
 
 
@@ -127,9 +134,7 @@ def test_grad_of_a_surrounding_function(rng):
     return jnp.sum(affine(jax.lax.stop_gradient(w)) * w)
 
   np.testing.assert_allclose(jax.grad(loss_stop)(x), x * 2.0)
-  np.testing.assert_allclose(
-      jax.grad(jax.checkpoint(loss_stop))(x), x * 2.0
-  )
+  np.testing.assert_allclose(jax.grad(jax.checkpoint(loss_stop))(x), x * 2.0)
 
 
 def test_mutable_ref_input_is_discharged(rng):
@@ -143,9 +148,12 @@ def test_mutable_ref_input_is_discharged(rng):
     pltpu.sync_copy(buf, o_hbm)
 
   f = mpmd.mpmd_map(
-      [(mesh, bump)], jax.ShapeDtypeStruct(SHAPE, jnp.float32),
-      scratch_types=[pltpu.VMEM(SHAPE, jnp.float32),
-                     pltpu.VMEM((8, 128), jnp.float32)],
+    [(mesh, bump)],
+    jax.ShapeDtypeStruct(SHAPE, jnp.float32),
+    scratch_types=[
+      pltpu.VMEM(SHAPE, jnp.float32),
+      pltpu.VMEM((8, 128), jnp.float32),
+    ],
   )
   x = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
 
@@ -172,9 +180,10 @@ def test_input_output_aliases(rng):
     pltpu.sync_copy(acc, acc_out)
 
   f = mpmd.mpmd_map(
-      [(mesh, accumulate)], jax.ShapeDtypeStruct(SHAPE, jnp.float32),
-      scratch_types=[pltpu.VMEM(SHAPE, jnp.float32)] * 2,
-      input_output_aliases={1: 0},
+    [(mesh, accumulate)],
+    jax.ShapeDtypeStruct(SHAPE, jnp.float32),
+    scratch_types=[pltpu.VMEM(SHAPE, jnp.float32)] * 2,
+    input_output_aliases={1: 0},
   )
   x = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
   acc = jnp.full(SHAPE, 10.0, jnp.float32)
@@ -183,6 +192,9 @@ def test_input_output_aliases(rng):
 
 
 def test_differentiating_through_a_kernel_says_what_to_do():
-  with pytest.raises(NotImplementedError, match="not differentiable by JAX. "
-                     "Give the function that calls mpmd_map a jax.custom_vjp"):
+  with pytest.raises(
+    NotImplementedError,
+    match="not differentiable by JAX. "
+    "Give the function that calls mpmd_map a jax.custom_vjp",
+  ):
     jax.grad(lambda x: jnp.sum(affine(x)))(jnp.ones(SHAPE, jnp.float32))
