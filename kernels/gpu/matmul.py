@@ -38,12 +38,10 @@ SWIZZLE_BYTES = 128
 SMEM_BYTES = 227 * 1024
 
 GRID_NAMES = ("m", "n")
-# The warp-specialized matmul's default form. Two meshes need mpmd_map to
-# accept shared SMEM scratch with tiling/swizzle transforms (a TransformedRef
-# aval), which it does not yet; until then the single-mesh form (same
-# schedule, one mesh whose threads branch on their index) is the default.
-MULTI_MESH_DEFAULT = False
-SOFTWARE_AXIS = "wg"
+# The warp-specialized matmul's default form: two meshes (memory, compute).
+# False selects the single-mesh form of the same schedule (one mesh whose
+# threads branch on their index), kept to compare the two.
+MULTI_MESH_DEFAULT = True
 
 
 def _swizzle_transforms(minor_elems: int, dtype) -> tuple[Any, ...]:
@@ -273,8 +271,11 @@ def _software_kernel(config: _Config, epilogue: Epilogue, has_c: bool):
       return acc
 
     def context(run):
+      def with_acc(acc):
+        run(acc)  # The final carry is the accumulator ref: not returned.
+
       pl.run_scoped(
-        run, plgpu.ACC((config.block_m, config.block_n), jnp.float32)
+        with_acc, plgpu.ACC((config.block_m, config.block_n), jnp.float32)
       )
 
     pipeline_lib.pipeline(
@@ -284,7 +285,6 @@ def _software_kernel(config: _Config, epilogue: Epilogue, has_c: bool):
       out_specs=[out_spec],
       max_concurrent_steps=config.max_concurrent_steps,
       compute_context=context,
-      collective_axes=SOFTWARE_AXIS,
     )(*operands, o_ref.at[m_slice, n_slice])
 
   return kernel
@@ -402,9 +402,9 @@ def build(
       interpret=interpret,
       name=f"{name}_ws",
     )
-  mesh = plgpu.Mesh(
-    grid=grid, grid_names=GRID_NAMES, num_threads=1, thread_name=SOFTWARE_AXIS
-  )
+  # One warpgroup per CTA and no thread axis: the pipeline's SMEM scope is
+  # the CTA's own, with no collective to name.
+  mesh = plgpu.Mesh(grid=grid, grid_names=GRID_NAMES)
   return mpmd.mpmd_map(
     [(mesh, _software_kernel(config, epilogue, has_c))],
     out_types=out_type,

@@ -905,8 +905,8 @@ def warp_specialized_kernel(
   both meshes. Both meshes have the CTA ``grid`` with ``grid_names``.
 
   With ``multi_mesh=False`` the same functions run as one mesh of
-  ``num_compute_wgs + 1`` threads that branches on its thread index, with the
-  scratch allocated collectively in the kernel: the schedule is identical.
+  ``num_compute_wgs + 1`` threads that branches on its thread index (the
+  same schedule, to compare the two forms).
 
   Returns:
     The ``mpmd_map`` callable, taking the input arrays.
@@ -956,21 +956,18 @@ def warp_specialized_kernel(
   )
 
   def kernel(*refs):
-    def scoped(scratch):
-      wg = lax.axis_index(SINGLE_MESH_AXIS)
-      lax.cond(
-        wg < num_compute,
-        lambda: compute_fn(*refs, scratch, wg),
-        lambda: memory_fn(*refs, scratch),
-      )
-
-    pl.run_scoped(
-      scoped, scratch=scratch_types, collective_axes=SINGLE_MESH_AXIS
+    *refs, scratch = refs
+    wg = lax.axis_index(SINGLE_MESH_AXIS)
+    lax.cond(
+      wg < num_compute,
+      lambda: compute_fn(*refs, scratch, wg),
+      lambda: memory_fn(*refs, scratch),
     )
 
   return mpmd.mpmd_map(
     [(mesh, kernel)],
     out_types=out_types,
+    scratch_types=(scratch_types,),
     compiler_params=compiler_params,
     interpret=interpret,
     name=name,

@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import mpmd
 from mpmd.kernels import gpu
 
 DTYPES = [jnp.float16, jnp.bfloat16]
 MODES = [
   pytest.param(dict(warp_specialized=False), id="software"),
   pytest.param(
-    dict(warp_specialized=True, num_compute_wgs=2, multi_mesh=False),
+    dict(warp_specialized=True, num_compute_wgs=2),
     id="ws2",
   ),
 ]
@@ -36,6 +37,16 @@ def _inputs(rng, dtype, m=M, n=N, k=K):
 class MatmulTestBase:
   def check(self, fn, args, expected):
     raise NotImplementedError
+
+  def test_jaxpr_has_memory_and_compute_meshes(self, rng):
+    a, b = _inputs(rng, jnp.float16)
+    jaxpr = jax.make_jaxpr(
+      functools.partial(gpu.matmul, warp_specialized=True)
+    )(a, b)
+    [eqn] = [e for e in jaxpr.eqns if e.primitive is mpmd.mpmd_map_p]
+    meshes = eqn.params["meshes"]
+    assert [m.thread_name for m in meshes] == ["compute", "memory"]
+    assert [m.num_threads for m in meshes] == [2, 1]
 
   @pytest.mark.parametrize("mode", MODES)
   @pytest.mark.parametrize("dtype", DTYPES)
@@ -99,14 +110,9 @@ class TestMatmulSimulator(MatmulTestBase):
     assert not util.races_found()
     util.assert_close(out, util.matmul_reference(a, b))
 
-  @pytest.mark.xfail(
-    strict=True,
-    reason="two meshes need mpmd_map to accept swizzled SMEM scratch "
-    "(TransformedRef avals); when this passes, flip MULTI_MESH_DEFAULT",
-  )
-  def test_warp_specialized_two_meshes(self, rng):
+  def test_warp_specialized_single_mesh_form(self, rng):
     a, b = _inputs(rng, jnp.float16, n=128)
-    out = gpu.matmul(a, b, warp_specialized=True, multi_mesh=True)
+    out = gpu.matmul(a, b, warp_specialized=True, multi_mesh=False)
     util.assert_close(out, util.matmul_reference(a, b))
 
   @pytest.mark.slow

@@ -28,10 +28,10 @@ def _column_specs(grid_ndim=1):
 
 
 def _software_call(body, xs, out_shape, *, interpret=None, **pipeline_kw):
-  mesh = plgpu.Mesh(num_threads=1, thread_name="wg")
+  mesh = plgpu.Mesh()  # One warpgroup, no thread axis.
 
   def kernel(*refs):
-    gpu.pipeline(body, collective_axes="wg", **pipeline_kw)(*refs)
+    gpu.pipeline(body, **pipeline_kw)(*refs)
 
   return mpmd.mpmd_map(
     [(mesh, kernel)],
@@ -345,15 +345,6 @@ class TestWarpSpecializedMultiMesh(PipelineTestBase):
   """Two meshes in one mpmd_map: compute warpgroups, then the memory one."""
 
   call = staticmethod(functools.partial(_ws_call, multi_mesh=True))
-
-  @pytest.mark.xfail(
-    strict=True,
-    reason="mpmd_map does not accept scratch SMEM with transforms "
-    "(TransformedRef avals) yet; when this passes, flip "
-    "mpmd.kernels.gpu.matmul.MULTI_MESH_DEFAULT",
-  )
-  def test_swizzled_blocks(self, rng):
-    super().test_swizzled_blocks(rng)
 
   def test_jaxpr_has_both_meshes(self, rng):
     x = _columns(rng, 2)
