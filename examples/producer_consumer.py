@@ -8,18 +8,14 @@ first: the launch only works if both meshes really run concurrently.
     python examples/producer_consumer.py
 """
 
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import tpu as pltpu  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import mpmd  # noqa: E402
-from mpmd import registry  # noqa: E402
+import mpmd
+from mpmd import registry
 
 NUM_CONSUMERS = 2
 producer = pltpu.create_tensorcore_mesh("producer", num_cores=1)

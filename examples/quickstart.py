@@ -3,18 +3,14 @@
 python examples/quickstart.py
 """
 
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
-from jax.experimental.pallas import tpu as pltpu  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import mpmd  # noqa: E402
-from mpmd import registry  # noqa: E402
-from mpmd.demos import gpu_add_one  # noqa: E402
+import mpmd
+from mpmd import registry
+from mpmd.demos import gpu_add_one
 
 mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
 

@@ -11,18 +11,14 @@ Runs in the Mosaic GPU simulator on CPU and cross-lowers for CUDA:
     python examples/warp_specialized_copy.py
 """
 
-import os
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import mpmd  # noqa: E402
-from mpmd import registry  # noqa: E402
+import mpmd
+from mpmd import registry
 
 BLOCK_ROWS, SLOTS, COMPUTE_WGS = 64, 2, 2
 memory = plgpu.Mesh(num_threads=1, thread_name="memory")
