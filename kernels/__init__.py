@@ -1,3 +1,13 @@
+"""Kernels built on ``mpmd_map``, each checked against plain JAX.
+
+* ``all_gather_matmul`` / ``matmul_reduce_scatter``: ring collective matmul
+  (TPU), used inside ``jax.shard_map``.
+* ``gmm`` / ``tgmm``: grouped matmul for mixture-of-experts (TPU).
+* ``mpmd.kernels.gpu``: software-pipelined and warp-specialized Mosaic GPU
+  pipelines and matmuls (CUDA).
+"""
+
+from mpmd.kernels import gpu as gpu
 from mpmd.kernels.collective_matmul import (
   all_gather_matmul as all_gather_matmul,
 )
@@ -6,3 +16,11 @@ from mpmd.kernels.collective_matmul import (
 )
 from mpmd.kernels.grouped_matmul import gmm as gmm
 from mpmd.kernels.grouped_matmul import tgmm as tgmm
+
+__all__ = [
+  "all_gather_matmul",
+  "gmm",
+  "gpu",
+  "matmul_reduce_scatter",
+  "tgmm",
+]
