@@ -67,18 +67,21 @@ def _eval(jaxpr: core.Jaxpr, consts, args, rule: EqnRule):
     ):
       outs = rule(eqn, invals)
       if outs is None:
-        params = {
-          k: _map_jaxprs(v, lambda j: _rewrite_any(j, rule))
-          for k, v in eqn.params.items()
-        }
-        bind_params = eqn.primitive.get_bind_params(params)
-        outs = eqn.primitive.bind(*invals, **bind_params)
-        if not eqn.primitive.multiple_results:
-          outs = [outs]
+        outs = bind_rewritten(eqn, invals, rule)
     for v, x in zip(eqn.outvars, outs, strict=True):
       if not isinstance(v, core.DropVar):
         env[v] = x
   return [read(a) for a in jaxpr.outvars]
+
+
+def bind_rewritten(eqn, invals, rule: EqnRule, **param_updates) -> list[Any]:
+  """Binds ``eqn`` (with ``param_updates``), its nested jaxprs rewritten."""
+  params = {
+    k: _map_jaxprs(v, lambda j: _rewrite_any(j, rule))
+    for k, v in {**eqn.params, **param_updates}.items()
+  }
+  outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+  return outs if eqn.primitive.multiple_results else [outs]
 
 
 def _rewrite_any(j, rule: EqnRule):

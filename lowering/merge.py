@@ -156,6 +156,20 @@ def _rule(layout: Layout, i: int, platform: str):
         device_id_type=eqn.params["device_id_type"],
       )
       return []
+    if eqn.primitive is pallas_primitives.run_scoped_p:
+      axes = eqn.params["collective_axes"]
+      mine = [a for a in axes if a in layout.local_axes[i]]
+      if mine and len(layout.meshes) > 1:
+        raise NotImplementedError(
+          f"mpmd_map: run_scoped(collective_axes={axes!r}) allocates over "
+          f"the warpgroups of mesh {i} only, which a multi-mesh launch "
+          "cannot do; put memory shared by the launch in scratch_types"
+        )
+      if mine:  # one mesh: its thread axis is now the super-axis
+        renamed = tuple(SUPER_AXIS if a in mine else a for a in axes)
+        return jaxpr_util.bind_rewritten(
+          eqn, invals, rule, collective_axes=renamed
+        )
     if eqn.primitive.name in ("dma_start", "dma_wait"):
       *_, device_id = eqn.params["tree"].unflatten(invals)
       if isinstance(device_id, dict) and any(

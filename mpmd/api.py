@@ -449,9 +449,18 @@ def _unify_consts(traced, meshes, num_in, flat_kernel_avals):
   if not unique:
     return tuple(jaxpr for jaxpr, _ in traced), []
   all_consts = list(unique.values())
+  const_avals = [core.typeof(c) for c in all_consts]
+  # Mosaic GPU takes no scalar operands: a closed-over scalar is passed as a
+  # GMEM Ref and read where the kernel uses it.
+  gpu = paths.is_gpu_mesh(meshes[0])
+  as_ref = [gpu and not isinstance(a, state.AbstractRef) for a in const_avals]
+  const_avals = [
+    _kernel_aval(a, meshes) if r else a
+    for a, r in zip(const_avals, as_ref, strict=True)
+  ]
   avals = [
     *flat_kernel_avals[:num_in],
-    *(core.typeof(c) for c in all_consts),
+    *const_avals,
     *flat_kernel_avals[num_in:],
   ]
   jaxprs = []
@@ -464,6 +473,7 @@ def _unify_consts(traced, meshes, num_in, flat_kernel_avals):
         args[num_in : num_in + len(all_consts)],
         (args[num_in + len(all_consts) :]),
       )
+      cs = [c[...] if r else c for c, r in zip(cs, as_ref, strict=True)]
       mine = [cs[position[id(c)]] for c in consts]
       core.eval_jaxpr(jaxpr, mine, *ins, *rest)
       return ()

@@ -246,3 +246,19 @@ def test_error_bad_alias():
     r"output 0 \(f32\[16,128\]\)",
   ):
     f(jnp.zeros((8,), jnp.float32))
+
+
+def test_gpu_kernel_closing_over_a_scalar(rng):
+  offset = jnp.float32(10.0)
+  mesh = plgpu.Mesh(num_threads=2, thread_name="wg")
+
+  def body(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + offset
+
+  f = mpmd.mpmd_map(
+    [(mesh, body)], jax.ShapeDtypeStruct((128, 128), jnp.float32)
+  )
+  x = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+  np.testing.assert_allclose(f(x), x + 10.0)
+  text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text

@@ -419,3 +419,39 @@ def test_gpu_swizzled_smem_scratch_shared_by_two_meshes(rng):
   np.testing.assert_array_equal(f(x), x + 1.0)
   text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def _gpu_scoped_body(x_ref, o_ref):
+  def scoped(smem, bar):
+    wg = jax.lax.axis_index("wg")
+
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_gmem_to_smem(x_ref, smem, bar)
+
+    plgpu.barrier_wait(bar)
+    rows = pl.ds(wg * 64, 64)
+    o_ref[rows, :] = smem[rows, :] * 3.0
+
+  pl.run_scoped(
+    scoped,
+    plgpu.SMEM((128, 128), jnp.float32),
+    plgpu.Barrier(num_arrivals=1),
+    collective_axes="wg",
+  )
+
+
+def test_gpu_collective_scope_over_a_mesh_thread_axis(rng):
+  mesh = plgpu.Mesh(num_threads=2, thread_name="wg")
+  out = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+  f = mpmd.mpmd_map([(mesh, _gpu_scoped_body)], out)
+  np.testing.assert_allclose(f(x), 3.0 * x)
+  other = plgpu.Mesh(num_threads=1, thread_name="other")
+  g = mpmd.mpmd_map([(mesh, _gpu_scoped_body), (other, _noop)], out)
+  with pytest.raises(
+    NotImplementedError,
+    match=r"run_scoped\(collective_axes"
+    r"=\('wg',\)\) allocates over the warpgroups of mesh 0",
+  ):
+    g(x)
