@@ -1,10 +1,10 @@
 """Packaging, the jax._src door, and the command line."""
 
 import importlib
-from pathlib import Path
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
