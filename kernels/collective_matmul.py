@@ -271,18 +271,10 @@ def _check_block_sizes(fn_name: str, block_sizes: Any) -> BlockSizes:
 
 
 def _mpmd_map(interpret: Any) -> tuple[Callable[..., Any], Any]:
+  # Imported late: mpmd imports the kernels package for its demos.
   import mpmd
 
-  if hasattr(mpmd, "mpmd_map"):
-    return mpmd.mpmd_map, interpret
-  # TODO(collective-matmul): drop once mpmd.mpmd_map lands; until then use
-  # upstream's private mpmd_map with the TPU simulator on non-TPU hosts.
-  import importlib
-
-  upstream = importlib.import_module("jax._src.pallas.mpmd").mpmd_map
-  if interpret is None and jax.default_backend() != "tpu":
-    interpret = pltpu.InterpretParams()
-  return upstream, interpret
+  return mpmd.mpmd_map, interpret
 
 
 def _launch(
@@ -316,46 +308,71 @@ def _launch(
   )
 
 
-def _lookup(table: Sequence[int], index: jax.Array) -> jax.Array:
-  """``table[index]`` for a static int table and a traced scalar index."""
-  if tuple(table) == tuple(range(len(table))):
-    return index
-  result = jnp.int32(table[0])
-  for i, value in enumerate(table[1:], start=1):
-    result = jnp.where(index == i, jnp.int32(value), result)
-  return result
+def _out_type(
+  shape: tuple[int, ...], dtype: Any, operands: Sequence[jax.Array], ring: _Ring
+) -> jax.ShapeDtypeStruct:
+  """An output type for ``jax.shard_map(..., check_vma=True)``.
+
+  Outputs vary over the mesh axes the operands vary over, and over the ring's
+  axes: even the all-gather matmul's copies on the ring's devices agree only
+  up to rounding (each device sums the shards in its own order).
+  """
+  varying = frozenset().union(
+    *(jax.typeof(x).manual_axis_type.varying for x in operands)
+  )
+  if varying:  # check_vma=True: every manual axis is tracked
+    varying |= frozenset(ring.axes)
+  return jax.ShapeDtypeStruct(
+    shape,
+    dtype,
+    manual_axis_type=jax.sharding.ManualAxisType(varying=varying),
+  )
+
+
+def _ring_table(ring: _Ring) -> jax.Array:
+  """This device's view of the ring, computed outside the kernel.
+
+  Row 0, column j: the flattened axis index of the device j positions
+  downstream of this one; row 1 + a: that device's coordinate along
+  ``ring.axes[a]``. The kernel reads it from SMEM with static column
+  indices. Computing it here (rather than from ``lax.axis_index`` inside the
+  kernel) keeps mesh-varying values out of the kernel's jaxpr, which the TPU
+  simulator cannot evaluate under ``shard_map(check_vma=True)``, and leaves
+  the kernel only scalar loads.
+  """
+  flat = lax.axis_index(ring.axes[0])
+  for a, size in zip(ring.axes[1:], ring.sizes[1:], strict=True):
+    flat = flat * size + lax.axis_index(a)
+  inverse = [0] * ring.size
+  for position, device in enumerate(ring.order):
+    inverse[device] = position
+  position = jnp.asarray(inverse, jnp.int32)[flat]
+  downstream = lax.rem(
+    position + jnp.arange(ring.size, dtype=jnp.int32), ring.size
+  )
+  devices = jnp.asarray(ring.order, jnp.int32)[downstream]
+  coords, rest = [], devices
+  for size in reversed(ring.sizes):
+    coords.append(lax.rem(rest, size))
+    rest = rest // size
+  return jnp.stack([devices, *reversed(coords)]).astype(jnp.int32)
 
 
 class _RingCoords:
-  """Where this device sits on the ring, in kernel (traced) values."""
+  """Where this device's ring neighbours are, read from the ring table."""
 
-  def __init__(self, ring: _Ring):
+  def __init__(self, ring: _Ring, table_smem: Any):
     self.ring = ring
-    flat = jnp.int32(0)
-    for a, size in zip(ring.axes, ring.sizes, strict=True):
-      flat = flat * size + lax.axis_index(a)
-    inverse = [0] * ring.size
-    for position, device in enumerate(ring.order):
-      inverse[device] = position
-    self.position = _lookup(inverse, flat)
+    self.table = table_smem
 
   def device_at(self, offset: int) -> jax.Array:
     """Flattened axis index of the device ``offset`` positions away."""
-    size = self.ring.size
-    # +2*size keeps the operand of rem non-negative for |offset| <= 2*size.
-    position = lax.rem(self.position + (2 * size + offset), size)
-    return _lookup(self.ring.order, position)
+    return self.table[0, offset % self.ring.size]
 
   def device_id(self, offset: int) -> dict[str, jax.Array]:
     """Mesh coordinates (along the ring's axes) for a remote DMA/signal."""
-    flat = self.device_at(offset)
-    coords = {}
-    for a, size in reversed(
-      tuple(zip(self.ring.axes, self.ring.sizes, strict=True))
-    ):
-      coords[a] = lax.rem(flat, size)
-      flat = flat // size
-    return coords
+    column = offset % self.ring.size
+    return {a: self.table[1 + i, column] for i, a in enumerate(self.ring.axes)}
 
 
 def _handshake(coords: _RingCoords) -> None:
@@ -587,22 +604,25 @@ def _ag_kernel_call(
   slots = min(config.buffering, max(num - 1, 1))
   last = num - 2  # index of the last ring transfer
 
-  outs: dict[str, Any] = {"out": jax.ShapeDtypeStruct((n, m), out_dtype)}
+  outs: dict[str, Any] = {"out": _out_type((n, m), out_dtype, (lhs, rhs), ring)}
   acc_in_out = out_dtype == jnp.float32 or num == 1
   if not acc_in_out:
-    outs["acc"] = jax.ShapeDtypeStruct((n, m), jnp.float32)
+    outs["acc"] = _out_type((n, m), jnp.float32, (lhs, rhs), ring)
   # Ring buffers live in HBM. They are outputs of the launch (and dropped
   # afterwards) rather than scratch so that remote DMAs may target them on
   # every execution path.
   for st in streams:
-    outs[f"slots_{st.tag}"] = jax.ShapeDtypeStruct(
-      (slots, st.size, k_local), dtype
+    outs[f"slots_{st.tag}"] = _out_type(
+      (slots, st.size, k_local), dtype, (lhs,), ring
     )
     if slots == 1:
-      outs[f"stage_{st.tag}"] = jax.ShapeDtypeStruct((st.size, k_local), dtype)
+      outs[f"stage_{st.tag}"] = _out_type(
+        (st.size, k_local), dtype, (lhs,), ring
+      )
   if return_gathered:
-    outs["gathered"] = jax.ShapeDtypeStruct((n, k_total), dtype)
+    outs["gathered"] = _out_type((n, k_total), dtype, (lhs,), ring)
   scratch = _TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named()
+  scratch["ring_table"] = pltpu.SMEM((1 + len(ring.axes), num), jnp.int32)
   for st in streams:
     scratch[f"send_{st.tag}"] = pltpu.SemaphoreType.DMA
     scratch[f"recv_{st.tag}"] = pltpu.SemaphoreType.DMA((slots,))
@@ -610,11 +630,12 @@ def _ag_kernel_call(
   names = (*outs, *scratch)
 
   def body(*refs):
-    (lhs_ref, rhs_ref), r = _named_refs(refs, 2, names)
+    (table_ref, lhs_ref, rhs_ref), r = _named_refs(refs, 3, names)
     bufs = _TileBuffers.from_named(r)
     out_ref = r["out"]
     acc_ref = out_ref if acc_in_out else r["acc"]
-    coords = _RingCoords(ring)
+    pltpu.sync_copy(table_ref, r["ring_table"])
+    coords = _RingCoords(ring, r["ring_table"])
     me = coords.device_at(0)
 
     def local_matmul(src, st_start, st_size, origin, *, first, final):
@@ -715,7 +736,7 @@ def _ag_kernel_call(
     bytes_accessed=(n * k_total + k_total * m) * dtype.itemsize
     + n * m * out_dtype.itemsize,
   )
-  results = dict(zip(outs, call(lhs, rhs), strict=True))
+  results = dict(zip(outs, call(_ring_table(ring), lhs, rhs), strict=True))
   return results["out"], results.get("gathered")
 
 
@@ -907,13 +928,15 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
   slots = min(config.buffering, max(num - 1, 1))
   last = num - 2
 
-  outs: dict[str, Any] = {"out": jax.ShapeDtypeStruct(block, out_dtype)}
+  outs: dict[str, Any] = {"out": _out_type(block, out_dtype, (lhs, rhs), ring)}
   f32 = jnp.float32
   for st in streams:
-    outs[f"part_{st.tag}"] = jax.ShapeDtypeStruct(region, f32)
-    outs[f"send_buf_{st.tag}"] = jax.ShapeDtypeStruct((2, *region), f32)
-    outs[f"slots_{st.tag}"] = jax.ShapeDtypeStruct((slots, *region), f32)
+    operands = (lhs, rhs)
+    outs[f"part_{st.tag}"] = _out_type(region, f32, operands, ring)
+    outs[f"send_buf_{st.tag}"] = _out_type((2, *region), f32, operands, ring)
+    outs[f"slots_{st.tag}"] = _out_type((slots, *region), f32, operands, ring)
   scratch = _TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named()
+  scratch["ring_table"] = pltpu.SMEM((1 + len(ring.axes), num), jnp.int32)
   for st in streams:
     scratch[f"send_{st.tag}"] = pltpu.SemaphoreType.DMA
     scratch[f"recv_{st.tag}"] = pltpu.SemaphoreType.DMA((slots,))
@@ -921,10 +944,11 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
   names = (*outs, *scratch)
 
   def body(*refs):
-    (lhs_ref, rhs_ref), r = _named_refs(refs, 2, names)
+    (table_ref, lhs_ref, rhs_ref), r = _named_refs(refs, 3, names)
     bufs = _TileBuffers.from_named(r)
     out_ref = r["out"]
-    coords = _RingCoords(ring)
+    pltpu.sync_copy(table_ref, r["ring_table"])
+    coords = _RingCoords(ring, r["ring_table"])
 
     def out_region(st):
       # The part of the output block this direction produces.
@@ -1029,7 +1053,7 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
     flops=2 * n * k * m + n * m,
     bytes_accessed=bytes_in + block[0] * block[1] * out_dtype.itemsize,
   )
-  return call(lhs, rhs)[0]
+  return call(_ring_table(ring), lhs, rhs)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

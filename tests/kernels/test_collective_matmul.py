@@ -1,0 +1,796 @@
+"""Collective matmul kernels vs plain-JAX references, under jax.shard_map.
+
+One test base per execution path: ``CpuFallbackTest`` runs the kernels on
+simulated CPU devices (the kernels synchronise across devices, so the CPU
+fallback runs them in the threaded TPU simulator) and compares them with the
+f32 HIGHEST-precision product of the global operands; ``TpuLoweringTest``
+cross-lowers them for TPU from this CPU host. Ring lengths 2, 3, 4 and 8,
+both directions, 1/2/4 receive slots, f32 and bf16, 1-D and 2-D meshes,
+explicit ring orders, multi-tile pipelines and gradients are covered; the
+8-device cases are marked slow (CI runs them).
+"""
+
+import functools
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mpmd import registry
+from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter
+from mpmd.kernels import collective_matmul as cm
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+def tolerances(dtype) -> dict[str, float]:
+  """assert_allclose tolerances for kernel outputs of ``dtype``.
+
+  Operands are O(1) with rhs scaled by 1/sqrt(K), so outputs are O(1); the
+  reference sees exactly the kernel's inputs upcast to f32, and a product of
+  two bf16 values is exact in f32, so input rounding is common to both sides.
+  What differs:
+  * float32: the kernel sums shard products in ring order and tiles in
+    pipeline order; the HIGHEST reference sums in one dot. Reordering a sum
+    of K <= 2048 O(1/sqrt(K)) terms in f32 moves it by about
+    sqrt(K) * eps(f32) ~ 5e-6; 3e-5 leaves margin.
+  * bfloat16 (the output dtype): the f32 accumulator is rounded once to
+    bf16 on store, half an ulp = 2**-9 relative (~2e-3); 8e-3 allows one ulp
+    either way, on rtol and atol (outputs near zero).
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float32:
+    return dict(rtol=3e-5, atol=3e-5)
+  if dtype == jnp.bfloat16:
+    return dict(rtol=8e-3, atol=8e-3)
+  raise ValueError(f"tolerances: no tolerance for {dtype}")
+
+
+def reference_matmul(lhs, rhs):
+  return jnp.dot(
+    lhs.astype(jnp.float32), rhs.astype(jnp.float32), precision=HIGHEST
+  )
+
+
+def make_mesh(sizes, names):
+  return jax.make_mesh(sizes, names, devices=jax.devices()[: math.prod(sizes)])
+
+
+def operands(rng, lhs_shape, rhs_shape, dtype):
+  """O(1) lhs, rhs scaled by 1/sqrt(K): O(1) products (f32 numpy)."""
+  lhs = rng.standard_normal(lhs_shape, np.float32)
+  rhs = rng.standard_normal(rhs_shape, np.float32) / np.sqrt(rhs_shape[0])
+  return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
+
+
+def sharded(fn, mesh, in_specs, out_specs, *args, check_vma=False):
+  """jit(shard_map(fn)) applied to args placed with in_specs."""
+  placed = [
+    jax.device_put(a, NamedSharding(mesh, s))
+    for a, s in zip(args, in_specs, strict=True)
+  ]
+  f = jax.shard_map(
+    fn,
+    mesh=mesh,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    check_vma=check_vma,
+  )
+  return jax.jit(f)(*placed)
+
+
+def assert_close(got, want, dtype):
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32),
+    np.asarray(want, np.float32),
+    **tolerances(dtype),
+  )
+
+
+class KernelRunner:
+  """The kernels, partially applied with this class's ``interpret``."""
+
+  interpret = None
+
+  def ag(self, **kwargs):
+    return functools.partial(
+      all_gather_matmul, interpret=self.interpret, **kwargs
+    )
+
+  def rs(self, **kwargs):
+    return functools.partial(
+      matmul_reduce_scatter, interpret=self.interpret, **kwargs
+    )
+
+
+class CpuFallbackTest(KernelRunner):
+  """Kernels run on simulated CPU devices (interpret=None: CPU fallback)."""
+
+  # -- all_gather_matmul ----------------------------------------------------
+
+  @pytest.mark.parametrize(
+    "ring,bidirectional,buffering,dtype,n",
+    [
+      (2, True, 2, jnp.float32, 16),
+      (2, True, 2, jnp.float32, 9),  # odd n: unidirectional fallback
+      (3, True, 2, jnp.bfloat16, 16),  # odd ring, both directions
+      (3, False, 1, jnp.float32, 16),
+      (4, True, 1, jnp.bfloat16, 16),
+      (4, False, 4, jnp.float32, 16),
+      pytest.param(8, True, 2, jnp.bfloat16, 16, marks=pytest.mark.slow),
+      pytest.param(8, False, 4, jnp.float32, 8, marks=pytest.mark.slow),
+    ],
+  )
+  def test_all_gather_matmul(
+    self, rng, ring, bidirectional, buffering, dtype, n
+  ):
+    k_local, m = (16, 128) if ring == 8 else (128, 128)
+    lhs, rhs = operands(rng, (n, k_local * ring), (k_local * ring, m), dtype)
+    mesh = make_mesh((ring,), ("x",))
+    out = sharded(
+      self.ag(axis_name="x", bidirectional=bidirectional, buffering=buffering),
+      mesh,
+      (P(None, "x"), P()),
+      P("x"),  # every device's copy, stacked: all must match
+      lhs,
+      rhs,
+    )
+    assert out.dtype == jnp.float32
+    want = reference_matmul(lhs, rhs)
+    assert_close(out, jnp.tile(want, (ring, 1)), jnp.float32)
+
+  def test_all_gather_matmul_bf16_output(self, rng):
+    lhs, rhs = operands(rng, (16, 4 * 128), (4 * 128, 256), jnp.bfloat16)
+    out = sharded(
+      self.ag(axis_name="x", preferred_element_type=jnp.bfloat16),
+      make_mesh((4,), ("x",)),
+      (P(None, "x"), P()),
+      P("x"),
+      lhs,
+      rhs,
+    )
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, jnp.tile(reference_matmul(lhs, rhs), (4, 1)), out.dtype)
+
+  def test_all_gather_matmul_multi_tile_pipeline(self, rng):
+    # Every dimension spans several tiles (rows per direction 32 = 4 x 8,
+    # k_local 256 = 2 x 128, m 384 = 3 x 128): exercises the prefetch of
+    # the next tile pair across tile rows, columns and the K loop.
+    lhs, rhs = operands(rng, (64, 2 * 256), (2 * 256, 384), jnp.float32)
+    out = sharded(
+      self.ag(
+        axis_name="x",
+        block_sizes=cm.BlockSizes(block_n=8, block_k=128, block_m=128),
+      ),
+      make_mesh((2,), ("x",)),
+      (P(None, "x"), P()),
+      P("x"),
+      lhs,
+      rhs,
+    )
+    assert_close(out, jnp.tile(reference_matmul(lhs, rhs), (2, 1)), jnp.float32)
+
+  def test_all_gather_matmul_ring_of_one(self, rng):
+    lhs, rhs = operands(rng, (16, 128), (128, 128), jnp.float32)
+    out = sharded(
+      self.ag(axis_name="x"), make_mesh((1,), ("x",)), (P(), P()), P(), lhs, rhs
+    )
+    assert_close(out, reference_matmul(lhs, rhs), jnp.float32)
+
+  def test_all_gather_matmul_explicit_ring(self, rng):
+    ring = (0, 2, 3, 1)
+    lhs, rhs = operands(rng, (16, 4 * 128), (4 * 128, 128), jnp.float32)
+    out = sharded(
+      self.ag(axis_name="x", ring=ring, buffering=1),
+      make_mesh((4,), ("x",)),
+      (P(None, "x"), P()),
+      P("x"),
+      lhs,
+      rhs,
+    )
+    assert_close(out, jnp.tile(reference_matmul(lhs, rhs), (4, 1)), jnp.float32)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("ring_axis", ["x", "y"])
+  def test_all_gather_matmul_2d_mesh(self, rng, ring_axis):
+    # 2x4 mesh: each row (ring "y") or column (ring "x") is its own ring.
+    # lhs rows are sharded over the other axis, so the rings gather
+    # different data and must not mix.
+    other = {"x": "y", "y": "x"}[ring_axis]
+    mesh = make_mesh((2, 4), ("x", "y"))
+    ring = mesh.shape[ring_axis]
+    k_local = 16
+    lhs, rhs = operands(
+      rng,
+      (8 * mesh.shape[other], k_local * ring),
+      (k_local * ring, 128),
+      jnp.float32,
+    )
+    out = sharded(
+      self.ag(axis_name=ring_axis),
+      mesh,
+      (P(other, ring_axis), P()),
+      P(other, None),
+      lhs,
+      rhs,
+    )
+    assert_close(out, reference_matmul(lhs, rhs), jnp.float32)
+
+  @pytest.mark.slow
+  def test_all_gather_matmul_ring_over_two_axes(self, rng):
+    # axis_name=("x", "y"): one ring through all 8 devices of a 2x4 mesh,
+    # visiting them in an explicit order that jumps between rows.
+    mesh = make_mesh((2, 4), ("x", "y"))
+    lhs, rhs = operands(rng, (8, 8 * 16), (8 * 16, 128), jnp.float32)
+    out = sharded(
+      self.ag(axis_name=("x", "y"), ring=(0, 4, 1, 5, 2, 6, 3, 7)),
+      mesh,
+      (P(None, ("x", "y")), P()),
+      P(("x", "y")),
+      lhs,
+      rhs,
+    )
+    assert_close(out, jnp.tile(reference_matmul(lhs, rhs), (8, 1)), jnp.float32)
+
+  # -- matmul_reduce_scatter ------------------------------------------------
+
+  @pytest.mark.parametrize(
+    "ring,scatter_dimension,bidirectional,buffering,dtype",
+    [
+      (2, 0, True, 2, jnp.float32),
+      (3, 1, True, 1, jnp.bfloat16),
+      (3, 0, False, 2, jnp.float32),
+      (4, 0, False, 4, jnp.float32),
+      (4, 1, True, 2, jnp.bfloat16),
+      pytest.param(8, 0, True, 2, jnp.bfloat16, marks=pytest.mark.slow),
+      pytest.param(8, 1, False, 1, jnp.float32, marks=pytest.mark.slow),
+    ],
+  )
+  def test_matmul_reduce_scatter(
+    self, rng, ring, scatter_dimension, bidirectional, buffering, dtype
+  ):
+    k_local = 16 if ring == 8 else 128
+    n, m = (8 * ring, 128) if scatter_dimension == 0 else (16, 128 * ring)
+    lhs, rhs = operands(rng, (n, k_local * ring), (k_local * ring, m), dtype)
+    out_spec = P("x") if scatter_dimension == 0 else P(None, "x")
+    out = sharded(
+      self.rs(
+        axis_name="x",
+        scatter_dimension=scatter_dimension,
+        bidirectional=bidirectional,
+        buffering=buffering,
+      ),
+      make_mesh((ring,), ("x",)),
+      (P(None, "x"), P("x")),
+      out_spec,
+      lhs,
+      rhs,
+    )
+    assert out.shape == (n, m) and out.dtype == jnp.float32
+    assert_close(out, reference_matmul(lhs, rhs), jnp.float32)
+
+  def test_matmul_reduce_scatter_bf16_output_multi_tile(self, rng):
+    lhs, rhs = operands(rng, (2 * 32, 2 * 256), (2 * 256, 256), jnp.bfloat16)
+    out = sharded(
+      self.rs(
+        axis_name="x",
+        preferred_element_type=jnp.bfloat16,
+        block_sizes=cm.BlockSizes(block_n=16, block_k=128, block_m=128),
+      ),
+      make_mesh((2,), ("x",)),
+      (P(None, "x"), P("x")),
+      P("x"),
+      lhs,
+      rhs,
+    )
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, reference_matmul(lhs, rhs), jnp.bfloat16)
+
+  def test_matmul_reduce_scatter_explicit_ring(self, rng):
+    lhs, rhs = operands(rng, (32, 4 * 128), (4 * 128, 128), jnp.float32)
+    out = sharded(
+      self.rs(axis_name="x", ring=(3, 1, 0, 2)),
+      make_mesh((4,), ("x",)),
+      (P(None, "x"), P("x")),
+      P("x"),
+      lhs,
+      rhs,
+    )
+    assert_close(out, reference_matmul(lhs, rhs), jnp.float32)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("ring_axis", ["x", "y"])
+  def test_matmul_reduce_scatter_2d_mesh(self, rng, ring_axis):
+    other = {"x": "y", "y": "x"}[ring_axis]
+    mesh = make_mesh((2, 4), ("x", "y"))
+    ring = mesh.shape[ring_axis]
+    lhs, rhs = operands(
+      rng,
+      (8 * ring, 16 * ring),
+      (16 * ring, 128 * mesh.shape[other]),
+      jnp.float32,
+    )
+    out = sharded(
+      self.rs(axis_name=ring_axis),
+      mesh,
+      (P(None, ring_axis), P(ring_axis, other)),
+      P(ring_axis, other),
+      lhs,
+      rhs,
+    )
+    assert_close(out, reference_matmul(lhs, rhs), jnp.float32)
+
+  # -- gradients ------------------------------------------------------------
+
+  def check_grads(self, rng, fn, ref_fn, lhs, rhs, mesh, in_specs, out_spec):
+    placed = [
+      jax.device_put(a, NamedSharding(mesh, s))
+      for a, s in zip((lhs, rhs), in_specs, strict=True)
+    ]
+
+    def mapped(f):
+      return jax.shard_map(
+        f, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False
+      )
+
+    # Random output weights: every output element reaches the gradient.
+    out_shape = jax.eval_shape(mapped(ref_fn), *placed).shape
+    weights = jnp.asarray(rng.standard_normal(out_shape, np.float32))
+
+    def grads(f):
+      loss = lambda a, b: jnp.sum(mapped(f)(a, b) * weights)  # noqa: E731
+      return jax.jit(jax.grad(loss, argnums=(0, 1)))(*placed)
+
+    for g, w in zip(grads(fn), grads(ref_fn), strict=True):
+      assert g.shape == w.shape and g.dtype == w.dtype
+      assert_close(g, w, jnp.float32)
+
+  def test_all_gather_matmul_grad(self, rng):
+    lhs, rhs = operands(rng, (16, 4 * 128), (4 * 128, 128), jnp.float32)
+
+    def ref(a, b):
+      gathered = lax.all_gather(a, "x", axis=1, tiled=True)
+      return jnp.dot(gathered, b, precision=HIGHEST)
+
+    self.check_grads(
+      rng,
+      self.ag(axis_name="x"),
+      ref,
+      lhs,
+      rhs,
+      make_mesh((4,), ("x",)),
+      (P(None, "x"), P()),
+      P("x"),
+    )
+
+  @pytest.mark.parametrize("scatter_dimension", [0, 1])
+  def test_matmul_reduce_scatter_grad(self, rng, scatter_dimension):
+    n, m = (32, 128) if scatter_dimension == 0 else (16, 4 * 128)
+    lhs, rhs = operands(rng, (n, 4 * 128), (4 * 128, m), jnp.float32)
+
+    def ref(a, b):
+      product = jnp.dot(a, b, precision=HIGHEST)
+      return lax.psum_scatter(
+        product, "x", scatter_dimension=scatter_dimension, tiled=True
+      )
+
+    self.check_grads(
+      rng,
+      self.rs(axis_name="x", scatter_dimension=scatter_dimension),
+      ref,
+      lhs,
+      rhs,
+      make_mesh((4,), ("x",)),
+      (P(None, "x"), P("x")),
+      P("x") if scatter_dimension == 0 else P(None, "x"),
+    )
+
+  # -- check_vma=True ---------------------------------------------------------
+
+  def test_check_vma(self, rng):
+    lhs, rhs = operands(rng, (16, 2 * 128), (2 * 128, 128), jnp.float32)
+    mesh = make_mesh((2,), ("x",))
+    out = sharded(
+      self.ag(axis_name="x"),
+      mesh,
+      (P(None, "x"), P()),
+      P("x"),
+      lhs,
+      rhs,
+      check_vma=True,
+    )
+    assert_close(out, jnp.tile(reference_matmul(lhs, rhs), (2, 1)), jnp.float32)
+    out = sharded(
+      self.rs(axis_name="x"),
+      mesh,
+      (P(None, "x"), P("x")),
+      P("x"),
+      lhs,
+      rhs,
+      check_vma=True,
+    )
+    assert_close(out, reference_matmul(lhs, rhs), jnp.float32)
+
+
+class TestCpuFallback(CpuFallbackTest):
+  pass
+
+
+class TestRaceDetector(KernelRunner):
+  """The kernels in the TPU simulator with its race detector on.
+
+  A race makes the launch raise (mpmd's simulator path turns the detector's
+  verdict into an error), so these pass only if the flow control (capacity
+  semaphores, DMA waits) orders every access to the ring buffers.
+  """
+
+  interpret = pltpu.InterpretParams(detect_races=True)
+
+  @pytest.mark.parametrize("buffering", [1, 2])
+  def test_all_gather_matmul_no_race(self, rng, buffering):
+    CpuFallbackTest.test_all_gather_matmul(
+      self, rng, 4, True, buffering, jnp.float32, 16
+    )
+
+  @pytest.mark.parametrize("buffering", [1, 2])
+  def test_matmul_reduce_scatter_no_race(self, rng, buffering):
+    CpuFallbackTest.test_matmul_reduce_scatter(
+      self, rng, 4, 0, True, buffering, jnp.float32
+    )
+
+  @pytest.mark.slow
+  def test_no_race_on_2d_mesh(self, rng):
+    CpuFallbackTest.test_all_gather_matmul_2d_mesh(self, rng, "y")
+    CpuFallbackTest.test_matmul_reduce_scatter_2d_mesh(self, rng, "x")
+
+  def test_detector_finds_a_ring_race(self):
+    # Control: a ring exchange *without* flow control (each device reads its
+    # receive buffer while its neighbour may be writing it) must be caught,
+    # or the no-race tests above would prove nothing. In a subprocess: a
+    # detected race leaves the runtime's ordered-effects token failed, which
+    # would fail every later launch in this process.
+    result = subprocess.run(
+      [sys.executable, "-c", _RACY_RING_PROGRAM],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"},
+      check=False,
+    )
+    assert result.returncode != 0, result.stdout
+    assert "RaceError" in result.stderr, result.stderr[-2000:]
+
+
+_RACY_RING_PROGRAM = """
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding, PartitionSpec as P
+import mpmd
+
+def body(x_ref, o_ref, buf_ref, vmem, send_sem, recv_sem):
+  right = {"x": lax.rem(lax.axis_index("x") + 1, 2)}
+  copy = pltpu.make_async_remote_copy(
+      x_ref, buf_ref, send_sem, recv_sem, device_id=right,
+      device_id_type=pl.DeviceIdType.MESH)
+  copy.start()
+  pltpu.sync_copy(buf_ref, vmem)  # no wait_recv first: races with the DMA
+  copy.wait_send()
+  copy.wait_recv()
+  pltpu.sync_copy(vmem, o_ref)
+
+def racy(x):
+  return mpmd.mpmd_map(
+      [(pltpu.create_tensorcore_mesh("core", num_cores=1), body)],
+      (jax.ShapeDtypeStruct(x.shape, x.dtype),) * 2,
+      scratch_types=(pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA,
+                     pltpu.SemaphoreType.DMA),
+      compiler_params=pltpu.CompilerParams(collective_id=0),
+      interpret=pltpu.InterpretParams(detect_races=True))(x)[0]
+
+mesh = jax.make_mesh((2,), ("x",))
+x = jax.device_put(jnp.ones((16, 128)), NamedSharding(mesh, P("x")))
+f = jax.shard_map(racy, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                  check_vma=False)
+jax.block_until_ready(jax.jit(f)(x))
+jax.effects_barrier()
+"""
+
+
+# -- errors (raised while tracing, before anything is lowered) ---------------
+
+
+def trace_sharded(fn, mesh, in_specs, out_specs, *shapes):
+  args = [
+    jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
+    for (s, d), spec in zip(shapes, in_specs, strict=True)
+  ]
+  f = jax.shard_map(
+    fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+  )
+  return jax.jit(f).trace(*args)
+
+
+class TestErrors:
+  f32 = jnp.float32
+
+  def test_axis_name_not_in_mesh(self):
+    with pytest.raises(
+      ValueError, match=r"'axis_name' 'z' is not an axis of the enclosing"
+    ):
+      trace_sharded(
+        functools.partial(all_gather_matmul, axis_name="z"),
+        make_mesh((2,), ("x",)),
+        (P(None, "x"), P()),
+        P(),
+        ((8, 256), self.f32),
+        ((256, 128), self.f32),
+      )
+
+  def test_rhs_rows_mismatch(self):
+    with pytest.raises(
+      ValueError,
+      match=r"k_local \* ring = 128 \* 2 = 256 rows .* = 384",
+    ):
+      trace_sharded(
+        functools.partial(all_gather_matmul, axis_name="x"),
+        make_mesh((2,), ("x",)),
+        (P(None, "x"), P()),
+        P(),
+        ((8, 256), self.f32),
+        ((384, 128), self.f32),
+      )
+
+  @pytest.mark.parametrize("fn", [all_gather_matmul, matmul_reduce_scatter])
+  def test_unsupported_dtype(self, fn):
+    with pytest.raises(
+      TypeError, match=r"'lhs' of dtype float32 or bfloat16, got int32"
+    ):
+      trace_sharded(
+        functools.partial(fn, axis_name="x"),
+        make_mesh((2,), ("x",)),
+        (P(None, "x"), P()),
+        P(),
+        ((8, 256), jnp.int32),
+        ((256, 128), jnp.int32),
+      )
+
+  def test_unsupported_output_dtype(self):
+    with pytest.raises(
+      TypeError, match=r"'preferred_element_type' float32 or bfloat16, got"
+    ):
+      trace_sharded(
+        functools.partial(
+          all_gather_matmul, axis_name="x", preferred_element_type=jnp.float16
+        ),
+        make_mesh((2,), ("x",)),
+        (P(None, "x"), P()),
+        P(),
+        ((8, 256), self.f32),
+        ((512, 128), self.f32),
+      )
+
+  @pytest.mark.parametrize("fn", [all_gather_matmul, matmul_reduce_scatter])
+  def test_outside_shard_map(self, fn):
+    with pytest.raises(
+      ValueError, match=r"must be called inside jax.shard_map"
+    ):
+      jax.jit(functools.partial(fn, axis_name="x")).trace(
+        jax.ShapeDtypeStruct((8, 128), self.f32),
+        jax.ShapeDtypeStruct((128, 128), self.f32),
+      )
+
+  def test_bad_ring(self):
+    with pytest.raises(
+      ValueError,
+      match=r"'ring' to be a permutation of range\(4\).*\(0, 1, 1, 2\)",
+    ):
+      trace_sharded(
+        functools.partial(all_gather_matmul, axis_name="x", ring=(0, 1, 1, 2)),
+        make_mesh((4,), ("x",)),
+        (P(None, "x"), P()),
+        P(),
+        ((8, 512), self.f32),
+        ((512, 128), self.f32),
+      )
+
+  @pytest.mark.parametrize("buffering", [0, -1])
+  def test_bad_buffering(self, buffering):
+    with pytest.raises(ValueError, match=r"'buffering' >= 1 .*got"):
+      trace_sharded(
+        functools.partial(
+          matmul_reduce_scatter, axis_name="x", buffering=buffering
+        ),
+        make_mesh((2,), ("x",)),
+        (P(None, "x"), P("x")),
+        P("x"),
+        ((8, 256), self.f32),
+        ((256, 128), self.f32),
+      )
+
+  def test_block_size_must_divide(self):
+    with pytest.raises(
+      ValueError,
+      match=r"block_sizes.block_k to divide the dimension .*\(128\), got 96",
+    ):
+      trace_sharded(
+        functools.partial(
+          all_gather_matmul,
+          axis_name="x",
+          block_sizes=cm.BlockSizes(block_k=96),
+        ),
+        make_mesh((2,), ("x",)),
+        (P(None, "x"), P()),
+        P(),
+        ((8, 256), self.f32),
+        ((256, 128), self.f32),
+      )
+
+  def test_scatter_dimension_divisible(self):
+    with pytest.raises(
+      ValueError, match=r"dimension 0 of lhs @ rhs \(9\) to be divisible by the"
+    ):
+      trace_sharded(
+        functools.partial(matmul_reduce_scatter, axis_name="x"),
+        make_mesh((2,), ("x",)),
+        (P(None, "x"), P("x")),
+        P("x"),
+        ((9, 256), self.f32),
+        ((256, 128), self.f32),
+      )
+
+  def test_contraction_mismatch(self):
+    with pytest.raises(ValueError, match=r"lhs.shape\[1\] = 128 rows"):
+      trace_sharded(
+        functools.partial(matmul_reduce_scatter, axis_name="x"),
+        make_mesh((2,), ("x",)),
+        (P(None, "x"), P("x")),
+        P("x"),
+        ((8, 256), self.f32),
+        ((512, 128), self.f32),
+      )
+
+  def test_scatter_dimension_value(self):
+    with pytest.raises(ValueError, match=r"'scatter_dimension' 0 or 1, got 2"):
+      trace_sharded(
+        functools.partial(
+          matmul_reduce_scatter, axis_name="x", scatter_dimension=2
+        ),
+        make_mesh((2,), ("x",)),
+        (P(None, "x"), P("x")),
+        P("x"),
+        ((8, 256), self.f32),
+        ((256, 128), self.f32),
+      )
+
+  def test_mismatched_dtypes(self):
+    with pytest.raises(
+      TypeError, match=r"same dtype, got float32 and bfloat16"
+    ):
+      trace_sharded(
+        functools.partial(all_gather_matmul, axis_name="x"),
+        make_mesh((2,), ("x",)),
+        (P(None, "x"), P()),
+        P(),
+        ((8, 256), self.f32),
+        ((256, 128), jnp.bfloat16),
+      )
+
+
+# -- TPU cross-lowering from this CPU host -----------------------------------
+
+
+class TestTpuLowering:
+  """The kernels lower to Mosaic with the collective set up."""
+
+  def lower(self, fn, mesh, in_specs, out_specs, *shapes) -> str:
+    return (
+      trace_sharded(fn, mesh, in_specs, out_specs, *shapes)
+      .lower(lowering_platforms=("tpu",))
+      .as_text()
+    )
+
+  def assert_collective_kernel(self, text: str, count: int = 1):
+    assert text.count("tpu_custom_call") == count
+    # Remote DMAs and the barrier semaphore need both of these.
+    assert re.search(r"has_communication\\22: true", text)
+    assert re.search(r"collective_id\\22: 0", text)
+
+  @pytest.mark.parametrize(
+    "mesh_shape,ring_axis", [((4,), "x"), ((2, 4), "y"), ((2, 4), "x")]
+  )
+  def test_all_gather_matmul(self, mesh_shape, ring_axis):
+    names = ("x", "y")[: len(mesh_shape)]
+    mesh = make_mesh(mesh_shape, names)
+    ring = mesh.shape[ring_axis]
+    text = self.lower(
+      functools.partial(all_gather_matmul, axis_name=ring_axis),
+      mesh,
+      (P(None, ring_axis), P()),
+      P(),
+      ((256, 512 * ring), jnp.bfloat16),
+      ((512 * ring, 1024), jnp.bfloat16),
+    )
+    self.assert_collective_kernel(text)
+
+  @pytest.mark.parametrize("scatter_dimension", [0, 1])
+  def test_matmul_reduce_scatter(self, scatter_dimension):
+    mesh = make_mesh((2, 4), ("x", "y"))
+    text = self.lower(
+      functools.partial(
+        matmul_reduce_scatter,
+        axis_name="y",
+        scatter_dimension=scatter_dimension,
+      ),
+      mesh,
+      (P(None, "y"), P("y")),
+      P("y") if scatter_dimension == 0 else P(None, "y"),
+      ((512, 4 * 256), jnp.bfloat16),
+      ((4 * 256, 1024), jnp.bfloat16),
+    )
+    self.assert_collective_kernel(text)
+
+  def test_grad_lowers(self):
+    # Forward kernel + both backward kernels (reduce-scatter and all-gather).
+    mesh = make_mesh((4,), ("x",))
+
+    def loss(a, b):
+      f = jax.shard_map(
+        functools.partial(all_gather_matmul, axis_name="x"),
+        mesh=mesh,
+        in_specs=(P(None, "x"), P()),
+        out_specs=P("x"),
+        check_vma=False,
+      )
+      return jnp.sum(f(a, b))
+
+    args = [
+      jax.ShapeDtypeStruct(
+        (128, 4 * 256), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "x"))
+      ),
+      jax.ShapeDtypeStruct(
+        (4 * 256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P())
+      ),
+    ]
+    text = (
+      jax.jit(jax.grad(loss, argnums=(0, 1)))
+      .trace(*args)
+      .lower(lowering_platforms=("tpu",))
+      .as_text()
+    )
+    self.assert_collective_kernel(text, count=2)
+
+  @pytest.mark.parametrize(
+    "name", ["all_gather_matmul", "matmul_reduce_scatter"]
+  )
+  def test_registered_demo_lowers(self, name):
+    demo = registry.demos()[name]()
+    assert demo.platforms == ("tpu", "cpu")
+    text = (
+      jax.jit(demo.fn)
+      .trace(*demo.args)
+      .lower(lowering_platforms=("tpu",))
+      .as_text()
+    )
+    self.assert_collective_kernel(text)
+
+
+def test_pick_block_tiles_large_dimensions():
+  # Large dims are tiled (so no operand has to fit in VMEM), small ones not.
+  assert cm._pick_block("f", "block_k", 4096, None) == 512
+  assert cm._pick_block("f", "block_k", 640, None) == 128
+  assert cm._pick_block("f", "block_k", 384, None) == 384
+  assert cm._pick_block("f", "block_k", 1000, None) == 1000
