@@ -46,6 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mpmd import targets
 from mpmd.registry import Demo, register_demo
 
 __all__ = ["gmm", "tgmm", "default_tiling"]
@@ -93,10 +94,12 @@ def _mpmd_map(*args, **kwargs):
 def _target_platform() -> str:
   """The platform kernels are being built for.
 
-  Cross-lowering on a CPU host happens under an abstract mesh whose abstract
-  device names the target (``mpmd.tpu_target``); otherwise it is the
-  default backend.
+  Inside ``mpmd.tpu_target`` it is TPU (cross-lowering on a CPU host);
+  under an abstract mesh, its device's platform; otherwise the default
+  backend.
   """
+  if targets.explicit() is not None:
+    return "tpu"
   device = jax.sharding.get_abstract_mesh().abstract_device
   if device is not None:
     return device.platform

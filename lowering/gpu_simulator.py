@@ -18,7 +18,7 @@ from mpmd._jax import (
   pallas_primitives,
   source_info_util,
 )
-from mpmd.lowering import common, watchdog
+from mpmd.lowering import callbacks, common, watchdog
 from mpmd.primitives import mpmd_map as prim
 
 
@@ -131,6 +131,7 @@ def lower(
 ):
   """Lowers one (possibly merged) GPU mesh kernel to the simulator."""
   _install_wait_hook()
+  callbacks.install()
   num_operands = len(in_nodes) + len(params["out_avals"])
   transforms = params["scratch_transforms"]
   jaxpr, transforms = _scoped_barriers(

@@ -26,7 +26,7 @@ from mpmd._jax import (
   tree_util,
   util,
 )
-from mpmd.lowering import common, jaxpr_util, watchdog
+from mpmd.lowering import callbacks, common, jaxpr_util, watchdog
 from mpmd.primitives import mpmd_map as prim
 
 
@@ -129,6 +129,7 @@ def lower(
   error messages); by default, all to mesh 0.
   """
   _install_wait_hook()
+  callbacks.install()
   num_in, num_out = len(in_nodes), len(params["out_avals"])
   [core_axis] = mesh.shape
   with prim.tracing_context(mesh, params["meshes"]):

@@ -62,6 +62,16 @@ def tpu_target(name: str = DEFAULT_TPU_TARGET) -> Iterator[TpuTarget]:
     _current.reset(token)
 
 
+def explicit() -> TpuTarget | None:
+  """The target of the innermost ``tpu_target`` context, if any.
+
+  Kernels whose defaults differ per platform (tile sizes) read it: inside
+  ``tpu_target`` the author is building for TPU even on a CPU host.
+  """
+  name = _current.get()
+  return None if name is None else TPU_TARGETS[name]
+
+
 def current() -> TpuTarget:
   """The TPU generation kernels are traced for when no TPU is attached."""
   return TPU_TARGETS[_current.get() or DEFAULT_TPU_TARGET]

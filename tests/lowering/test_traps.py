@@ -1,0 +1,177 @@
+"""Each upstream trap of jax 0.10.2 that our lowering works around (DESIGN §6).
+
+Every test runs a kernel that hits the trap and checks that it now works.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+import mpmd
+
+ROWS = (8, 128)
+
+
+def test_trap1_a_program_above_zero_signals_itself(capsys):
+  """Upstream delivers a local signal without core_index to core 0."""
+  mesh = pltpu.create_tensorcore_mesh("core", num_cores=2)
+
+  def kernel(x_hbm, o_hbm, sem, buf):
+    c = jax.lax.axis_index("core")
+    pl.semaphore_signal(sem, 2)  # its own semaphore: no core_index
+    pl.semaphore_wait(sem, 2)
+    pltpu.sync_copy(x_hbm.at[c], buf)
+    buf[...] += 1.0
+    pltpu.sync_copy(buf, o_hbm.at[c])
+
+  f = mpmd.mpmd_map(
+    [(mesh, kernel)],
+    jax.ShapeDtypeStruct((2, *ROWS), jnp.float32),
+    scratch_types=[
+      pltpu.SemaphoreType.REGULAR(()),
+      pltpu.VMEM(ROWS, jnp.float32),
+    ],
+    interpret=pltpu.InterpretParams(),
+    debug=True,
+  )
+  x = jnp.arange(2 * 8 * 128, dtype=jnp.float32).reshape(2, *ROWS)
+  with mpmd.deadlock_timeout(10.0):
+    np.testing.assert_allclose(f(x), x + 1.0)
+  assert "tpu-simulator path" in capsys.readouterr().out
+
+
+def test_trap2_hbm_scratch_in_the_simulator():
+  """Upstream rejects HBM scratch: it becomes a hidden output."""
+  mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
+
+  def kernel(x_hbm, o_hbm, staging):
+    pltpu.sync_copy(x_hbm, staging)
+    pltpu.sync_copy(staging, o_hbm)
+
+  f = mpmd.mpmd_map(
+    [(mesh, kernel)],
+    jax.ShapeDtypeStruct(ROWS, jnp.float32),
+    scratch_types=[pltpu.HBM(ROWS, jnp.float32)],
+    interpret=pltpu.InterpretParams(),
+  )
+  x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(ROWS)
+  out = f(x)
+  assert out.shape == ROWS  # the hidden output does not leak
+  np.testing.assert_array_equal(out, x)
+
+
+def ring_shift(x, mesh):
+  """Each device sends its shard to the right neighbour (a remote DMA)."""
+  n = mesh.shape["x"]
+  core = pltpu.create_tensorcore_mesh("core", num_cores=1)
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
+    copy = pltpu.make_async_remote_copy(
+      x_hbm,
+      o_hbm,
+      send,
+      recv,
+      device_id={"x": right},
+      device_id_type=pl.DeviceIdType.MESH,
+    )
+    copy.start()
+    copy.wait()
+
+  def per_device(x):
+    return mpmd.mpmd_map(
+      [(core, kernel)],
+      jax.ShapeDtypeStruct(x.shape, x.dtype),
+      scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
+    )(x)
+
+  return jax.jit(
+    jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=P("x"),
+      out_specs=P("x"),
+      check_vma=False,
+    )
+  )(x)
+
+
+@pytest.mark.slow
+def test_trap3_eight_devices_with_large_buffers():
+  """Upstream's callbacks hung with 4+ devices once buffers exceed a few KB."""
+  mesh = jax.make_mesh((8,), ("x",))
+  rows = 8 * 512  # 256 KiB per device
+  x = jnp.arange(rows * 128, dtype=jnp.float32).reshape(rows, 128)
+  x = jax.device_put(x, jax.NamedSharding(mesh, P("x")))
+  with mpmd.deadlock_timeout(60.0):
+    np.testing.assert_array_equal(
+      ring_shift(x, mesh), jnp.roll(x, rows // 8, axis=0)
+    )
+
+
+def test_trap4_emit_pipeline_inside_shard_map_on_cpu():
+  """TPU facts while tracing, without leaking a TPU mesh into shard_map."""
+  mesh = jax.make_mesh((2,), ("x",))
+  core = pltpu.create_tensorcore_mesh("core", num_cores=1)
+
+  def kernel(x_hbm, o_hbm):
+    pltpu.emit_pipeline(
+      lambda i, o: o.__setitem__(..., i[...] * 2.0),
+      grid=(2,),
+      in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+      out_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+    )(x_hbm, o_hbm)
+
+  def per_device(x):
+    return mpmd.mpmd_map(
+      [(core, kernel)], jax.ShapeDtypeStruct(x.shape, x.dtype)
+    )(x)
+
+  f = jax.jit(
+    jax.shard_map(
+      per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
+    )
+  )
+  x = jnp.arange(32 * 128, dtype=jnp.float32).reshape(32, 128)
+  x = jax.device_put(x, jax.NamedSharding(mesh, P("x")))
+  np.testing.assert_array_equal(f(x), 2.0 * x)
+  text = f.trace(x).lower(lowering_platforms=("tpu",)).as_text()
+  assert "tpu_custom_call" in text
+
+
+def test_trap5_axis_index_inside_loops_and_conds_on_the_fast_path(capsys):
+  """The HLO interpreter knows no mesh axis_index, nor program_id in loops."""
+  mesh = pltpu.create_tensorcore_mesh("core", num_cores=2)
+
+  def kernel(x_hbm, o_hbm, buf):
+    def step(i, carry):
+      c = jax.lax.axis_index("core")
+
+      @pl.when(c == 1)
+      def _():
+        pltpu.sync_copy(x_hbm.at[c, i], buf)
+        buf[...] = buf[...] * 10.0 + c.astype(jnp.float32)
+        pltpu.sync_copy(buf, o_hbm.at[c, i])
+
+      @pl.when(c == 0)
+      def _():
+        pltpu.sync_copy(x_hbm.at[c, i], o_hbm.at[c, i])
+
+      return carry
+
+    jax.lax.fori_loop(0, 3, step, 0)
+
+  f = mpmd.mpmd_map(
+    [(mesh, kernel)],
+    jax.ShapeDtypeStruct((2, 3, *ROWS), jnp.float32),
+    scratch_types=[pltpu.VMEM(ROWS, jnp.float32)],
+    debug=True,
+  )
+  x = jnp.arange(2 * 3 * 8 * 128, dtype=jnp.float32).reshape(2, 3, *ROWS)
+  want = x.at[1].set(x[1] * 10.0 + 1.0)
+  np.testing.assert_allclose(f(x), want)
+  assert "takes the fast path" in capsys.readouterr().out
