@@ -1,0 +1,187 @@
+"""Collective matmul on the CPU fallback vs XLA's collectives, as ratios.
+
+For each ring length D and shape, in one run:
+  ours / XLA for  all_gather_matmul      vs shard_map(all_gather + dot)
+  ours / XLA for  matmul_reduce_scatter  vs shard_map(dot + psum_scatter)
+(median wall time of ``--repeats`` runs after one warm-up; bf16 inputs, f32
+results), followed by an analytical TPU estimate of the bidirectional
+schedule: flops and bytes per step and which transfer hides behind which
+matmul.
+
+  mpmd bench collective_matmul            # D=4,8; n=m=1024, K=2048 + small
+  mpmd bench collective_matmul --quick    # small shapes only (2 CPU cores)
+  python benchmarks/collective_matmul.py --quick
+"""
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+_MAX_RING = 8
+jax.config.update("jax_num_cpu_devices", _MAX_RING)
+
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter  # noqa: E402
+
+# (n, K, m): the issue's large shape and a small one.
+LARGE = (1024, 2048, 1024)
+SMALL = (128, 512, 256)
+
+# TPU v5e (one TensorCore per chip), public figures: peak bf16 matmul
+# throughput, HBM bandwidth, and one ICI link's bandwidth per direction.
+TPU_NAME = "TPU v5e"
+TPU_BF16_FLOPS = 197e12
+TPU_HBM_BYTES_PER_S = 819e9
+TPU_ICI_BYTES_PER_S = 50e9
+BF16_BYTES = 2
+
+
+def _time(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile + warm up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _mapped(fn, mesh, in_specs, out_specs):
+  return jax.jit(
+    jax.shard_map(
+      fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+  )
+
+
+def _xla_all_gather_matmul(lhs, rhs):
+  gathered = lax.all_gather(lhs, "x", axis=1, tiled=True)
+  return jnp.dot(gathered, rhs, preferred_element_type=jnp.float32)
+
+
+def _xla_matmul_reduce_scatter(lhs, rhs):
+  product = jnp.dot(lhs, rhs, preferred_element_type=jnp.float32)
+  return lax.psum_scatter(product, "x", scatter_dimension=0, tiled=True)
+
+
+def _cases(ring: int, shape, repeats: int):
+  n, k, m = shape
+  mesh = jax.make_mesh((ring,), ("x",), devices=jax.devices()[:ring])
+  key_lhs, key_rhs = jax.random.split(jax.random.key(ring * 7919 + n))
+  lhs = jax.random.normal(key_lhs, (n, k), jnp.bfloat16)
+  rhs = jax.random.normal(key_rhs, (k, m), jnp.bfloat16)
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+  rows = {
+    "all_gather_matmul": (
+      functools.partial(all_gather_matmul, axis_name="x"),
+      _xla_all_gather_matmul,
+      (P(None, "x"), P()),
+      P(),
+    ),
+    "matmul_reduce_scatter": (
+      functools.partial(matmul_reduce_scatter, axis_name="x"),
+      _xla_matmul_reduce_scatter,
+      (P(None, "x"), P("x")),
+      P("x"),
+    ),
+  }
+  for name, (ours, xla, in_specs, out_spec) in rows.items():
+    args = (put(lhs, in_specs[0]), put(rhs, in_specs[1]))
+    print(f"  D={ring} {name} n={n} K={k} m={m} ...", end="", flush=True)
+    t_ours = _time(
+      _mapped(ours, mesh, in_specs, out_spec), *args, repeats=repeats
+    )
+    t_xla = _time(
+      _mapped(xla, mesh, in_specs, out_spec), *args, repeats=repeats
+    )
+    print(
+      f" ours {t_ours * 1e3:8.1f} ms  XLA {t_xla * 1e3:8.1f} ms  "
+      f"ratio {t_ours / t_xla:5.2f}",
+      flush=True,
+    )
+    yield name, ring, shape, t_ours / t_xla
+
+
+def tpu_estimate(ring: int, shape) -> str:
+  """The bidirectional all-gather schedule on TPU, step by step."""
+  n, k, m = shape
+  k_local = k // ring
+  half = n // 2
+  # Per step and direction: one (n/2, k_local) shard moves one hop while the
+  # previous one is multiplied with its (k_local, m) block of rhs.
+  step_flops = 2 * 2 * half * k_local * m  # both directions
+  wire_bytes = half * k_local * BF16_BYTES  # per link direction
+  hbm_bytes = (
+    2 * half * k_local * BF16_BYTES  # the two shards read
+    + k_local * m * BF16_BYTES * 2  # rhs block, read per direction
+    + 2 * n * m * 4  # f32 accumulator read + written
+  )
+  t_mxu = step_flops / TPU_BF16_FLOPS
+  t_hbm = hbm_bytes / TPU_HBM_BYTES_PER_S
+  t_ici = wire_bytes / TPU_ICI_BYTES_PER_S
+  t_compute = max(t_mxu, t_hbm)
+  hidden = "hidden" if t_ici <= t_compute else "exposed"
+  total = t_compute * ring + t_ici  # first transfer overlaps step 0 too
+  lines = [
+    f"  D={ring} n={n} K={k} m={m} on {TPU_NAME}: {ring - 1} transfers per "
+    f"direction, {ring} matmul steps",
+    f"    per step: {step_flops / 1e9:.2f} GFLOP ({t_mxu * 1e6:.1f} us MXU), "
+    f"{hbm_bytes / 2**20:.2f} MiB HBM ({t_hbm * 1e6:.1f} us), "
+    f"{wire_bytes / 2**10:.0f} KiB per ICI link direction "
+    f"({t_ici * 1e6:.1f} us)",
+    f"    transfer t+1 (shard p-t-1 -> p+1, and p+t+1 -> p-1) runs under "
+    f"the matmul of shard p-t: {hidden} "
+    f"({t_ici * 1e6:.1f} us wire vs {t_compute * 1e6:.1f} us compute)",
+    f"    estimate {total * 1e6:.0f} us overlapped vs "
+    f"{(t_compute * ring + (ring - 1) * t_ici) * 1e6:.0f} us if each "
+    "transfer waited for its matmul",
+  ]
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+    prog="mpmd bench collective_matmul", description=__doc__
+  )
+  parser.add_argument(
+    "--quick", action="store_true", help="small shapes only (2 CPU cores)"
+  )
+  parser.add_argument(
+    "--rings", default="4,8", help="comma-separated ring lengths (<= 8)"
+  )
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args(argv)
+  rings = [int(r) for r in args.rings.split(",")]
+  if any(r < 2 or r > _MAX_RING for r in rings):
+    parser.error(f"--rings: expected lengths in [2, {_MAX_RING}], got {rings}")
+  shapes = [SMALL] if args.quick else [LARGE, SMALL]
+  print(
+    f"collective matmul, CPU fallback vs XLA ({jax.device_count()} simulated "
+    f"CPU devices, {os.cpu_count()} cores), median of {args.repeats}"
+  )
+  results = []
+  for shape in shapes:
+    for ring in rings:
+      results.extend(_cases(ring, shape, args.repeats))
+  print("\nratios ours / XLA (lower is better):")
+  for name, ring, (n, k, m), ratio in results:
+    print(f"  {name:<22} D={ring} n={n} K={k} m={m}: {ratio:5.2f}")
+  print("\nanalytical TPU estimate, all_gather_matmul (bidirectional):")
+  for ring in rings:
+    print(tpu_estimate(ring, LARGE))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
