@@ -299,6 +299,10 @@ def _kernel_aval(aval: Any, meshes: Sequence[Any]) -> Any:
     space = aval.memory_space
     if space == core.MemorySpace.Device:
       defaults = {m.default_memory_space for m in meshes}
+      hbm = _jax.tpu().core.MemorySpace.HBM
+      if defaults == {pallas_core.MemorySpace.ANY, hbm}:
+        # TensorCores default to ANY, SparseCores to HBM: HBM suits both.
+        defaults = {hbm}
       if len(defaults) != 1:
         raise ValueError(
           "mpmd_map: meshes with different default memory spaces "

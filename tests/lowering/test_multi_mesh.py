@@ -455,3 +455,60 @@ def test_gpu_collective_scope_over_a_mesh_thread_axis(rng):
     r"=\('wg',\)\) allocates over the warpgroups of mesh 0",
   ):
     g(x)
+
+
+# -- TPU core types -----------------------------------------------------------
+
+
+def sparsecore_copy(x, *, with_tensorcore=False):
+  from jax.experimental.pallas import tpu_sc as plsc
+
+  scalar = plsc.ScalarSubcoreMesh(axis_name="sc", num_cores=2)
+  vector = plsc.VectorSubcoreMesh(
+    core_axis_name="sc", subcore_axis_name="subcore", num_cores=2
+  )
+  first = tc("tc", 1) if with_tensorcore else scalar
+
+  def idle(x_hbm, o_hbm):
+    del x_hbm, o_hbm
+
+  def copy(x_hbm, o_hbm):
+    first_program = (jax.lax.axis_index("sc") == 0) & (
+      jax.lax.axis_index("subcore") == 0
+    )
+
+    @pl.when(first_program)
+    def _():
+      pltpu.sync_copy(x_hbm, o_hbm)
+
+  return mpmd.mpmd_map(
+    [(first, idle), (vector, copy)], jax.ShapeDtypeStruct(x.shape, x.dtype)
+  )(x)
+
+
+def test_sparsecore_scalar_and_vector_meshes_lower_natively_and_run():
+  x = jnp.arange(16, dtype=jnp.float32)
+  with mpmd.tpu_target("v7x"):  # a generation with SparseCores
+    np.testing.assert_array_equal(sparsecore_copy(x), x)
+    text = (
+      jax.jit(sparsecore_copy)
+      .trace(x)
+      .lower(lowering_platforms=("tpu",))
+      .as_text()
+    )
+  # Mosaic's own MPMD: one custom call carrying both kernels.
+  assert text.count("tpu_custom_call") == 1
+
+
+def test_tensorcore_next_to_sparsecore_is_not_lowerable_yet():
+  x = jnp.arange(16, dtype=jnp.float32)
+  f = lambda x: sparsecore_copy(x, with_tensorcore=True)  # noqa: E731
+  with mpmd.tpu_target("v7x"):
+    np.testing.assert_array_equal(f(x), x)  # the CPU fallback runs it
+    with pytest.raises(
+      NotImplementedError,
+      match=r"cannot launch a "
+      r"TensorCore kernel next to SparseCore kernels; got "
+      r"meshes of core types \['sc_vector_subcore', 'tc'\]",
+    ):
+      jax.jit(f).trace(x).lower(lowering_platforms=("tpu",))
