@@ -34,8 +34,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mpmd.kernels import all_gather_matmul  # noqa: E402
 
-# Small enough for the TPU simulator with 4 devices on 2 cores (larger
-# buffers can hang jax 0.10.2's io_callback there; DESIGN.md section 6).
+# Small shapes keep the simulated run to a couple of seconds on 2 cores.
 N, K, M = 64, 256, 128
 
 
