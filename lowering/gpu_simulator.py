@@ -10,7 +10,6 @@ import threading
 from typing import Any
 
 from mpmd._jax import (
-  callback,
   core,
   gpu,
   mlir,
@@ -60,21 +59,15 @@ def _install_wait_hook() -> None:
 _aborted = threading.Event()
 
 
-def _enter(key):
-  # A failed launch leaves its state behind for inspection; start clean.
+def _reset_if_failed() -> None:
   if _aborted.is_set():
     gpu().simulator_callbacks.reset_gpu_interpret_mode_state()
     _aborted.clear()
-  watchdog.enter_launch(key)
 
 
-def _exit(detect_races: bool):
+def _races_found() -> bool:
   races = gpu().simulator_callbacks._races
-  if detect_races and races is not None and races.races_found:
-    raise watchdog.RaceError(
-      "mpmd_map: the GPU simulator's race detector found programs racing "
-      "on a buffer (accesses not ordered by barriers)"
-    )
+  return races is not None and races.races_found
 
 
 def _is_barrier(aval) -> bool:
@@ -144,16 +137,19 @@ def lower(
       {mesh.thread_name: mesh.num_threads} if mesh.num_threads else {}
     )
     ranges = (watchdog.MeshRange(0, thread_axis, 0),)
-  key = watchdog.register_launch(ranges)
 
-  def launch(*args):
-    callback.io_callback(functools.partial(_enter, key), None, ordered=True)
-    results = gpu().simulator.interpret_pallas_call(
+  def run(*args):
+    return gpu().simulator.interpret_pallas_call(
       *args, interpret_params=interpret, **pallas_params
     )
-    callback.io_callback(
-      functools.partial(_exit, interpret.detect_races), None, ordered=True
-    )
-    return results
 
-  return mlir.lower_fun(launch, multiple_results=True)(ctx, *in_nodes)
+  return watchdog.lower_supervised(
+    ctx,
+    in_nodes,
+    ranges=ranges,
+    run=run,
+    reset=_reset_if_failed,
+    races_found=_races_found,
+    detect_races=interpret.detect_races,
+    orders="barriers",
+  )

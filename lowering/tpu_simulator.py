@@ -16,7 +16,6 @@ from typing import Any
 import jax
 
 from mpmd._jax import (
-  callback,
   core,
   mlir,
   pallas_core,
@@ -95,23 +94,16 @@ def _install_wait_hook() -> None:
   semaphore.wait = wait
 
 
-def _enter(key):
+def _reset_if_failed() -> None:
   simulator = tpu().simulator
-  # A launch that failed (a deadlock, say) leaves the simulator's state for
-  # post-mortem inspection; the next launch starts from a clean one.
   memory = simulator._shared_memory
   if memory is not None and memory._failure is not None:
     simulator.reset_tpu_interpret_mode_state()
-  watchdog.enter_launch(key)
 
 
-def _exit(detect_races: bool):
+def _races_found() -> bool:
   races = tpu().simulator.races
-  if detect_races and races is not None and races.races_found:
-    raise watchdog.RaceError(
-      "mpmd_map: the TPU simulator's race detector found programs racing "
-      "on a buffer (accesses not ordered by semaphores or DMA waits)"
-    )
+  return races is not None and races.races_found
 
 
 def lower(
@@ -146,16 +138,20 @@ def lower(
   pallas_params = common.pallas_params(mesh, jaxpr, ctx, params)
   if ranges is None:
     ranges = (watchdog.MeshRange(0, dict(mesh.shape), 0),)
-  key = watchdog.register_launch(ranges)
 
-  def launch(*args):
-    callback.io_callback(functools.partial(_enter, key), None, ordered=True)
+  def run(*args):
     results = tpu().simulator.interpret_pallas_call(
       *args, interpret_params=interpret, **pallas_params
     )
-    callback.io_callback(
-      functools.partial(_exit, interpret.detect_races), None, ordered=True
-    )
     return results[:num_out]
 
-  return mlir.lower_fun(launch, multiple_results=True)(ctx, *in_nodes)
+  return watchdog.lower_supervised(
+    ctx,
+    in_nodes,
+    ranges=ranges,
+    run=run,
+    reset=_reset_if_failed,
+    races_found=_races_found,
+    detect_races=interpret.detect_races,
+    orders="semaphores or DMA waits",
+  )

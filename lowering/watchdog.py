@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from mpmd._jax import callback, mlir
+
 DEFAULT_DEADLOCK_TIMEOUT_S = 60.0
 _POLL_S = 0.05
 
@@ -201,3 +203,35 @@ def reraise_with_message() -> Iterator[None]:
     if message is None or e.args:
       raise
     raise DeadlockError(message) from None
+
+
+def lower_supervised(
+  ctx, in_nodes, *, ranges, run, reset, races_found, detect_races, orders
+):
+  """Lowers a simulator ``run`` between two ordered bookkeeping callbacks.
+
+  Before: ``reset()`` (a launch that failed leaves the simulator's state
+  behind for post-mortem inspection; the next one starts clean) and naming
+  the launch's programs for deadlock messages. After: the race detector's
+  verdict as a ``RaceError``, when ``detect_races``.
+  """
+  key = register_launch(ranges)
+
+  def enter():
+    reset()
+    enter_launch(key)
+
+  def leave():
+    if detect_races and races_found():
+      raise RaceError(
+        "mpmd_map: the simulator's race detector found programs racing on "
+        f"a buffer (accesses not ordered by {orders})"
+      )
+
+  def launch(*args):
+    callback.io_callback(enter, None, ordered=True)
+    results = run(*args)
+    callback.io_callback(leave, None, ordered=True)
+    return results
+
+  return mlir.lower_fun(launch, multiple_results=True)(ctx, *in_nodes)

@@ -29,7 +29,8 @@ TPU_TARGETS = {
   "v5e": TpuTarget("TPU v5 lite", 1),
   "v5p": TpuTarget("TPU v5p", 2),
   "v6e": TpuTarget("TPU v6 lite", 1),
-  "v7x": TpuTarget("TPU7x", 2),
+  # A TPU7x logical device is one TensorCore (no megacore).
+  "v7x": TpuTarget("TPU7x", 1),
 }
 DEFAULT_TPU_TARGET = "v5e"
 
@@ -98,6 +99,7 @@ def install() -> None:
   """
   info = _jax.tpu().info
   device_kind, num_cores = info.get_device_kind, info.get_num_device_cores
+  tpu_info = info.get_tpu_info
 
   @functools.wraps(device_kind)
   def get_device_kind() -> str:
@@ -107,5 +109,15 @@ def install() -> None:
   def get_num_device_cores() -> int:
     return current().num_cores if _no_tpu_attached() else num_cores()
 
+  # get_tpu_info is cached by trace context only: key it by the target too.
+  @functools.wraps(tpu_info)
+  def get_tpu_info():
+    if not _no_tpu_attached():
+      return tpu_info()
+    target = current()
+    chip = info.chip_version_from_device_kind(target.device_kind)
+    return info.get_tpu_info_for_chip(chip, target.num_cores)
+
   info.get_device_kind = get_device_kind
   info.get_num_device_cores = get_num_device_cores
+  info.get_tpu_info = get_tpu_info
