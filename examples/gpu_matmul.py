@@ -50,6 +50,7 @@ def main() -> None:
       jax.nn.relu(ref + c),
     ),
   }
+  failures = []
   for name, (fn, args, expected) in cases.items():
     out = jax.jit(fn)(*args)
     err = float(jnp.max(jnp.abs(out - expected)))
@@ -65,6 +66,10 @@ def main() -> None:
       f"{name:30s} max |err| {err:.2e} {'OK' if ok else 'MISMATCH'}; "
       f"CUDA lowering: {'Mosaic GPU custom call' if cuda else 'MISSING'}"
     )
+    if not (ok and cuda):
+      failures.append(name)
+  if failures:
+    raise SystemExit(f"FAIL: {', '.join(failures)}")
 
 
 if __name__ == "__main__":
