@@ -19,6 +19,7 @@ from mpmd.primitives import mpmd_map as prim
 
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   jaxprs, meshes = params["jaxprs"], params["meshes"]
+  paths.check_simulable(jaxprs)
   path = paths.choose(jaxprs, meshes, params["interpret"])
   if params["debug"]:
     print(f"mpmd_map: CPU fallback takes the {path.kind} path: {path.reason}")
@@ -39,9 +40,7 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     # mesh axes (device_id={"core": 1}) and shares GPU scratch collectively.
     from mpmd.lowering import merge
 
-    mesh, jaxpr, params, ranges = merge.merge_for_simulator(
-      len(in_nodes), params, path
-    )
+    mesh, jaxpr, params, ranges = merge.merge_for_simulator(params, path)
   if path.kind == paths.TPU_SIMULATOR:
     from mpmd.lowering import tpu_simulator as simulator
   else:

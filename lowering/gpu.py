@@ -18,7 +18,7 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   if len(meshes) > 1:
     from mpmd.lowering import merge
 
-    mesh, jaxpr, params = merge.merge_for_gpu(len(in_nodes), params)
+    mesh, jaxpr, params = merge.merge_for_gpu(params)
   else:
     [mesh], [jaxpr] = meshes, jaxprs
   return gpu().registration.pallas_call_lowering(

@@ -68,10 +68,13 @@ class Layout:
     )
 
   def owner(self, axis: Any) -> int | None:
-    for i, axes in enumerate(self.local_axes):
-      if axis in axes:
-        return i
-    return None
+    owners = [i for i, axes in enumerate(self.local_axes) if axis in axes]
+    if len(owners) > 1:
+      raise ValueError(
+        f"mpmd_map: axis {axis!r} belongs to meshes {owners}, so naming a "
+        "program by it is ambiguous; give the meshes distinct axis names"
+      )
+    return owners[0] if owners else None
 
 
 def _local_index(layout: Layout, i: int, axis: Any):
@@ -230,9 +233,8 @@ def _strip_params(params, merged_mesh, jaxpr):
   return dict(params, meshes=(merged_mesh,), jaxprs=(jaxpr,))
 
 
-def merge_for_tpu(num_in: int, params):
+def merge_for_tpu(params):
   """Several TensorCore meshes -> one TensorCore mesh over all programs."""
-  del num_in
   layout = _tpu_layout(params["meshes"])
   mesh = tpu().core.create_tensorcore_mesh(SUPER_AXIS, num_cores=layout.total)
   jaxpr = _merge(layout, mesh, params["jaxprs"], "tpu")
@@ -277,12 +279,11 @@ def _merged_gpu_mesh(meshes, total: int):
   )
 
 
-def merge_for_gpu(num_in: int, params):
+def merge_for_gpu(params):
   """GPU meshes -> one Mosaic GPU mesh; each owns a warpgroup range.
 
   Kernel scratch (SMEM, barriers) is per block, so every mesh shares it.
   """
-  del num_in
   meshes = params["meshes"]
   layout = _gpu_layout(meshes)
   mesh = _merged_gpu_mesh(meshes, layout.total)
@@ -290,14 +291,14 @@ def merge_for_gpu(num_in: int, params):
   return mesh, jaxpr, _strip_params(params, mesh, jaxpr)
 
 
-def merge_for_simulator(num_in: int, params, path):
+def merge_for_simulator(params, path):
   """Merges for a CPU simulator; also returns which programs are whose."""
   from mpmd.lowering import paths
 
   if path.kind == paths.GPU_SIMULATOR:
     layout = _gpu_layout(params["meshes"])
-    mesh, jaxpr, params = merge_for_gpu(num_in, params)
+    mesh, jaxpr, params = merge_for_gpu(params)
   else:
     layout = _tpu_layout(params["meshes"])
-    mesh, jaxpr, params = merge_for_tpu(num_in, params)
+    mesh, jaxpr, params = merge_for_tpu(params)
   return mesh, jaxpr, params, layout.ranges()

@@ -12,8 +12,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-
 from mpmd import _jax
 from mpmd._jax import core
 from mpmd.lowering import jaxpr_util
@@ -33,6 +31,11 @@ class Path:
 
 def is_gpu_mesh(mesh: Any) -> bool:
   return isinstance(mesh, _jax.gpu().core.Mesh)
+
+
+# SparseCore primitives that synchronise subcores, which neither the HLO
+# interpreter nor the TPU simulator implements.
+_UNSIMULATED = ("barrier", "sc_fetch_and_add")
 
 
 def sync_reason(jaxprs: Sequence[core.Jaxpr]) -> str | None:
@@ -55,6 +58,18 @@ def sync_reason(jaxprs: Sequence[core.Jaxpr]) -> str | None:
   return None
 
 
+def check_simulable(jaxprs: Sequence[core.Jaxpr]) -> None:
+  """Raises for kernels that no CPU path can run (they still lower)."""
+  for jaxpr in jaxprs:
+    for eqn in jaxpr_util.iter_eqns(jaxpr):
+      if eqn.primitive.name in _UNSIMULATED:
+        raise NotImplementedError(
+          f"mpmd_map: the CPU fallback cannot run {eqn.primitive.name!r} "
+          "(SparseCore synchronisation across subcores): no simulator on "
+          "jax 0.10.2 implements it. The kernel still lowers for TPU."
+        )
+
+
 def choose(
   jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any], interpret: Any
 ) -> Path:
@@ -71,24 +86,30 @@ def choose(
       "GPU meshes run in the Mosaic GPU simulator",
       gpu_params(),
     )
+  reason = sync_reason(jaxprs)
   if interpret is True:
+    if reason is not None:
+      raise NotImplementedError(
+        "mpmd_map: interpret=True runs programs one after another in the "
+        f"HLO interpreter, which cannot run this kernel: {reason}. Pass "
+        "interpret=pltpu.InterpretParams() (or interpret=None on CPU) for "
+        "the TPU simulator."
+      )
     return Path(FAST, "interpret=True forces the HLO interpreter")
-  if (reason := sync_reason(jaxprs)) is not None:
+  if reason is not None:
     return Path(TPU_SIMULATOR, reason, tpu_params())
   return Path(FAST, "no program waits on another")
-
-
-def runs_on_cpu_fallback(interpret: Any) -> bool:
-  """Whether a launch with this ``interpret`` will run off-hardware."""
-  return interpret is not None or jax.default_backend() == "cpu"
 
 
 def simulator_effects(
   jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any], interpret: Any
 ) -> set[core.Effect]:
-  """The io_callback effects a simulator path needs declared up front."""
-  if interpret is False or not runs_on_cpu_fallback(interpret):
-    return set()
+  """The io_callback effects the CPU fallback's simulator path needs.
+
+  They depend on the kernel alone, not on the host: one export may carry a
+  CPU lowering next to the TPU / CUDA one, and the native lowerings simply
+  pass the effect tokens on.
+  """
   path = choose(jaxprs, meshes, interpret)
   if path.kind == FAST:
     return set()

@@ -17,7 +17,7 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     # Mosaic has no MPMD across TensorCores: one SPMD kernel over all cores.
     from mpmd.lowering import merge
 
-    mesh, jaxpr, params = merge.merge_for_tpu(len(in_nodes), params)
+    mesh, jaxpr, params = merge.merge_for_tpu(params)
     meshes, jaxprs = (mesh,), (jaxpr,)
   elif len(meshes) > 1 and tensorcore in core_types:
     raise NotImplementedError(

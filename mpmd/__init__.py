@@ -21,9 +21,13 @@ from mpmd.targets import tpu_target as tpu_target
 __version__ = "0.1.0"
 
 __all__ = [
+  "DeadlockError",
+  "RaceError",
   "TPU_TARGETS",
+  "deadlock_timeout",
   "mpmd_map",
   "mpmd_map_p",
+  "set_deadlock_timeout",
   "tpu_target",
 ]
 

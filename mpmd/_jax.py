@@ -39,6 +39,7 @@ from jax._src import state
 from jax._src import tree_util
 from jax._src import util
 from jax._src.frozen_dict import FrozenDict
+from jax._src import ad_util
 from jax._src.interpreters import ad
 from jax._src.interpreters import batching
 from jax._src.interpreters import mlir

@@ -10,6 +10,7 @@ from mpmd import _jax
 from mpmd._jax import (
   FrozenDict,
   api_util,
+  config,
   core,
   lu,
   pallas_core,
@@ -91,7 +92,8 @@ def mpmd_map(
   """
   meshes, fns = _check_meshes_and_fns(meshes_and_fns)
   flat_out_types, out_tree = tree_util.tree_flatten(out_types)
-  out_avals = tuple(_out_aval(t, i) for i, t in enumerate(flat_out_types))
+  for i, t in enumerate(flat_out_types):
+    _check_out_type(t, i)
   flat_scratch, scratch_tree = tree_util.tree_flatten(scratch_types)
   scratch_avals = [
     _canonical_owner(_scratch_aval(t, i)) for i, t in enumerate(flat_scratch)
@@ -107,10 +109,9 @@ def mpmd_map(
   if interpret is False:
     interpret = None  # CPU has no native path: False means "the default".
   is_output_sequence = isinstance(out_types, Sequence)
-  kernels = _KernelSpec(
+  spec = dict(
     meshes=meshes,
     fns=tuple(fns),
-    out_avals=out_avals,
     out_tree=out_tree,
     is_output_sequence=is_output_sequence,
     scratch_avals=tuple(scratch_avals),
@@ -121,7 +122,9 @@ def mpmd_map(
   def wrapper(*args):
     flat_args, in_tree = tree_util.tree_flatten(args)
     flat_avals = tuple(core.typeof(x) for x in flat_args)
+    out_avals = _out_avals(flat_out_types, flat_avals)
     _check_aliases(aliases, flat_avals, out_avals)
+    kernels = _KernelSpec(out_avals=out_avals, **spec)
     jaxprs, consts = _trace(kernels, flat_avals, in_tree)
     if debug:
       for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
@@ -212,7 +215,7 @@ def _check_meshes_and_fns(meshes_and_fns) -> tuple[tuple[Any, ...], list]:
   return tuple(meshes), fns
 
 
-def _out_aval(out_type: Any, i: int) -> core.AbstractValue:
+def _check_out_type(out_type: Any, i: int) -> None:
   if not (
     isinstance(out_type, (jax.ShapeDtypeStruct, pallas_core.MemoryRef))
     or hasattr(out_type, "get_ref_aval")
@@ -222,7 +225,33 @@ def _out_aval(out_type: Any, i: int) -> core.AbstractValue:
       f"(or a memory-space type such as pltpu.HBM(shape, dtype)), got "
       f"{type(out_type).__name__}: {out_type!r}"
     )
-  return pallas_core._convert_out_shape_to_aval(out_type)
+
+
+def _out_avals(out_types, in_avals) -> tuple[core.AbstractValue, ...]:
+  """Output avals; inside ``shard_map(check_vma=True)`` an output that does
+  not say how it varies varies like the inputs together (as an elementwise
+  op would). A kernel whose output varies over more axes (it reads
+  ``axis_index``) says so with ``ShapeDtypeStruct(manual_axis_type=...)``."""
+  if config._check_vma.value:
+    varying = frozenset().union(
+      *(
+        a.manual_axis_type.varying
+        for a in in_avals
+        if getattr(a, "manual_axis_type", None) is not None
+      )
+    )
+    out_types = [
+      jax.ShapeDtypeStruct(
+        t.shape,
+        t.dtype,
+        sharding=t.sharding,
+        manual_axis_type=jax.sharding.ManualAxisType(varying=varying),
+      )
+      if isinstance(t, jax.ShapeDtypeStruct) and t.manual_axis_type is None
+      else t
+      for t in out_types
+    ]
+  return tuple(pallas_core._convert_out_shape_to_aval(t) for t in out_types)
 
 
 def _scratch_aval(scratch_type: Any, i: int) -> Any:
@@ -332,6 +361,12 @@ def _check_consts(consts: Sequence[Any], debug_info) -> None:
 
 
 def _check_aliases(aliases, in_avals, out_avals) -> None:
+  outs = list(aliases.values())
+  if len(set(outs)) != len(outs):
+    raise ValueError(
+      f"mpmd_map: input_output_aliases {dict(aliases)} aliases several "
+      "inputs to one output; each output may alias at most one input"
+    )
   for i, o in aliases.items():
     if not (0 <= i < len(in_avals)) or not (0 <= o < len(out_avals)):
       raise ValueError(
@@ -339,6 +374,11 @@ def _check_aliases(aliases, in_avals, out_avals) -> None:
         f"{len(in_avals)} inputs and {len(out_avals)} outputs"
       )
     a, b = in_avals[i], out_avals[o]
+    if isinstance(a, state.AbstractRef):
+      raise ValueError(
+        f"mpmd_map: input {i} is a Ref, which the kernels update in place "
+        "already; leave it out of input_output_aliases"
+      )
     if (a.shape, a.dtype) != (b.shape, b.dtype):
       raise ValueError(
         f"mpmd_map: input {i} ({_short(a)}) cannot alias output {o} "
@@ -369,7 +409,9 @@ _MAX_TRACED = 512
 
 
 def _trace(spec: _KernelSpec, flat_in_avals, in_tree):
-  key = (spec, flat_in_avals, in_tree)
+  # Tracing depends on the context too: the axis env (inside shard_map or
+  # not), the abstract mesh, the TPU target (all in JAX's trace context).
+  key = (spec, flat_in_avals, in_tree, config.trace_context())
   if (hit := _TRACED.get(key)) is not None:
     return hit
   jaxprs, consts = _trace_uncached(spec, flat_in_avals, in_tree)
@@ -419,7 +461,7 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
       returned.append(fn(*args, **kwargs))
       return []
 
-    with _trace_context(mesh, meshes):
+    with prim.tracing_context(mesh, meshes):
       jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
         lu.wrap_init(flat_fn, debug_info=debug_info), flat_kernel_avals
       )
@@ -432,12 +474,6 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
     _check_consts(consts, debug_info)
     traced.append((jaxpr, consts))
   return _unify_consts(traced, meshes, len(flat_in_avals), flat_kernel_avals)
-
-
-@contextlib.contextmanager
-def _trace_context(mesh: Any, meshes: Sequence[Any]):
-  with prim.tracing_context(mesh, meshes):
-    yield
 
 
 def _unify_consts(traced, meshes, num_in, flat_kernel_avals):
@@ -482,6 +518,6 @@ def _unify_consts(traced, meshes, num_in, flat_kernel_avals):
       core.eval_jaxpr(jaxpr, mine, *ins, *rest)
       return ()
 
-    with _trace_context(mesh, meshes):
+    with prim.tracing_context(mesh, meshes):
       jaxprs.append(prim.retrace(jaxpr, mesh, meshes, body, avals))
   return tuple(jaxprs), all_consts

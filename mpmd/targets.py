@@ -7,7 +7,6 @@ innermost ``tpu_target``, else ``"v5e"``.
 """
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -15,7 +14,7 @@ from typing import NamedTuple
 import jax
 
 from mpmd import _jax
-from mpmd._jax import mesh_lib
+from mpmd._jax import config, mesh_lib
 
 
 class TpuTarget(NamedTuple):
@@ -34,8 +33,14 @@ TPU_TARGETS = {
 }
 DEFAULT_TPU_TARGET = "v5e"
 
-_current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-  "mpmd_tpu_target", default=None
+# A JAX config state in the trace context: jit / make_jaxpr caches then key
+# on the target, and MPMD_TPU_TARGET=v6e in the environment sets a default.
+_target = config.optional_enum_state(
+  name="mpmd_tpu_target",
+  enum_values=list(TPU_TARGETS),
+  default=None,
+  help="TPU generation (v4, v5e, ...) to trace and lower for off-TPU.",
+  include_in_trace_context=True,
 )
 
 
@@ -46,8 +51,8 @@ def tpu_target(name: str = DEFAULT_TPU_TARGET) -> Iterator[TpuTarget]:
   Args:
     name: one of ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``, ``"v7x"``.
 
-  Without it, a CPU host uses ``"v5e"`` and a TPU host its own chip (an
-  attached TPU always wins). Example::
+  Without it, a CPU host uses ``$MPMD_TPU_TARGET`` or ``"v5e"``, and a TPU
+  host its own chip (an attached TPU always wins). Example::
 
     with mpmd.tpu_target("v6e"):
       lowered = jax.jit(f).trace(x).lower(lowering_platforms=("tpu",))
@@ -56,11 +61,8 @@ def tpu_target(name: str = DEFAULT_TPU_TARGET) -> Iterator[TpuTarget]:
     raise ValueError(
       f"tpu_target: expected 'name' in {sorted(TPU_TARGETS)}, got {name!r}"
     )
-  token = _current.set(name)
-  try:
+  with _target(name):
     yield TPU_TARGETS[name]
-  finally:
-    _current.reset(token)
 
 
 def explicit() -> TpuTarget | None:
@@ -69,13 +71,13 @@ def explicit() -> TpuTarget | None:
   Kernels whose defaults differ per platform (tile sizes) read it: inside
   ``tpu_target`` the author is building for TPU even on a CPU host.
   """
-  name = _current.get()
+  name = _target.value
   return None if name is None else TPU_TARGETS[name]
 
 
 def current() -> TpuTarget:
   """The TPU generation kernels are traced for when no TPU is attached."""
-  return TPU_TARGETS[_current.get() or DEFAULT_TPU_TARGET]
+  return TPU_TARGETS[_target.value or DEFAULT_TPU_TARGET]
 
 
 def _no_tpu_attached() -> bool:

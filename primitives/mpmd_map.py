@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from mpmd._jax import (
   FrozenDict,
   ad,
+  ad_util,
   api_util,
   batching,
   config,
@@ -48,7 +49,7 @@ def _short(aval) -> str:
 
 
 def bind(*args: Any, **params: Any) -> list[Any]:
-  """Binds ``mpmd_map_p`` (a single place that knows the param names)."""
+  """Binds ``mpmd_map_p``."""
   return mpmd_map_p.bind(*args, **params)
 
 
@@ -162,8 +163,13 @@ def _mpmd_map_abstract_eval(
   effs = _kernel_effects(in_avals, jaxprs, meshes)
   effs |= _simulator_effects(jaxprs, meshes, interpret)
   out_to_in = {o: i for i, o in input_output_aliases.items()}
+  # An aliased output keeps its input's type (weak type, sharding), but it
+  # is always an array, never the Ref a discharged input came from.
   outs = [
-    in_avals[out_to_in[o]] if o in out_to_in else aval
+    in_avals[out_to_in[o]]
+    if o in out_to_in
+    and not isinstance(in_avals[out_to_in[o]], state.AbstractRef)
+    else aval
     for o, aval in enumerate(out_avals)
   ]
   return outs, effs
@@ -292,9 +298,10 @@ pe.dce_rules[mpmd_map_p] = _mpmd_map_dce
 def _mpmd_map_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   """Kernels are never differentiated: they run where their inputs are known.
 
-  Known inputs: the launch runs in the known jaxpr and its outputs are
-  residuals, unless the policy says recompute, or the launch mutates Refs
-  (then it runs in both, so that the staged jaxpr reads updated Refs).
+  Known inputs: the launch runs once, in the known jaxpr, and its outputs
+  are residuals; a pure launch may be recomputed when the policy says so.
+  A launch with effects (it writes Refs, or runs a simulator's callbacks)
+  is never run twice.
   """
   num_outs = len(eqn.outvars)
   to_inst = [
@@ -304,11 +311,10 @@ def _mpmd_map_partial_eval_custom(saveable, unks_in, inst_in, eqn):
   ]
   if any(unks_in):
     return None, eqn, [True] * num_outs, [True] * num_outs, to_inst
-  mutates = any(isinstance(v.aval, state.AbstractRef) for v in eqn.invars)
   policy = pe.ensure_enum(
     saveable(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
   )
-  if mutates or isinstance(policy, pe.RecomputeType):
+  if not eqn.effects and isinstance(policy, pe.RecomputeType):
     return eqn, eqn, [False] * num_outs, [True] * num_outs, to_inst
   return eqn, None, [False] * num_outs, [False] * num_outs, []
 
@@ -320,7 +326,16 @@ pe.partial_eval_jaxpr_custom_rules[mpmd_map_p] = _mpmd_map_partial_eval_custom
 
 
 def _mpmd_map_jvp(primals, tangents, **params):
-  del primals, tangents, params
+  # JAX asks for a JVP whenever an operand is a Ref, even when no array
+  # operand carries a tangent: then nothing is differentiated through the
+  # kernel (its writes to Refs carry no tangent, they leave the tangent Refs
+  # as they are).
+  if all(
+    type(t) is ad_util.Zero or isinstance(core.typeof(x), state.AbstractRef)
+    for x, t in zip(primals, tangents, strict=True)
+  ):
+    outs = mpmd_map_p.bind(*primals, **params)
+    return outs, [ad_util.p2tz(o) for o in outs]
   raise NotImplementedError(
     "mpmd_map: kernels are not differentiable by JAX. Give the function "
     "that calls mpmd_map a jax.custom_vjp (as mpmd.kernels.gmm does), or "
@@ -338,6 +353,18 @@ def _slice(x, dim, b):
   return jax.lax.index_in_dim(x, b, axis=dim, keepdims=False)
 
 
+def _written_inputs(jaxprs, num_args: int) -> set[int]:
+  """Launch operands some kernel writes (through a Ref)."""
+  written = set()
+  for jaxpr in jaxprs:
+    for eff in jaxpr.effects:
+      if isinstance(eff, state.WriteEffect) and isinstance(eff.input, core.Var):
+        index = jaxpr.invars.index(eff.input)
+        if index < num_args:
+          written.add(index)
+  return written
+
+
 def _mpmd_map_batching(axis_data, args, dims, **params):
   """``vmap`` of a launch: one launch per batch element, results stacked.
 
@@ -350,6 +377,17 @@ def _mpmd_map_batching(axis_data, args, dims, **params):
     outs = mpmd_map_p.bind(*args, **params)
     return outs, [None] * len(outs)
   size = axis_data.size
+  written = _written_inputs(params["jaxprs"], len(args))
+  for i, (x, d) in enumerate(zip(args, dims, strict=True)):
+    if (
+      d is None
+      and i in written
+      and isinstance(core.typeof(x), state.AbstractRef)
+    ):
+      raise ValueError(
+        f"mpmd_map: vmap of a launch that writes the unbatched Ref operand "
+        f"{i}: every batch element would write it. Batch that Ref too."
+      )
   has_refs = any(
     d is not None and isinstance(core.typeof(x), state.AbstractRef)
     for x, d in zip(args, dims, strict=True)

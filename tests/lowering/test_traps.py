@@ -175,3 +175,37 @@ def test_trap5_axis_index_inside_loops_and_conds_on_the_fast_path(capsys):
   want = x.at[1].set(x[1] * 10.0 + 1.0)
   np.testing.assert_allclose(f(x), want)
   assert "takes the fast path" in capsys.readouterr().out
+
+
+def test_shard_map_with_check_vma_infers_output_types(rng):
+  """Out types need no manual_axis_type; device-index arithmetic in the
+  kernel runs in the simulator although kernels are traced without vma."""
+  mesh = jax.make_mesh((4,), ("x",))
+  x = jnp.asarray(rng.standard_normal((4 * 8, 128)), jnp.float32)
+  x = jax.device_put(x, jax.NamedSharding(mesh, P("x")))
+  core = pltpu.create_tensorcore_mesh("core", num_cores=1)
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, 4)
+    copy = pltpu.make_async_remote_copy(
+      x_hbm,
+      o_hbm,
+      send,
+      recv,
+      device_id={"x": right},
+      device_id_type=pl.DeviceIdType.MESH,
+    )
+    copy.start()
+    copy.wait()
+
+  def per_device(x):
+    return mpmd.mpmd_map(
+      [(core, kernel)],
+      jax.ShapeDtypeStruct(x.shape, x.dtype),
+      scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
+    )(x)
+
+  f = jax.jit(
+    jax.shard_map(per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+  )  # check_vma=True
+  np.testing.assert_array_equal(f(x), jnp.roll(x, 8, axis=0))

@@ -5,6 +5,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
@@ -63,14 +64,23 @@ def test_vmap_with_an_unbatched_operand(rng):
 
 
 def test_same_shapes_do_not_recompile(rng):
+  from jax._src import monitoring
+
   compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-    lambda event, _, **kw: (
+
+  def listener(event, _, **kw):
+    del kw
+    if event == "/jax/core/compile/backend_compile_duration":
       compiles.append(event)
-      if event == "/jax/core/compile/backend_compile_duration"
-      else None
-    )
-  )
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    _check_no_recompile(rng, compiles)
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+
+
+def _check_no_recompile(rng, compiles):
   x = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
   y = x + 1.0
   jitted = jax.jit(affine)
@@ -106,17 +116,21 @@ def test_typecheck_rejects_a_mismatched_operand():
 
 
 def test_dce_drops_an_unused_launch():
-  def f(x):
+  def dead(x):
     affine(x)
     return x + 1.0
 
-  jaxpr = jax.make_jaxpr(f)(jnp.zeros(SHAPE, jnp.float32))
-  assert launches(jaxpr.jaxpr) == 1
-  lowered = jax.jit(f).trace(jnp.zeros(SHAPE, jnp.float32)).lower()
-  # After DCE nothing of the kernel is left in the module.
-  assert "dma" not in lowered.as_text().lower()
+  def live(x):
+    return affine(x) + 1.0
+
+  x = jnp.zeros(SHAPE, jnp.float32)
+  for f, launches_left in ((dead, 0), (live, 1)):
+    text = jax.jit(f).trace(x).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == launches_left
   from mpmd._jax import pe
 
+  jaxpr = jax.make_jaxpr(dead)(x)
+  assert launches(jaxpr.jaxpr) == 1
   dced, used = pe.dce_jaxpr(jaxpr.jaxpr, [True])
   assert launches(dced) == 0 and used == [True]
 
@@ -198,3 +212,118 @@ def test_differentiating_through_a_kernel_says_what_to_do():
     "Give the function that calls mpmd_map a jax.custom_vjp",
   ):
     jax.grad(lambda x: jnp.sum(affine(x)))(jnp.ones(SHAPE, jnp.float32))
+
+
+def counter_kernel(counter_hbm, x_hbm, o_hbm, buf, cbuf):
+  pltpu.sync_copy(x_hbm, buf)
+  pltpu.sync_copy(counter_hbm, cbuf)
+  cbuf[...] += 1.0
+  pltpu.sync_copy(cbuf, counter_hbm)
+  buf[...] = buf[...] * 2.0
+  pltpu.sync_copy(buf, o_hbm)
+
+
+def counted(counter, x):
+  mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
+  return mpmd.mpmd_map(
+    [(mesh, counter_kernel)],
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+    scratch_types=[
+      pltpu.VMEM(x.shape, x.dtype),
+      pltpu.VMEM(counter.shape, jnp.float32),
+    ],
+  )(counter, x)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_grad_with_a_ref_operand_runs_the_kernel_once(rng, remat):
+  x = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
+
+  def loss(w):
+    counter = jax.new_ref(jnp.zeros((8, 128), jnp.float32))
+    y = counted(counter, jax.lax.stop_gradient(w))
+    return jnp.sum(w * y), counter[...]
+
+  f = jax.checkpoint(loss) if remat else loss
+  (grad, count) = jax.grad(f, has_aux=True)(x)
+  np.testing.assert_allclose(grad, 2.0 * x)
+  np.testing.assert_array_equal(count, 1.0)  # neither skipped nor repeated
+
+
+def test_vmap_rejects_writes_to_an_unbatched_ref(rng):
+  xs = jnp.asarray(rng.standard_normal((3, *SHAPE)), jnp.float32)
+
+  @jax.jit
+  def f(xs):
+    counter = jax.new_ref(jnp.zeros((8, 128), jnp.float32))
+    return jax.vmap(lambda x: counted(counter, x))(xs)
+
+  with pytest.raises(
+    ValueError,
+    match="writes the unbatched Ref operand 0: "
+    "every batch element would write it",
+  ):
+    f(xs)
+
+
+def test_aliases_must_be_distinct_arrays():
+  mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
+  out = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
+
+  def copy(a, b, o):
+    del b
+    pltpu.sync_copy(a, o)
+
+  x = jnp.ones(SHAPE, jnp.float32)
+  twice = mpmd.mpmd_map([(mesh, copy)], out, input_output_aliases={0: 0, 1: 0})
+  with pytest.raises(ValueError, match="aliases several inputs to one output"):
+    twice(x, x)
+  ref_alias = mpmd.mpmd_map([(mesh, copy)], out, input_output_aliases={0: 0})
+
+  @jax.jit
+  def g(x):
+    return ref_alias(jax.new_ref(x), x)
+
+  with pytest.raises(
+    ValueError,
+    match="input 0 is a Ref, which the kernels update in place already",
+  ):
+    g(x)
+
+
+def test_interpret_true_refuses_a_synchronising_kernel():
+  mesh = pltpu.create_tensorcore_mesh("core", num_cores=2)
+
+  def kernel(x_hbm, o_hbm, sem):
+    pl.semaphore_signal(sem, 1, core_index=1 - jax.lax.axis_index("core"))
+    pl.semaphore_wait(sem, 1)
+
+  f = mpmd.mpmd_map(
+    [(mesh, kernel)],
+    jax.ShapeDtypeStruct(SHAPE, jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR(())],
+    interpret=True,
+  )
+  with pytest.raises(
+    NotImplementedError,
+    match=r"interpret=True runs "
+    r"programs one after another .* it signals a semaphore "
+    r"of another program. Pass interpret=pltpu.Interpret",
+  ):
+    f(jnp.ones(SHAPE, jnp.float32))
+
+
+def test_trace_cache_respects_the_tpu_target():
+  x = jnp.zeros((16, 256), jnp.float32)
+  mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
+  seen = []
+
+  def kernel(x_hbm, o_hbm):
+    seen.append(pltpu.get_tpu_info().chip_version.name)
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  f = mpmd.mpmd_map([(mesh, kernel)], jax.ShapeDtypeStruct(x.shape, x.dtype))
+  for target in ("v5e", "v6e", "v5e"):
+    with mpmd.tpu_target(target):
+      jax.make_jaxpr(f)(x)
+  assert seen == ["TPU_V5E", "TPU_V6E"]  # the second v5e trace is cached
