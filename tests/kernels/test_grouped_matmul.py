@@ -545,7 +545,7 @@ class TestTpuCrossLowering:
   def test_default_tiling_is_the_tpu_one_under_tpu_target(self):
     with mpmd.tpu_target("v5e"):
       assert gm.default_tiling(1024, 512, 512) == (128, 128, 128)
-    assert gm.default_tiling(1024, 512, 512, num_groups=8) == (128, 512, 512)
+    assert gm.default_tiling(1024, 512, 512, num_groups=8) == (64, 512, 512)
 
   @pytest.mark.parametrize("name", ["gmm", "tgmm"])
   def test_registered_demos(self, name):
