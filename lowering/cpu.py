@@ -3,7 +3,10 @@
 import functools
 import math
 
+import jax.numpy as jnp
+
 from mpmd._jax import (
+  callback,
   core,
   hlo_interpreter,
   mlir,
@@ -13,7 +16,7 @@ from mpmd._jax import (
   state_discharge,
   tpu,
 )
-from mpmd.lowering import jaxpr_util, paths
+from mpmd.lowering import jaxpr_util, paths, watchdog
 from mpmd.primitives import mpmd_map as prim
 
 
@@ -24,10 +27,11 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   if params["debug"]:
     print(f"mpmd_map: CPU fallback takes the {path.kind} path: {path.reason}")
   if path.kind == paths.FAST:
-    programs = _fast_programs(len(in_nodes), params)
+    programs, labels = _fast_programs(len(in_nodes), params)
     run = functools.partial(
       _run_unrolled,
       programs=programs,
+      labels=labels,
       **_buffers(len(in_nodes), params, programs[0]),
     )
     return mlir.lower_fun(run, multiple_results=True)(ctx, *in_nodes)
@@ -84,6 +88,11 @@ def _buffers(num_in: int, params, program: core.ClosedJaxpr):
       )
     ),
     is_ref=tuple(isinstance(v.aval, state.AbstractRef) for v in kernel.invars),
+    semaphores=tuple(
+      k
+      for k, v in enumerate(kernel.invars[num_in + num_out :])
+      if paths.is_semaphore(v.aval)
+    ),
   )
 
 
@@ -102,11 +111,12 @@ def _alias_refs(jaxpr, num_in, aliases, mesh, meshes):
   return prim.retrace(jaxpr, mesh, meshes, body)
 
 
-def _fast_programs(num_in: int, params) -> list[core.ClosedJaxpr]:
-  """One pure jaxpr per program, in launch order, axis indices literal."""
+def _fast_programs(num_in: int, params):
+  """One pure jaxpr per program, in launch order, axis indices literal;
+  and a label for each (``mesh 1 program 0 (core=0)``)."""
   meshes = params["meshes"]
   aliases = dict(params["input_output_aliases"])
-  programs = []
+  programs, labels = [], []
   for mesh, jaxpr in zip(meshes, params["jaxprs"], strict=True):
     jaxpr = _alias_refs(jaxpr, num_in, aliases, mesh, meshes)
     sizes = dict(mesh.shape)
@@ -118,7 +128,9 @@ def _fast_programs(num_in: int, params) -> list[core.ClosedJaxpr]:
         programs.append(
           state_discharge.discharge_state(core.ClosedJaxpr(physical, consts))
         )
-  return programs
+      coords = ", ".join(f"{a}={int(v)}" for a, v in values.items())
+      labels.append(f"mesh {meshes.index(mesh)} program {program} ({coords})")
+  return programs, labels
 
 
 def _uninitialized(aval):
@@ -126,7 +138,15 @@ def _uninitialized(aval):
 
 
 def _run_unrolled(
-  *args, programs, num_in, out_avals, out_sources, scratch, is_ref
+  *args,
+  programs,
+  labels,
+  num_in,
+  out_avals,
+  out_sources,
+  scratch,
+  is_ref,
+  semaphores,
 ):
   outs = [
     args[out_sources[o]] if o in out_sources else _uninitialized(aval)
@@ -138,6 +158,7 @@ def _run_unrolled(
     if is_shared
   }
   num_out = len(out_avals)
+  stuck = []
   for program in programs:
     operands = [
       *args,
@@ -154,4 +175,27 @@ def _run_unrolled(
     ]
     outs = operands[num_in : num_in + num_out]
     shared = {k: operands[num_in + num_out + k] for k in shared}
+    # A wait that took more than was signalled drove a count negative: on
+    # hardware that program would wait forever.
+    stuck.append(
+      functools.reduce(
+        jnp.logical_or,
+        [jnp.any(operands[num_in + num_out + k] < 0) for k in semaphores],
+        jnp.bool_(False),
+      )
+    )
+  if semaphores:
+    callback.io_callback(
+      functools.partial(_raise_if_stuck, labels), None, jnp.stack(stuck)
+    )
   return outs
+
+
+def _raise_if_stuck(labels, stuck) -> None:
+  waiting = [label for label, s in zip(labels, stuck, strict=True) if s]
+  if waiting:
+    raise watchdog.DeadlockError(
+      "mpmd_map deadlock: on the CPU fast path (programs run one after "
+      "another) these programs waited on a semaphore more than it was "
+      f"signalled, so on hardware they would wait forever: {waiting}"
+    )

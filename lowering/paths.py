@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
+
 from mpmd import _jax
 from mpmd._jax import core
 from mpmd.lowering import jaxpr_util
@@ -27,6 +29,15 @@ class Path:
   reason: str
   # The simulator's settings (None on the fast path).
   params: Any = None
+
+
+def is_semaphore(aval: Any) -> bool:
+  """A Ref of (DMA / regular / barrier) semaphores."""
+  inner = getattr(aval, "inner_aval", None)
+  dtype = getattr(inner, "dtype", None)
+  return dtype is not None and jnp.issubdtype(
+    dtype, _jax.pallas_core.semaphore_dtype
+  )
 
 
 def is_gpu_mesh(mesh: Any) -> bool:
@@ -112,5 +123,8 @@ def simulator_effects(
   """
   path = choose(jaxprs, meshes, interpret)
   if path.kind == FAST:
+    # The fast path checks semaphore counts after the run (a callback).
+    if any(is_semaphore(v.aval) for v in jaxprs[0].invars):
+      return {_jax.callback._IOEffect}
     return set()
   return set(_jax.pallas_core.get_interpret_effects(path.params))

@@ -512,3 +512,29 @@ def test_tensorcore_next_to_sparsecore_is_not_lowerable_yet():
       r"meshes of core types \['sc_vector_subcore', 'tc'\]",
     ):
       jax.jit(f).trace(x).lower(lowering_platforms=("tpu",))
+
+
+def test_fast_path_reports_a_wait_nothing_signals():
+  mesh = tc("core", 2)
+
+  def kernel(x_hbm, o_hbm, sem):
+    c = jax.lax.axis_index("core")
+    pltpu.sync_copy(x_hbm.at[c], o_hbm.at[c])
+
+    @pl.when(c == 0)
+    def _():
+      pl.semaphore_signal(sem, 1)  # its own semaphore
+
+    pl.semaphore_wait(sem, 1)  # core 1 never signals its own
+
+  f = mpmd.mpmd_map(
+    [(mesh, kernel)],
+    jax.ShapeDtypeStruct((2, *ROWS), jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR(())],
+  )
+  with pytest.raises(
+    Exception,
+    match=r"mpmd_map deadlock: on the CPU fast "
+    r"path .* \['mesh 0 program 1 \(core=1\)'\]",
+  ):
+    jax.block_until_ready(f(jnp.ones((2, *ROWS), jnp.float32)))
