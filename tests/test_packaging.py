@@ -16,9 +16,19 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_wheel_holds_only_the_mpmd_namespace(tmp_path):
   subprocess.run(
-      [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps",
-       "--no-build-isolation", "-q", "-w", str(tmp_path)],
-      check=True,
+    [
+      sys.executable,
+      "-m",
+      "pip",
+      "wheel",
+      str(ROOT),
+      "--no-deps",
+      "--no-build-isolation",
+      "-q",
+      "-w",
+      str(tmp_path),
+    ],
+    check=True,
   )
   [wheel] = tmp_path.glob("jax_mpmd-*.whl")
   names = zipfile.ZipFile(wheel).namelist()
@@ -34,7 +44,7 @@ def test_only_one_module_imports_jax_internals():
   for path in ROOT.glob("*/**/*.py"):
     rel = path.relative_to(ROOT)
     if rel.parts[0] in ("tests", "benchmarks", "build") or rel == Path(
-        "mpmd/_jax.py"
+      "mpmd/_jax.py"
     ):
       continue
     for line in path.read_text().splitlines():
