@@ -8,6 +8,7 @@ fallback on CPU.
 
 from mpmd import _jax as _jax  # checks the jax pin before anything else
 from mpmd import lowering as _lowering  # registers the per-platform rules
+from mpmd.api import GPUInterpretParams as GPUInterpretParams
 from mpmd.api import mpmd_map as mpmd_map
 from mpmd.lowering.watchdog import DeadlockError as DeadlockError
 from mpmd.lowering.watchdog import RaceError as RaceError
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
   "DeadlockError",
+  "GPUInterpretParams",
   "RaceError",
   "TPU_TARGETS",
   "deadlock_timeout",

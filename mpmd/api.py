@@ -24,6 +24,9 @@ from mpmd.primitives import mpmd_map as prim
 
 MeshAndFn = tuple[Any, Callable[..., None]]
 
+# jax 0.10.2 has no public name for the Mosaic GPU simulator's settings.
+GPUInterpretParams = _jax.gpu().interpret.InterpretGPUParams
+
 
 def _short(aval) -> str:
   return aval.str_short(short_dtypes=True)
@@ -65,7 +68,7 @@ def mpmd_map(
     compiler_params: ``pltpu.CompilerParams`` / ``plgpu.CompilerParams``.
     interpret: None (default) compiles natively on TPU / GPU and runs the CPU
       fallback on CPU; True forces the fast HLO interpreter; a
-      ``pltpu.InterpretParams`` / ``plgpu.InterpretParams`` forces that
+      ``pltpu.InterpretParams`` / ``mpmd.GPUInterpretParams`` forces that
       simulator with those settings, on any platform.
     debug: print the kernel jaxprs and, on CPU, which path runs and why.
     cost_estimate: a ``pl.CostEstimate`` for XLA's scheduler.
@@ -108,6 +111,7 @@ def mpmd_map(
   aliases = FrozenDict(dict(input_output_aliases or {}))
   if interpret is False:
     interpret = None  # CPU has no native path: False means "the default".
+  _check_interpret(interpret, meshes)
   is_output_sequence = isinstance(out_types, Sequence)
   spec = dict(
     meshes=meshes,
@@ -213,6 +217,26 @@ def _check_meshes_and_fns(meshes_and_fns) -> tuple[tuple[Any, ...], list]:
       f"launch, got {[type(m).__name__ for m in meshes]}"
     )
   return tuple(meshes), fns
+
+
+def _check_interpret(interpret: Any, meshes: Sequence[Any]) -> None:
+  gpu = paths.is_gpu_mesh(meshes[0])
+  tpu_params = _jax.tpu().interpret.InterpretParams
+  gpu_params = _jax.gpu().interpret.InterpretGPUParams
+  if interpret is None or interpret is True:
+    return
+  if isinstance(interpret, gpu_params if gpu else tpu_params):
+    return
+  if isinstance(interpret, (tpu_params, gpu_params)):
+    raise ValueError(
+      f"mpmd_map: expected 'interpret' for {'GPU' if gpu else 'TPU'} meshes "
+      f"({'mpmd.GPU' if gpu else 'pltpu.'}InterpretParams), got "
+      f"{type(interpret).__name__}"
+    )
+  raise TypeError(
+    "mpmd_map: expected 'interpret' to be None, True, or an InterpretParams "
+    f"object, got {interpret!r}"
+  )
 
 
 def _check_out_type(out_type: Any, i: int) -> None:

@@ -262,3 +262,16 @@ def test_gpu_kernel_closing_over_a_scalar(rng):
   np.testing.assert_allclose(f(x), x + 10.0)
   text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def test_error_interpret_params_of_the_wrong_platform():
+  with pytest.raises(
+    ValueError,
+    match=r"expected 'interpret' for TPU meshes "
+    r"\(pltpu.InterpretParams\), got InterpretGPUParams",
+  ):
+    mpmd.mpmd_map(
+      [(tc_mesh(), _noop)], OUT, interpret=mpmd.GPUInterpretParams()
+    )
+  with pytest.raises(TypeError, match="expected 'interpret' to be None, True"):
+    mpmd.mpmd_map([(tc_mesh(), _noop)], OUT, interpret="yes")
