@@ -234,27 +234,46 @@ def _check_group_sizes(name: str, group_sizes: Any):
     )
 
 
-def _check_group_offset(name: str, group_offset: Any) -> jax.Array:
+def _check_group_offset(
+  name: str, group_offset: Any, num_groups: int, num_local: int
+) -> jax.Array:
+  """The offset as an int32 scalar; a concrete one must keep the local
+  groups ``[offset, offset + num_local)`` inside ``[0, num_groups)`` (a
+  traced one cannot be checked: out of range, it is clamped)."""
   if group_offset is None:
     return jnp.zeros((), jnp.int32)
-  if isinstance(group_offset, int | np.integer):
-    return jnp.asarray(group_offset, jnp.int32)
-  if not hasattr(group_offset, "dtype"):
+  if isinstance(group_offset, bool) or not (
+    isinstance(group_offset, int | np.integer) or hasattr(group_offset, "dtype")
+  ):
     raise TypeError(
       f"{name}: expected 'group_offset' to be an int32 scalar, got "
       f"{type(group_offset).__name__}"
     )
-  if jnp.dtype(group_offset.dtype) != jnp.int32:
-    raise TypeError(
-      f"{name}: expected 'group_offset' of dtype int32, got "
-      f"{jnp.dtype(group_offset.dtype).name}"
-    )
-  if group_offset.shape not in ((), (1,)):
+  if not isinstance(group_offset, int | np.integer):
+    if jnp.dtype(group_offset.dtype) != jnp.int32:
+      raise TypeError(
+        f"{name}: expected 'group_offset' of dtype int32, got "
+        f"{jnp.dtype(group_offset.dtype).name}"
+      )
+    if group_offset.shape not in ((), (1,)):
+      raise ValueError(
+        f"{name}: expected 'group_offset' of shape () (one int32), got "
+        f"shape {tuple(group_offset.shape)}"
+      )
+  try:
+    value = int(np.asarray(group_offset).reshape(()))
+  except (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+  ):
+    value = None  # traced: cannot be checked here
+  if value is not None and not 0 <= value <= num_groups - num_local:
     raise ValueError(
-      f"{name}: expected 'group_offset' of shape () (one int32), got "
-      f"shape {tuple(group_offset.shape)}"
+      f"{name}: expected 'group_offset' in [0, {num_groups - num_local}] "
+      f"(num_groups={num_groups} minus the {num_local} local groups), "
+      f"got {value}"
     )
-  return jnp.reshape(group_offset, ())
+  return jnp.reshape(jnp.asarray(group_offset, jnp.int32), ())
 
 
 def _check_out_dtype(name: str, preferred_element_type: Any) -> jnp.dtype:
@@ -889,7 +908,7 @@ def gmm(
       f"groups (the length of 'group_sizes'), got {rhs.shape[0]}"
     )
   out_dtype = _check_out_dtype(name, preferred_element_type)
-  offset = _check_group_offset(name, group_offset)
+  offset = _check_group_offset(name, group_offset, num_groups, rhs.shape[0])
   _check_existing_out(name, existing_out, (m, n), out_dtype)
   cfg = _GmmConfig(
     tiling=_resolve_tiling(name, tiling, m, k, n, num_groups),
@@ -1133,7 +1152,9 @@ def tgmm(
       f"(num_groups), got {num_actual_groups}"
     )
   out_dtype = _check_out_dtype(name, preferred_element_type)
-  offset = _check_group_offset(name, group_offset)
+  offset = _check_group_offset(
+    name, group_offset, num_groups, int(num_actual_groups)
+  )
   _check_existing_out(
     name, existing_out, (int(num_actual_groups), k, n), out_dtype
   )

@@ -639,6 +639,19 @@ class TestErrors:
       gm.gmm(self.lhs, self.rhs, self.sizes, group_offset=jnp.float32(1))
     with pytest.raises(ValueError, match=r"'group_offset' of shape \(\)"):
       gm.gmm(self.lhs, self.rhs, self.sizes, group_offset=self.sizes)
+    # A concrete offset past the groups would be clamped by dynamic_slice.
+    local = self.rhs[:2]
+    for bad in (3, -1, jnp.int32(3)):
+      with pytest.raises(
+        ValueError,
+        match=r"'group_offset' in \[0, 2\] "
+        r"\(num_groups=4 minus the 2 local groups\)",
+      ):
+        gm.gmm(self.lhs, local, self.sizes, group_offset=bad)
+    with pytest.raises(ValueError, match=r"'group_offset' in \[0, 2\]"):
+      gm.tgmm(
+        self.lhs.T, self.lhs, self.sizes, group_offset=3, num_actual_groups=2
+      )
 
   def test_num_actual_groups(self):
     with pytest.raises(
