@@ -112,11 +112,11 @@ def check_config(
         f"matmul: expected '{name}' of rank 2, got shape {tuple(x.shape)}"
       )
   if jnp.dtype(a.dtype) not in INPUT_DTYPES:
-    raise ValueError(
+    raise TypeError(
       f"matmul: expected 'a' of dtype float16 or bfloat16, got {a.dtype}"
     )
   if jnp.dtype(b.dtype) != jnp.dtype(a.dtype):
-    raise ValueError(
+    raise TypeError(
       f"matmul: expected 'b' of the dtype of 'a' ({a.dtype}), got {b.dtype}"
     )
   (m, k), (k2, n) = a.shape, b.shape
@@ -143,14 +143,22 @@ def check_config(
       f"matmul: expected 'warp_specialized' to be a bool, got "
       f"{warp_specialized!r}"
     )
-  if not isinstance(num_compute_wgs, int) or num_compute_wgs < 1:
+  if (
+    isinstance(num_compute_wgs, bool)
+    or not isinstance(num_compute_wgs, int)
+    or num_compute_wgs < 1
+  ):
     raise ValueError(
-      f"matmul: expected 'num_compute_wgs' >= 1, got {num_compute_wgs}"
+      f"matmul: expected 'num_compute_wgs' an int >= 1, got {num_compute_wgs!r}"
     )
-  if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
+  if (
+    isinstance(max_concurrent_steps, bool)
+    or not isinstance(max_concurrent_steps, int)
+    or max_concurrent_steps < 1
+  ):
     raise ValueError(
-      "matmul: expected 'max_concurrent_steps' >= 1, got "
-      f"{max_concurrent_steps}"
+      "matmul: expected 'max_concurrent_steps' an int >= 1, got "
+      f"{max_concurrent_steps!r}"
     )
   atom = SWIZZLE_BYTES // jnp.dtype(a.dtype).itemsize
   _check_block("block_m", block_m, WGMMA_M, "one warpgroup's WGMMA rows")
@@ -197,8 +205,7 @@ def _smem_bytes(config: _Config, has_c: bool) -> int:
   out_size = config.out_dtype.itemsize
   stage = (config.block_m + config.block_n) * config.block_k * in_size
   tile = config.block_m * config.block_n * out_size
-  out_slots = 1 if config.warp_specialized else 1
-  return stage * config.max_concurrent_steps + tile * (out_slots + has_c)
+  return stage * config.max_concurrent_steps + tile * (1 + has_c)
 
 
 Epilogue = Callable[[jax.Array, jax.Array | None], jax.Array]

@@ -109,7 +109,15 @@ def _make_operand(where: str, spec: Any, grid: tuple[int, ...]) -> _Operand:
     raise NotImplementedError(
       f"{where}: collective_axes (cluster multicast) is not supported"
     )
-  delay_release = int(getattr(spec, "delay_release", 0))
+  delay_release = getattr(spec, "delay_release", 0)
+  if isinstance(delay_release, bool) or not isinstance(delay_release, int):
+    raise TypeError(
+      f"{where}: expected delay_release to be an int, got {delay_release!r}"
+    )
+  if delay_release < 0:
+    raise ValueError(
+      f"{where}: expected delay_release >= 0, got {delay_release}"
+    )
   transforms = tuple(getattr(spec, "transforms", ()))
   if memory_space in (plgpu.GMEM, pl.MemorySpace.ANY):
     return _Operand(None, None, (), 0, True)
@@ -142,10 +150,14 @@ def _check_grid(where: str, grid: Any) -> tuple[int, ...]:
 
 
 def _check_steps(where: str, max_concurrent_steps: Any) -> int:
-  if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
+  if (
+    isinstance(max_concurrent_steps, bool)
+    or not isinstance(max_concurrent_steps, int)
+    or max_concurrent_steps < 1
+  ):
     raise ValueError(
-      f"{where}: expected 'max_concurrent_steps' >= 1, got "
-      f"{max_concurrent_steps}"
+      f"{where}: expected 'max_concurrent_steps' an int >= 1, got "
+      f"{max_concurrent_steps!r}"
     )
   return max_concurrent_steps
 
@@ -821,9 +833,14 @@ def warp_specialized_pipeline(
   where = "warp_specialized_pipeline"
   grid = _check_grid(where, grid)
   max_concurrent_steps = _check_steps(where, max_concurrent_steps)
-  if not isinstance(num_compute_wgs, int) or num_compute_wgs < 1:
+  if (
+    isinstance(num_compute_wgs, bool)
+    or not isinstance(num_compute_wgs, int)
+    or num_compute_wgs < 1
+  ):
     raise ValueError(
-      f"{where}: expected 'num_compute_wgs' >= 1, got {num_compute_wgs}"
+      f"{where}: expected 'num_compute_wgs' an int >= 1, got "
+      f"{num_compute_wgs!r}"
     )
   ins = tuple(
     _make_operand(f"{where}: in_specs[{i}]", s, grid)

@@ -174,13 +174,13 @@ class TestMatmulErrors:
 
   def test_float32_inputs(self):
     a, b = self._ab(dtype=jnp.float32)
-    with pytest.raises(ValueError, match=r"'a' of dtype float16 or bfloat16"):
+    with pytest.raises(TypeError, match=r"'a' of dtype float16 or bfloat16"):
       gpu.matmul(a, b)
 
   def test_mixed_dtypes(self):
     a, _ = self._ab()
     b = jnp.zeros((K, N), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"'b' of the dtype of 'a'"):
+    with pytest.raises(TypeError, match=r"'b' of the dtype of 'a'"):
       gpu.matmul(a, b)
 
   def test_contracting_mismatch(self):

@@ -390,8 +390,19 @@ class TestPipelineErrors:
     "make", [gpu.pipeline, gpu.warp_specialized_pipeline]
   )
   def test_bad_max_concurrent_steps(self, make):
-    with pytest.raises(ValueError, match=r"'max_concurrent_steps' >= 1, got 0"):
-      make(_add_one, grid=(2,), max_concurrent_steps=0)
+    for bad in (0, True):
+      with pytest.raises(
+        ValueError, match=rf"'max_concurrent_steps' an int >= 1, got {bad}"
+      ):
+        make(_add_one, grid=(2,), max_concurrent_steps=bad)
+
+  @pytest.mark.parametrize(
+    "make", [gpu.pipeline, gpu.warp_specialized_pipeline]
+  )
+  def test_negative_delay_release(self, make):
+    spec = plgpu.BlockSpec((ROWS, BLOCK), lambda j: (0, j), delay_release=-1)
+    with pytest.raises(ValueError, match=r"delay_release >= 0, got -1"):
+      make(_add_one, grid=(2,), in_specs=[spec], out_specs=[spec])
 
   @pytest.mark.parametrize(
     "make", [gpu.pipeline, gpu.warp_specialized_pipeline]
@@ -438,7 +449,9 @@ class TestPipelineErrors:
       )
 
   def test_ws_bad_num_compute_wgs(self):
-    with pytest.raises(ValueError, match=r"'num_compute_wgs' >= 1, got 0"):
+    with pytest.raises(
+      ValueError, match=r"'num_compute_wgs' an int >= 1, got 0"
+    ):
       gpu.warp_specialized_pipeline(_add_one, grid=(2,), num_compute_wgs=0)
 
   def test_compute_context_must_run_once(self, rng):
