@@ -925,8 +925,31 @@ def warp_specialized_kernel(
   ``num_compute_wgs + 1`` threads that branches on its thread index (the
   same schedule, to compare the two forms).
 
+  Args:
+    pipe: the pipeline from :func:`warp_specialized_pipeline`.
+    compute_fn: the compute warpgroups' kernel (calls ``pipe.compute``).
+    memory_fn: the memory warpgroup's kernel (calls ``pipe.memory``).
+    out_types: pytree of ``jax.ShapeDtypeStruct`` (GMEM outputs).
+    scratch_types: pytree of scratch types shared by both meshes.
+    grid: CTA grid (ints), named by ``grid_names``.
+    multi_mesh: two meshes (True) or one branching mesh (False).
+    compiler_params, interpret, name: as for ``mpmd.mpmd_map``.
+
   Returns:
     The ``mpmd_map`` callable, taking the input arrays.
+
+  Example (the shape of :func:`mpmd.kernels.gpu.matmul`'s warp-specialized
+  form)::
+
+    pipe = warp_specialized_pipeline(body, grid=(k_steps,), in_specs=specs)
+    kernel = warp_specialized_kernel(
+        pipe,
+        compute_fn=lambda a, b, o, scratch, wg: pipe.compute(a, b, scratch),
+        memory_fn=lambda a, b, o, scratch: pipe.memory(a, b, scratch),
+        out_types=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        scratch_types=pipe.scratch_types(),
+    )
+    out = kernel(a, b)
   """
   import mpmd  # The kernels package is imported by mpmd; resolve late.
 
