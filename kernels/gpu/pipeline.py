@@ -944,10 +944,11 @@ def warp_specialized_kernel(
     pipe = warp_specialized_pipeline(body, grid=(k_steps,), in_specs=specs)
     kernel = warp_specialized_kernel(
         pipe,
-        compute_fn=lambda a, b, o, scratch, wg: pipe.compute(a, b, scratch),
-        memory_fn=lambda a, b, o, scratch: pipe.memory(a, b, scratch),
+        compute_fn=lambda a, b, o, scratch, wg: pipe.compute(
+            a, b, scratch=scratch),
+        memory_fn=lambda a, b, o, scratch: pipe.memory(a, b, scratch=scratch),
         out_types=jax.ShapeDtypeStruct((m, n), jnp.float32),
-        scratch_types=pipe.scratch_types(),
+        scratch_types=pipe.scratch_types(a, b),
     )
     out = kernel(a, b)
   """
