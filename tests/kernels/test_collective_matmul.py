@@ -355,8 +355,11 @@ class CpuFallbackTest(KernelRunner):
       assert g.shape == w.shape and g.dtype == w.dtype
       assert_close(g, w, jnp.float32)
 
-  def test_all_gather_matmul_grad(self, rng):
-    lhs, rhs = operands(rng, (16, 4 * 128), (4 * 128, 128), jnp.float32)
+  # Ring 4 with the defaults, and ring 3 with one slot: the other
+  # (unidirectional-capable, staging) schedule, in both forward and VJP.
+  @pytest.mark.parametrize("ring, buffering", [(4, 2), (3, 1)])
+  def test_all_gather_matmul_grad(self, rng, ring, buffering):
+    lhs, rhs = operands(rng, (16, ring * 128), (ring * 128, 128), jnp.float32)
 
     def ref(a, b):
       gathered = lax.all_gather(a, "x", axis=1, tiled=True)
@@ -364,11 +367,11 @@ class CpuFallbackTest(KernelRunner):
 
     self.check_grads(
       rng,
-      self.ag(axis_name="x"),
+      self.ag(axis_name="x", buffering=buffering),
       ref,
       lhs,
       rhs,
-      make_mesh((4,), ("x",)),
+      make_mesh((ring,), ("x",)),
       (P(None, "x"), P()),
       P("x"),
     )
