@@ -217,6 +217,12 @@ def _check_operands(fn_name: str, lhs: Any, rhs: Any, out_dtype: Any):
   return out_dtype
 
 
+def _check_flag(fn_name: str, what: str, value: Any) -> bool:
+  if not isinstance(value, bool | np.bool_):
+    raise TypeError(f"{fn_name}: expected '{what}' to be a bool, got {value!r}")
+  return bool(value)
+
+
 def _check_buffering(fn_name: str, buffering: Any) -> int:
   if isinstance(buffering, bool) or not isinstance(buffering, int):
     raise TypeError(
@@ -860,7 +866,7 @@ def all_gather_matmul(
     )
   config = _AgConfig(
     ring=ring_,
-    bidirectional=bool(bidirectional),
+    bidirectional=_check_flag(fn_name, "bidirectional", bidirectional),
     buffering=_check_buffering(fn_name, buffering),
     out_dtype=out_dtype,
     block_sizes=_check_block_sizes(fn_name, block_sizes),
@@ -1194,7 +1200,7 @@ def matmul_reduce_scatter(
   config = _RsConfig(
     ring=ring_,
     scatter_dimension=scatter_dimension,
-    bidirectional=bool(bidirectional),
+    bidirectional=_check_flag(fn_name, "bidirectional", bidirectional),
     buffering=_check_buffering(fn_name, buffering),
     out_dtype=out_dtype,
     block_sizes=_check_block_sizes(fn_name, block_sizes),

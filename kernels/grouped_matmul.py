@@ -67,6 +67,8 @@ _TPU_TILING: Tiling = (128, 128, 128)
 # k=768, n=1024, 16 groups tm=128: 1.69, 256: 2.06. The rule below keeps the
 # rows wasted in straddle tiles (< tm per group) below m / 2.
 _CPU_TM_CANDIDATES = (512, 256, 128, 64, 32, 16, 8)
+# Mosaic blocks span whole (8, 128) vreg tiles in their last two dimensions.
+_TPU_SUBLANES = 8
 
 _SUPPORTED_DTYPES = (
   jnp.dtype(jnp.float32),
@@ -188,6 +190,11 @@ def _resolve_tiling(
     raise ValueError(
       f"{name}: expected the row tile tm={tm} of 'tiling' to divide m={m} "
       f"(K and N may be ragged, M may not); try tm={_divisor_hint(m, tm)}"
+    )
+  if _target_platform() == "tpu" and tm != m and tm % _TPU_SUBLANES:
+    raise ValueError(
+      f"{name}: expected the row tile tm={tm} of 'tiling' to be a multiple "
+      f"of {_TPU_SUBLANES} (TPU sublanes) or all m={m} rows"
     )
   return tm, tk, tn
 

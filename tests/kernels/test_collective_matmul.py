@@ -543,6 +543,18 @@ class TestErrors:
         ((256, 128), self.f32),
       )
 
+  @pytest.mark.parametrize("fn", [all_gather_matmul, matmul_reduce_scatter])
+  def test_bidirectional_must_be_a_bool(self, fn):
+    with pytest.raises(TypeError, match=r"'bidirectional' to be a bool, got"):
+      trace_sharded(
+        functools.partial(fn, axis_name="x", bidirectional="no"),
+        make_mesh((2,), ("x",)),
+        (P(None, "x"), P("x") if fn is matmul_reduce_scatter else P()),
+        P(),
+        ((8, 256), self.f32),
+        ((256, 128), self.f32),
+      )
+
   def test_rhs_rows_mismatch(self):
     with pytest.raises(
       ValueError,

@@ -653,6 +653,16 @@ class TestErrors:
         self.lhs.T, self.lhs, self.sizes, group_offset=3, num_actual_groups=2
       )
 
+  def test_tpu_row_tile_is_whole_sublanes(self):
+    with mpmd.tpu_target("v5e"):
+      with pytest.raises(
+        ValueError,
+        match=r"row tile tm=4 of 'tiling' to be "
+        r"a multiple of 8 \(TPU sublanes\) or all m=64",
+      ):
+        gm.gmm(self.lhs, self.rhs, self.sizes, tiling=(4, 16, 16))
+    gm.gmm(self.lhs, self.rhs, self.sizes, tiling=(4, 16, 16))  # CPU: fine
+
   def test_num_actual_groups(self):
     with pytest.raises(
       ValueError, match=r"'num_actual_groups' in \[1, 4\].*got 5"
