@@ -41,7 +41,11 @@ def is_semaphore(aval: Any) -> bool:
 
 
 def is_gpu_mesh(mesh: Any) -> bool:
-  return isinstance(mesh, _jax.gpu().core.Mesh)
+  # Without the Mosaic GPU backend there are no GPU meshes to recognise.
+  try:
+    return isinstance(mesh, _jax.gpu().core.Mesh)
+  except ImportError:
+    return False
 
 
 # SparseCore primitives that synchronise subcores, which neither the HLO
