@@ -8,7 +8,6 @@ fallback on CPU.
 
 from mpmd import _jax as _jax  # checks the jax pin before anything else
 from mpmd import lowering as _lowering  # registers the per-platform rules
-from mpmd.api import GPUInterpretParams as GPUInterpretParams
 from mpmd.api import mpmd_map as mpmd_map
 from mpmd.lowering.watchdog import DeadlockError as DeadlockError
 from mpmd.lowering.watchdog import RaceError as RaceError
@@ -35,3 +34,11 @@ __all__ = [
 
 _install_tpu_targets()
 del _lowering, _install_tpu_targets
+
+
+def __getattr__(name: str):
+  # jax 0.10.2 has no public name for the Mosaic GPU simulator's settings;
+  # resolved on first use, so `import mpmd` needs no GPU backend.
+  if name == "GPUInterpretParams":
+    return _jax.gpu().interpret.InterpretGPUParams
+  raise AttributeError(f"module 'mpmd' has no attribute {name!r}")

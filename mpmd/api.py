@@ -24,9 +24,6 @@ from mpmd.primitives import mpmd_map as prim
 
 MeshAndFn = tuple[Any, Callable[..., None]]
 
-# jax 0.10.2 has no public name for the Mosaic GPU simulator's settings.
-GPUInterpretParams = _jax.gpu().interpret.InterpretGPUParams
-
 
 def _short(aval) -> str:
   return aval.str_short(short_dtypes=True)
