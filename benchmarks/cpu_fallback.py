@@ -13,12 +13,12 @@ simulator. Ratios are measured side by side in one run, rounds interleaved:
 """
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from _timing import time_interleaved
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -57,18 +57,6 @@ def _reference(x, b):
   return (x.reshape(-1, TILE_ROWS, cols) * 2.0 + b).reshape(rows, cols)
 
 
-def _interleaved(fns: dict[str, Callable[..., jax.Array]], args, rounds: int):
-  for fn in fns.values():
-    jax.block_until_ready(fn(*args))  # compile and warm up
-  times = {name: [] for name in fns}
-  for _ in range(rounds):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) for name, t in times.items()}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="mpmd bench cpu_fallback")
   parser.add_argument("--quick", action="store_true", help="one small shape")
@@ -88,9 +76,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       if not jnp.array_equal(fn(x, b), want):
         raise SystemExit(f"{name} path disagrees with the reference")
     print(f"  {rows}x{cols} f32, {NUM_CORES} programs ...", flush=True)
-    t = _interleaved(
-      {"fast": fast, "simulator": simulated, "jnp": plain},
-      (x, b),
+    t = time_interleaved(
+      {
+        "fast": functools.partial(fast, x, b),
+        "simulator": functools.partial(simulated, x, b),
+        "jnp": functools.partial(plain, x, b),
+      },
       rounds=3 if args.quick else 5,
     )
     print(

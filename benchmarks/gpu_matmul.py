@@ -15,35 +15,19 @@ processes hits all sides alike; each time is the median over rounds.
 
 import argparse
 import functools
-import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import time_interleaved
 
 from mpmd.kernels import gpu
 
 GPU_SHAPES = ((4096, 4096, 4096), (8192, 8192, 4096))
 CPU_SHAPES = ((256, 256, 256),)
 QUICK_SHAPES = ((128, 256, 128),)
-
-
-def _time_interleaved(
-  fns: dict[str, Callable[[], jax.Array]], rounds: int
-) -> dict[str, float]:
-  """Median seconds per call of each fn, timed round-robin."""
-  for fn in fns.values():  # compile and warm up
-    jax.block_until_ready(fn())
-  times: dict[str, list[float]] = {name: [] for name in fns}
-  for _ in range(rounds):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def run(shapes: Sequence[tuple[int, int, int]], rounds: int) -> None:
@@ -78,7 +62,7 @@ def run(shapes: Sequence[tuple[int, int, int]], rounds: int) -> None:
         rtol=2.0**-7,
         atol=1e-1,
       )
-    times = _time_interleaved(
+    times = time_interleaved(
       {n_: functools.partial(f, a, b) for n_, f in fns.items()}, rounds
     )
     flops = 2 * m * n * k

@@ -16,15 +16,14 @@ processes hits all sides alike; each side's time is its median over rounds.
 """
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import time_interleaved
 from jax import lax
 
 from mpmd.kernels import grouped_matmul as gm
@@ -48,21 +47,6 @@ QUICK_CASES = (
   Case("quick", 256, 128, 128, 4, "float32"),
   Case("quick", 256, 128, 128, 4, "bfloat16"),
 )
-
-
-def _time_interleaved(
-  fns: dict[str, Callable[[], jax.Array]], rounds: int
-) -> dict[str, float]:
-  """Median seconds per call of each fn, timed round-robin."""
-  for fn in fns.values():  # compile and warm up
-    jax.block_until_ready(fn())
-  times: dict[str, list[float]] = {name: [] for name in fns}
-  for _ in range(rounds):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _group_sizes(rng: np.random.Generator, m: int, groups: int) -> np.ndarray:
@@ -126,7 +110,7 @@ def run_case(case: Case, rounds: int) -> dict[str, float]:
   # backward passes (tens of MB of temporaries) get their own group so that
   # they do not evict the forward kernels' operands between rounds.
   rhs0, lhs_t = rhs[0], lhs.T
-  t = _time_interleaved(
+  t = time_interleaved(
     {
       "gmm": lambda: ours(lhs, rhs, sizes),
       "ragged_dot": lambda: ref(lhs, rhs, sizes),
@@ -134,14 +118,14 @@ def run_case(case: Case, rounds: int) -> dict[str, float]:
     },
     rounds,
   )
-  t |= _time_interleaved(
+  t |= time_interleaved(
     {
       "tgmm": lambda: ours_t(lhs_t, dy, sizes),
       "ragged_dot_general": lambda: ref_t(lhs, dy, sizes),
     },
     rounds,
   )
-  t |= _time_interleaved(
+  t |= time_interleaved(
     {
       "gmm fwd+bwd": lambda: ours_grad(lhs, rhs, sizes),
       "ragged_dot fwd+bwd": lambda: ref_grad(lhs, rhs, sizes),

@@ -581,6 +581,17 @@ def _named_refs(refs, num_inputs: int, names: Sequence[str]):
 # ---------------------------------------------------------------------------
 
 
+def _ring_scratch(scratch, ring: _Ring, num: int, streams, slots: int):
+  """Adds the ring table (SMEM) and, per stream, the send / receive DMA
+  semaphores and the capacity semaphore to a kernel's named scratch."""
+  scratch["ring_table"] = pltpu.SMEM((1 + len(ring.axes), num), jnp.int32)
+  for st in streams:
+    scratch[f"send_{st.tag}"] = pltpu.SemaphoreType.DMA
+    scratch[f"recv_{st.tag}"] = pltpu.SemaphoreType.DMA((slots,))
+    scratch[f"cap_{st.tag}"] = pltpu.SemaphoreType.REGULAR
+  return scratch
+
+
 class _AgConfig(NamedTuple):
   """Static configuration of one all-gather matmul (hashable)."""
 
@@ -628,12 +639,13 @@ def _ag_kernel_call(
       )
   if return_gathered:
     outs["gathered"] = _out_type((n, k_total), dtype, (lhs,), ring)
-  scratch = _TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named()
-  scratch["ring_table"] = pltpu.SMEM((1 + len(ring.axes), num), jnp.int32)
-  for st in streams:
-    scratch[f"send_{st.tag}"] = pltpu.SemaphoreType.DMA
-    scratch[f"recv_{st.tag}"] = pltpu.SemaphoreType.DMA((slots,))
-    scratch[f"cap_{st.tag}"] = pltpu.SemaphoreType.REGULAR
+  scratch = _ring_scratch(
+    _TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named(),
+    ring,
+    num,
+    streams,
+    slots,
+  )
   names = (*outs, *scratch)
 
   def body(*refs):
@@ -942,12 +954,13 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
     outs[f"part_{st.tag}"] = _out_type(region, f32, operands, ring)
     outs[f"send_buf_{st.tag}"] = _out_type((2, *region), f32, operands, ring)
     outs[f"slots_{st.tag}"] = _out_type((slots, *region), f32, operands, ring)
-  scratch = _TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named()
-  scratch["ring_table"] = pltpu.SMEM((1 + len(ring.axes), num), jnp.int32)
-  for st in streams:
-    scratch[f"send_{st.tag}"] = pltpu.SemaphoreType.DMA
-    scratch[f"recv_{st.tag}"] = pltpu.SemaphoreType.DMA((slots,))
-    scratch[f"cap_{st.tag}"] = pltpu.SemaphoreType.REGULAR
+  scratch = _ring_scratch(
+    _TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named(),
+    ring,
+    num,
+    streams,
+    slots,
+  )
   names = (*outs, *scratch)
 
   def body(*refs):

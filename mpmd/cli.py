@@ -108,11 +108,16 @@ def _bench(args) -> int:
   root = Path(__file__).resolve().parent.parent / "benchmarks"
   path = root / f"{args.name}.py"
   if not path.exists():
-    names = sorted(p.stem for p in root.glob("*.py")) if root.exists() else []
+    names = sorted(
+      p.stem for p in root.glob("*.py") if not p.stem.startswith("_")
+    )
     raise SystemExit(
       f"mpmd bench: no benchmark {args.name!r} in {root} (benchmarks live "
       f"in a source checkout); known: {', '.join(names) or 'none'}"
     )
+  # Benchmarks share helpers (benchmarks/_timing.py) as sibling modules.
+  if str(root) not in sys.path:
+    sys.path.insert(0, str(root))
   spec = importlib.util.spec_from_file_location(f"bench_{args.name}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
