@@ -3,10 +3,14 @@
 For each ring length D and shape, in one run:
   ours / XLA for  all_gather_matmul      vs shard_map(all_gather + dot)
   ours / XLA for  matmul_reduce_scatter  vs shard_map(dot + psum_scatter)
-(median wall time of ``--repeats`` runs after one warm-up; bf16 inputs, f32
-results), followed by an analytical TPU estimate of the bidirectional
-schedule: flops and bytes per step and which transfer hides behind which
-matmul.
+(median wall time of ``--repeats`` rounds after a warm-up, ours and XLA's
+interleaved so that machine noise hits both; bf16 inputs, f32 results),
+followed by an analytical TPU estimate of the bidirectional schedule: flops
+and bytes per step and which transfer hides behind which matmul.
+
+The CPU fallback runs these kernels on its lockstep path (every remote DMA
+an XLA collective); ``interpret=pltpu.InterpretParams()`` would run the
+threaded TPU simulator instead, which is slower by orders of magnitude.
 
   mpmd bench collective_matmul            # D=4,8; n=m=1024, K=2048 + small
   mpmd bench collective_matmul --quick    # small shapes only (2 CPU cores)
@@ -16,9 +20,7 @@ matmul.
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -28,6 +30,7 @@ _MAX_RING = 8
 jax.config.update("jax_num_cpu_devices", _MAX_RING)
 
 import jax.numpy as jnp  # noqa: E402
+from _timing import time_interleaved  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -45,16 +48,6 @@ TPU_BF16_FLOPS = 197e12
 TPU_HBM_BYTES_PER_S = 819e9
 TPU_ICI_BYTES_PER_S = 50e9
 BF16_BYTES = 2
-
-
-def _time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile + warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def _mapped(fn, mesh, in_specs, out_specs):
@@ -99,12 +92,16 @@ def _cases(ring: int, shape, repeats: int):
   for name, (ours, xla, in_specs, out_spec) in rows.items():
     args = (put(lhs, in_specs[0]), put(rhs, in_specs[1]))
     print(f"  D={ring} {name} n={n} K={k} m={m} ...", end="", flush=True)
-    t_ours = _time(
-      _mapped(ours, mesh, in_specs, out_spec), *args, repeats=repeats
+    ours_fn = _mapped(ours, mesh, in_specs, out_spec)
+    xla_fn = _mapped(xla, mesh, in_specs, out_spec)
+    times = time_interleaved(
+      {
+        "ours": functools.partial(ours_fn, *args),
+        "xla": functools.partial(xla_fn, *args),
+      },
+      repeats,
     )
-    t_xla = _time(
-      _mapped(xla, mesh, in_specs, out_spec), *args, repeats=repeats
-    )
+    t_ours, t_xla = times["ours"], times["xla"]
     print(
       f" ours {t_ours * 1e3:8.1f} ms  XLA {t_xla * 1e3:8.1f} ms  "
       f"ratio {t_ours / t_xla:5.2f}",
@@ -160,7 +157,7 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--rings", default="4,8", help="comma-separated ring lengths (<= 8)"
   )
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args(argv)
   rings = [int(r) for r in args.rings.split(",")]
   if any(r < 2 or r > _MAX_RING for r in rings):

@@ -16,16 +16,21 @@ from mpmd._jax import (
   state_discharge,
   tpu,
 )
-from mpmd.lowering import jaxpr_util, paths, watchdog
+from mpmd.lowering import jaxpr_util, lockstep, paths, watchdog
 from mpmd.primitives import mpmd_map as prim
 
 
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   jaxprs, meshes = params["jaxprs"], params["meshes"]
   paths.check_simulable(jaxprs)
-  path = paths.choose(jaxprs, meshes, params["interpret"])
+  axes = lockstep.manual_axes(ctx.module_context.axis_context)
+  path = paths.choose(jaxprs, meshes, params["interpret"], axes)
   if params["debug"]:
     print(f"mpmd_map: CPU fallback takes the {path.kind} path: {path.reason}")
+  if path.kind == paths.LOCKSTEP:
+    aliases = dict(params["input_output_aliases"])
+    kernel = _alias_refs(jaxprs[0], len(in_nodes), aliases, meshes[0], meshes)
+    return lockstep.lower(ctx, *in_nodes, kernel=kernel, axes=axes, **params)
   if path.kind == paths.FAST:
     programs, labels = _fast_programs(len(in_nodes), params)
     run = functools.partial(

@@ -6,6 +6,7 @@ from typing import Any
 import numpy as np
 
 from mpmd._jax import (
+  api_util,
   core,
   lax_parallel,
   lu,
@@ -118,6 +119,30 @@ def rewrite(jaxpr: core.Jaxpr, rule: EqnRule) -> core.Jaxpr:
   kernel's mesh context (``mpmd.primitives.mpmd_map.tracing_context``).
   """
   new, consts = _retrace(jaxpr, (), rule)
+  if consts:
+    raise NotImplementedError("mpmd_map: kernel rewrite captured constants")
+  return new
+
+
+def rewrite_with_inputs(
+  jaxpr: core.Jaxpr,
+  extra_avals: list[Any],
+  make_rule: Callable[[tuple[Any, ...]], EqnRule],
+) -> core.Jaxpr:
+  """``rewrite`` that appends inputs of ``extra_avals`` to ``jaxpr``.
+
+  ``make_rule(extra)`` builds the rule from the new inputs' tracers, which
+  only the top level may use (nested jaxprs are traced on their own).
+  """
+  num = len(jaxpr.invars)
+
+  def body(*args):
+    return _eval(jaxpr, (), args[:num], make_rule(args[num:]))
+
+  avals = [*(v.aval for v in jaxpr.invars), *extra_avals]
+  debug_info = api_util.debug_info("mpmd_map rewrite", body, avals, {})
+  fun = lu.wrap_init(body, debug_info=debug_info)
+  new, _, consts = pe.trace_to_jaxpr_dynamic(fun, avals)
   if consts:
     raise NotImplementedError("mpmd_map: kernel rewrite captured constants")
   return new

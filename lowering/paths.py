@@ -4,6 +4,10 @@
   axis indices as literals, state discharged. Exact for kernels whose
   programs do not synchronise with each other (local DMAs and a program's
   own semaphores are fine: they complete in program order).
+* ``lockstep``: kernels that synchronise devices of a ``shard_map`` through
+  remote DMAs and semaphores, issued by every device in step: discharged
+  like the fast path, each remote operation an XLA collective
+  (``mpmd.lowering.lockstep``).
 * ``tpu-simulator`` / ``gpu-simulator``: Pallas' threaded simulators, one
   thread per program, with simulated memories, DMAs, semaphores, barriers.
 """
@@ -12,6 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from mpmd import _jax
@@ -19,6 +24,7 @@ from mpmd._jax import core
 from mpmd.lowering import jaxpr_util
 
 FAST = "fast"
+LOCKSTEP = "lockstep"
 TPU_SIMULATOR = "tpu-simulator"
 GPU_SIMULATOR = "gpu-simulator"
 
@@ -86,9 +92,16 @@ def check_simulable(jaxprs: Sequence[core.Jaxpr]) -> None:
 
 
 def choose(
-  jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any], interpret: Any
+  jaxprs: Sequence[core.Jaxpr],
+  meshes: Sequence[Any],
+  interpret: Any,
+  manual_axes: tuple[Any, ...] = (),
 ) -> Path:
-  """The CPU-fallback path for a launch (see the module docstring)."""
+  """The CPU-fallback path for a launch (see the module docstring).
+
+  ``manual_axes``: those of the enclosing ``shard_map`` where the launch is
+  lowered (the lockstep path exchanges data along them).
+  """
   tpu_params = _jax.tpu().interpret.InterpretParams
   gpu_params = _jax.gpu().interpret.InterpretGPUParams
   if isinstance(interpret, tpu_params):
@@ -111,9 +124,29 @@ def choose(
         "the TPU simulator."
       )
     return Path(FAST, "interpret=True forces the HLO interpreter")
-  if reason is not None:
-    return Path(TPU_SIMULATOR, reason, tpu_params())
-  return Path(FAST, "no program waits on another")
+  if reason is None:
+    return Path(FAST, "no program waits on another")
+  from mpmd.lowering import lockstep
+
+  why_not = lockstep.why_not(jaxprs, meshes, manual_axes)
+  if why_not is None:
+    return Path(LOCKSTEP, f"{reason}, in step on every device")
+  return Path(
+    TPU_SIMULATOR, f"{reason}, and not in lockstep: {why_not}", tpu_params()
+  )
+
+
+def traced_manual_axes() -> tuple[Any, ...]:
+  """The manual axes of the shard_map being traced, in mesh order.
+
+  The same as the lowering's axis context sees (``lockstep.manual_axes``),
+  so effects declared here match the path the lowering takes.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  manual = getattr(mesh, "manual_axes", ())
+  return tuple(a for a in mesh.axis_names if a in manual)
 
 
 def simulator_effects(
@@ -121,13 +154,17 @@ def simulator_effects(
 ) -> set[core.Effect]:
   """The io_callback effects the CPU fallback's simulator path needs.
 
-  They depend on the kernel alone, not on the host: one export may carry a
-  CPU lowering next to the TPU / CUDA one, and the native lowerings simply
-  pass the effect tokens on.
+  They depend on the kernel (and on the enclosing shard_map), not on the
+  host: one export may carry a CPU lowering next to the TPU / CUDA one, and
+  the native lowerings simply pass the effect tokens on.
   """
-  path = choose(jaxprs, meshes, interpret)
+  path = choose(jaxprs, meshes, interpret, traced_manual_axes())
+  # The fast and lockstep paths check semaphore counts after the run (an
+  # unordered callback: an ordered one's token would carry a failed launch's
+  # error into every later launch on several devices).
+  if path.kind == LOCKSTEP:
+    return {_jax.callback._IOEffect}
   if path.kind == FAST:
-    # The fast path checks semaphore counts after the run (a callback).
     if any(is_semaphore(v.aval) for v in jaxprs[0].invars):
       return {_jax.callback._IOEffect}
     return set()

@@ -34,6 +34,7 @@ from jax._src import core
 from jax._src import effects
 from jax._src import linear_util as lu
 from jax._src import mesh as mesh_lib
+from jax._src import sharding_impls
 from jax._src import source_info_util
 from jax._src import state
 from jax._src import tree_util
@@ -49,6 +50,7 @@ from jax._src.pallas import core as pallas_core
 from jax._src.pallas import pallas_call
 from jax._src.pallas import primitives as pallas_primitives
 from jax._src.state import discharge as state_discharge
+from jax._src.state import primitives as state_primitives
 from jax._src.state import types as state_types
 from jax._src.pallas import hlo_interpreter
 

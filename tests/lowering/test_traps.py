@@ -64,7 +64,7 @@ def test_trap2_hbm_scratch_in_the_simulator():
   np.testing.assert_array_equal(out, x)
 
 
-def ring_shift(x, mesh, check_vma=False):
+def ring_shift(x, mesh, check_vma=False, interpret=None):
   """Each device sends its shard to the right neighbour (a remote DMA)."""
   n = mesh.shape["x"]
   core = pltpu.create_tensorcore_mesh("core", num_cores=1)
@@ -87,6 +87,7 @@ def ring_shift(x, mesh, check_vma=False):
       [(core, kernel)],
       jax.ShapeDtypeStruct(x.shape, x.dtype),
       scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
+      interpret=interpret,
     )(x)
 
   return jax.jit(
@@ -102,14 +103,18 @@ def ring_shift(x, mesh, check_vma=False):
 
 @pytest.mark.slow
 def test_trap3_eight_devices_with_large_buffers():
-  """Upstream's callbacks hung with 4+ devices once buffers exceed a few KB."""
+  """Upstream's callbacks hung with 4+ devices once buffers exceed a few KB.
+
+  (interpret=None would take the lockstep path, which has no callbacks.)
+  """
   mesh = jax.make_mesh((8,), ("x",))
   rows = 8 * 512  # 256 KiB per device
   x = jnp.arange(rows * 128, dtype=jnp.float32).reshape(rows, 128)
   x = jax.device_put(x, jax.NamedSharding(mesh, P("x")))
   with mpmd.deadlock_timeout(60.0):
     np.testing.assert_array_equal(
-      ring_shift(x, mesh), jnp.roll(x, rows // 8, axis=0)
+      ring_shift(x, mesh, interpret=pltpu.InterpretParams()),
+      jnp.roll(x, rows // 8, axis=0),
     )
 
 
@@ -177,11 +182,14 @@ def test_trap5_axis_index_inside_loops_and_conds_on_the_fast_path(capsys):
   assert "takes the fast path" in capsys.readouterr().out
 
 
-def test_shard_map_with_check_vma_infers_output_types(rng):
+@pytest.mark.parametrize(
+  "interpret", [None, pltpu.InterpretParams()], ids=["lockstep", "simulator"]
+)
+def test_shard_map_with_check_vma_infers_output_types(rng, interpret):
   """Out types need no manual_axis_type; device-index arithmetic in the
-  kernel runs in the simulator although kernels are traced without vma."""
+  kernel runs on the CPU paths although kernels are traced without vma."""
   mesh = jax.make_mesh((4,), ("x",))
   x = jnp.asarray(rng.standard_normal((4 * 8, 128)), jnp.float32)
   x = jax.device_put(x, jax.NamedSharding(mesh, P("x")))
-  out = ring_shift(x, mesh, check_vma=True)
+  out = ring_shift(x, mesh, check_vma=True, interpret=interpret)
   np.testing.assert_array_equal(out, jnp.roll(x, 8, axis=0))

@@ -1,0 +1,266 @@
+"""The CPU lockstep path: collective kernels under shard_map as XLA ops.
+
+Each kernel is checked against a plain-JAX reference, and where it matters
+against the threaded TPU simulator; kernels the path cannot run in step go
+to the simulator, and waits that would block forever end in a
+DeadlockError that names the device and the semaphore.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mpmd
+
+ROWS = (8, 128)
+CORE = pltpu.create_tensorcore_mesh("core", num_cores=1)
+MESH_ID = pl.DeviceIdType.MESH
+
+
+def _launch(kernel, out_shape, scratch, interpret=None, debug=False):
+  return mpmd.mpmd_map(
+    [(CORE, kernel)],
+    jax.ShapeDtypeStruct(out_shape, jnp.float32),
+    scratch_types=scratch,
+    interpret=interpret,
+    debug=debug,
+  )
+
+
+def _sharded(mesh, spec, per_device):
+  return jax.jit(
+    jax.shard_map(
+      per_device, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False
+    )
+  )
+
+
+def _rows(mesh, spec, shape=ROWS):
+  count = int(np.prod([mesh.shape[a] for a in mesh.axis_names]))
+  x = jnp.arange(count * np.prod(shape), dtype=jnp.float32)
+  x = x.reshape(count * shape[0], *shape[1:])
+  return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _ring_sum(n, interpret=None, debug=False):
+  """All-reduce around a ring: a fori_loop of remote DMAs, each step's
+  buffer slot freed by a capacity signal, after a barrier handshake."""
+
+  def kernel(x_hbm, o_hbm, slots, acc, send, recv, cap):
+    me = jax.lax.axis_index("x")
+    right = jax.lax.rem(me + 1, n)
+    left = jax.lax.rem(me + n - 1, n)
+    barrier = pltpu.get_barrier_semaphore()
+    for neighbour in (left, right):
+      pl.semaphore_signal(
+        barrier, 1, device_id={"x": neighbour}, device_id_type=MESH_ID
+      )
+    pl.semaphore_wait(barrier, 2)
+    pltpu.sync_copy(x_hbm, acc)
+    pltpu.sync_copy(x_hbm, slots.at[0])
+
+    def step(t, carry):
+      slot = jax.lax.rem(t, 2)
+      copy = pltpu.make_async_remote_copy(
+        slots.at[slot],
+        slots.at[1 - slot],
+        send,
+        recv,
+        device_id={"x": right},
+        device_id_type=MESH_ID,
+      )
+
+      @pl.when(t > 0)
+      def _():
+        pl.semaphore_wait(cap, 1)  # the right neighbour freed its slot
+
+      copy.start()
+      copy.wait()
+      acc[...] += slots[1 - slot]
+      pl.semaphore_signal(cap, 1, device_id={"x": left}, device_id_type=MESH_ID)
+      return carry
+
+    jax.lax.fori_loop(0, n - 1, step, 0)
+    pl.semaphore_wait(cap, 1)  # the last capacity signal
+    pltpu.sync_copy(acc, o_hbm)
+
+  return lambda x: mpmd.mpmd_map(
+    [(CORE, kernel)],
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+    scratch_types=[
+      pltpu.VMEM((2, *x.shape), x.dtype),
+      pltpu.VMEM(x.shape, x.dtype),
+      pltpu.SemaphoreType.DMA(()),
+      pltpu.SemaphoreType.DMA(()),
+      pltpu.SemaphoreType.REGULAR(()),
+    ],
+    compiler_params=pltpu.CompilerParams(collective_id=0),
+    interpret=interpret,
+    debug=debug,
+  )(x)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_all_reduce_runs_in_lockstep(n, capsys):
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+  x = _rows(mesh, P("x"))
+  out = _sharded(mesh, P("x"), _ring_sum(n, debug=True))(x)
+  assert (
+    "takes the lockstep path: it uses the cross-device barrier semaphore, "
+    "in step on every device" in capsys.readouterr().out
+  )
+  expected = jnp.tile(x.reshape(n, *ROWS).sum(0), (n, 1))
+  np.testing.assert_array_equal(out, expected)
+
+
+def test_lockstep_agrees_with_the_simulator():
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+  x = _rows(mesh, P("x"))
+  lockstep = _sharded(mesh, P("x"), _ring_sum(4))(x)
+  with mpmd.deadlock_timeout(60.0):
+    simulated = _sharded(
+      mesh, P("x"), _ring_sum(4, interpret=pltpu.InterpretParams())
+    )(x)
+  np.testing.assert_array_equal(lockstep, simulated)
+
+
+@pytest.mark.parametrize("form", ["dict", "flat"])
+def test_every_device_sends_to_device_zero(form):
+  """Several senders into one device, each at its own offset."""
+  n = 4
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    me = jax.lax.axis_index("x")
+    target = {"x": 0} if form == "dict" else 0
+    copy = pltpu.make_async_remote_copy(
+      x_hbm,
+      o_hbm.at[pl.ds(me * ROWS[0], ROWS[0])],
+      send,
+      recv,
+      device_id=target,
+      device_id_type=MESH_ID,
+    )
+    copy.start()
+    copy.wait_send()
+
+    @pl.when(me == 0)
+    def _():
+      for _ in range(n):
+        copy.wait_recv()
+
+  def per_device(x):
+    sems = [pltpu.SemaphoreType.DMA(())] * 2
+    return _launch(kernel, (n * ROWS[0], ROWS[1]), sems)(x)
+
+  x = _rows(mesh, P("x"))
+  out = jax.jit(
+    jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=P("x"),
+      out_specs=P("x"),
+      check_vma=False,
+    )
+  )(x)
+  # Device 0's block holds every shard; the others received nothing.
+  np.testing.assert_array_equal(np.asarray(out)[: n * ROWS[0]], x)
+
+
+def test_rows_of_a_2d_mesh_are_independent_rings():
+  mesh = jax.make_mesh((2, 4), ("x", "y"))
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    right = jax.lax.rem(jax.lax.axis_index("y") + 1, 4)
+    copy = pltpu.make_async_remote_copy(
+      x_hbm, o_hbm, send, recv, device_id={"y": right}, device_id_type=MESH_ID
+    )
+    copy.start()
+    copy.wait()
+
+  def per_device(x):
+    sems = [pltpu.SemaphoreType.DMA(())] * 2
+    return _launch(kernel, ROWS, sems)(x)
+
+  spec = P(("x", "y"))
+  x = _rows(mesh, spec)
+  out = _sharded(mesh, spec, per_device)(x)
+  blocks = np.asarray(x).reshape(2, 4, *ROWS)
+  expected = np.roll(blocks, 1, axis=1).reshape(x.shape)
+  np.testing.assert_array_equal(out, expected)
+
+
+def _shift(wait_first: bool, receptions: int = 1):
+  """A ring shift that waits too early or for a reception never sent."""
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, 4)
+    copy = pltpu.make_async_remote_copy(
+      x_hbm, o_hbm, send, recv, device_id={"x": right}, device_id_type=MESH_ID
+    )
+    if wait_first:
+      copy.wait_recv()
+    copy.start()
+    copy.wait_send()
+    for _ in range(receptions - wait_first):
+      copy.wait_recv()
+
+  def per_device(x):
+    sems = [pltpu.SemaphoreType.DMA(())] * 2
+    return _launch(kernel, ROWS, sems)(x)
+
+  return per_device
+
+
+@pytest.mark.parametrize(
+  "wait_first, receptions", [(False, 2), (True, 1)], ids=["never", "early"]
+)
+def test_a_wait_that_would_block_forever_names_device_and_semaphore(
+  wait_first, receptions
+):
+  """A wait for a DMA nobody sends, and a wait before every device's start:
+  the latter's data arrives later, yet the semaphore stays poisoned."""
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+  f = _sharded(mesh, P("x"), _shift(wait_first, receptions))
+  # The DeadlockError reaches us wrapped by the runtime (a callback error).
+  with pytest.raises(
+    Exception,
+    match=r"lockstep path(.|\n)*device \(x=\d\) waits on scratch 1 "
+    r"\(dma_sem\)",
+  ):
+    jax.block_until_ready(f(_rows(mesh, P("x"))))
+
+
+def test_a_remote_dma_under_a_condition_goes_to_the_simulator(capsys):
+  """Devices may disagree on a condition: no exchange can wait there."""
+  n = 2
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    me = jax.lax.axis_index("x")
+    copy = pltpu.make_async_remote_copy(
+      x_hbm, o_hbm, send, recv, device_id={"x": 1 - me}, device_id_type=MESH_ID
+    )
+
+    @pl.when(me >= 0)
+    def _():
+      copy.start()
+
+    copy.wait()
+
+  def per_device(x):
+    sems = [pltpu.SemaphoreType.DMA(())] * 2
+    return _launch(kernel, ROWS, sems, debug=True)(x)
+
+  x = _rows(mesh, P("x"))
+  with mpmd.deadlock_timeout(60.0):
+    out = _sharded(mesh, P("x"), per_device)(x)
+  printed = capsys.readouterr().out
+  assert "tpu-simulator path" in printed
+  assert "remote dma_start inside cond" in printed
+  np.testing.assert_array_equal(out, jnp.roll(x, ROWS[0], axis=0))
