@@ -94,21 +94,6 @@ def _mpmd_map(*args, **kwargs):
 # ------------------------------------------------------------------- tiling
 
 
-def _target_platform() -> str:
-  """The platform kernels are being built for.
-
-  Inside ``mpmd.tpu_target`` it is TPU (cross-lowering on a CPU host);
-  under an abstract mesh, its device's platform; otherwise the default
-  backend.
-  """
-  if targets.explicit() is not None:
-    return "tpu"
-  device = jax.sharding.get_abstract_mesh().abstract_device
-  if device is not None:
-    return device.platform
-  return jax.default_backend()
-
-
 def default_tiling(
   m: int, k: int, n: int, *, num_groups: int = 1, platform: str | None = None
 ) -> Tiling:
@@ -131,7 +116,7 @@ def default_tiling(
     >>> default_tiling(1024, 512, 512, num_groups=8, platform="cpu")
     (64, 512, 512)
   """
-  platform = _target_platform() if platform is None else platform
+  platform = targets.platform() if platform is None else platform
   if platform == "tpu":
     tm, tk, tn = _TPU_TILING
     return (_largest_divisor_tile(m, tm), min(tk, k), min(tn, n))
@@ -191,7 +176,7 @@ def _resolve_tiling(
       f"{name}: expected the row tile tm={tm} of 'tiling' to divide m={m} "
       f"(K and N may be ragged, M may not); try tm={_divisor_hint(m, tm)}"
     )
-  if _target_platform() == "tpu" and tm != m and tm % _TPU_SUBLANES:
+  if targets.platform() == "tpu" and tm != m and tm % _TPU_SUBLANES:
     raise ValueError(
       f"{name}: expected the row tile tm={tm} of 'tiling' to be a multiple "
       f"of {_TPU_SUBLANES} (TPU sublanes) or all m={m} rows"
@@ -517,7 +502,7 @@ def _default_buffer_count() -> int:
   fallback runs DMAs as copies in program order, where a second buffer only
   adds a copy per step: one buffer measured ~20% faster on the benchmark.
   """
-  return 2 if _target_platform() == "tpu" else 1
+  return 2 if targets.platform() == "tpu" else 1
 
 
 def _block_specs(buffer_count: int):

@@ -205,12 +205,14 @@ def _remote_copy(devices: _Devices, src, dst, dst_sem, src_sem, device_id):
   )
   me = devices.me()
   for j in range(devices.count):
-    mine = target_all[j] == me
     dst_t, sem_t = tree_util.tree_unflatten(tree, _pick(leaves, leaves_all, j))
-    dst_j = _with_transforms(dst_ref, dst_t)
-    old = state_primitives.ref_get(dst_j, None)
-    state_primitives.ref_set(dst_j, None, jnp.where(mine, data_all[j], old))
-    _signal(_with_transforms(sem_ref, sem_t), jnp.where(mine, _count(dst), 0))
+
+    def land(j=j, dst_t=dst_t, sem_t=sem_t):
+      dst_j = _with_transforms(dst_ref, dst_t)
+      state_primitives.ref_set(dst_j, None, data_all[j])
+      _signal(_with_transforms(sem_ref, sem_t), _count(dst))
+
+    lax.cond(target_all[j] == me, land, lambda: None)
 
 
 def _remote_signal(devices: _Devices, sem, transforms, inc, device_id):

@@ -75,6 +75,21 @@ def explicit() -> TpuTarget | None:
   return None if name is None else TPU_TARGETS[name]
 
 
+def platform() -> str:
+  """The platform kernels are being built for: ``"tpu"`` inside
+  ``tpu_target`` (cross-lowering on a CPU host), else the abstract mesh's
+  device platform under ``shard_map``, else the default backend.
+
+  Kernels pick per-platform defaults (tile sizes, buffering) from it.
+  """
+  if explicit() is not None:
+    return "tpu"
+  device = mesh_lib.get_abstract_mesh().abstract_device
+  if device is not None:
+    return device.platform
+  return jax.default_backend()
+
+
 def current() -> TpuTarget:
   """The TPU generation kernels are traced for when no TPU is attached."""
   return TPU_TARGETS[_target.value or DEFAULT_TPU_TARGET]

@@ -26,6 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import mpmd
 from mpmd import registry
 from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter
 from mpmd.kernels import collective_matmul as cm
@@ -805,7 +806,14 @@ class TestTpuLowering:
 
 def test_pick_block_tiles_large_dimensions():
   # Large dims are tiled (so no operand has to fit in VMEM), small ones not.
-  assert cm._pick_block("f", "block_k", 4096, None) == 512
-  assert cm._pick_block("f", "block_k", 640, None) == 128
-  assert cm._pick_block("f", "block_k", 384, None) == 384
-  assert cm._pick_block("f", "block_k", 1000, None) == 1000
+  pick = functools.partial(cm._pick_block, "f", "block_k", requested=None)
+  assert pick(4096, platform="tpu") == 512
+  assert pick(640, platform="tpu") == 128
+  assert pick(384, platform="tpu") == 384
+  assert pick(1000, platform="tpu") == 1000
+  # The CPU fallback prefers fewer, larger tiles; inside tpu_target the
+  # kernel is built for TPU.
+  assert pick(4096, platform="cpu") == 2048
+  assert pick(1024) == 1024
+  with mpmd.tpu_target():
+    assert pick(1024) == 512
