@@ -89,10 +89,20 @@ def _rewrite_any(j, rule: EqnRule):
   if isinstance(j, core.ClosedJaxpr):
     new, consts = _retrace(j.jaxpr, j.consts, rule)
     return core.ClosedJaxpr(new, consts)
+  return rewrite_scope(j, rule)
+
+
+def rewrite_scope(
+  j: core.Jaxpr,
+  rule: EqnRule,
+  prologue: Callable[[tuple[Any, ...]], None] | None = None,
+) -> core.Jaxpr:
+  """A bare nested jaxpr (``run_scoped``'s body) rewritten with ``rule``,
+  after ``prologue(scoped refs)`` if given."""
   # A bare Jaxpr's constvars are operands of its equation (run_scoped's
   # closed-over refs): rewrite them as inputs and split them off again.
   n = len(j.constvars)
-  new, consts = _retrace(pe.convert_constvars_jaxpr(j), (), rule)
+  new, consts = _retrace(pe.convert_constvars_jaxpr(j), (), rule, prologue, n)
   if consts:
     raise NotImplementedError(
       "mpmd_map: rewriting a nested kernel scope captured constants"
@@ -100,8 +110,10 @@ def _rewrite_any(j, rule: EqnRule):
   return new.replace(constvars=new.invars[:n], invars=new.invars[n:])
 
 
-def _retrace(jaxpr: core.Jaxpr, consts, rule: EqnRule):
+def _retrace(jaxpr: core.Jaxpr, consts, rule: EqnRule, prologue=None, skip=0):
   def body(*args):
+    if prologue is not None:
+      prologue(args[skip:])
     return _eval(jaxpr, consts, args, rule)
 
   fun = lu.wrap_init(body, debug_info=jaxpr.debug_info)

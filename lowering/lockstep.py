@@ -5,17 +5,18 @@ remote DMAs, remote semaphore signals and the barrier semaphore, and issue
 those unconditionally (straight-line code and loops of static trip count),
 runs on every device as plain XLA: the kernel is discharged like on the
 fast path, and each remote operation becomes an exchange (``all_gather``
-over the shard_map's manual axes) at the point where every device issues
-it. No Python runs per operation, unlike in the threaded TPU simulator.
+over the mesh axes the kernel's device ids name) at the point where every
+device issues it. No Python runs per operation, unlike in the threaded TPU
+simulator.
 
 Faithfulness. A DMA lands when it starts: a valid order of events for a
 race-free kernel (races are the simulator's job: ``interpret=
-pltpu.InterpretParams(detect_races=True)``). A wait that finds its
-semaphore short would block on hardware; here the devices run in step, so
-the semaphore is poisoned (set to the most negative count, and no later
-signal lifts it) and the launch fails at the end with a ``DeadlockError``
-naming device and semaphore, instead of running on with missing data.
-Semaphores count elements as int16, as in Pallas' HLO interpreter.
+pltpu.InterpretParams(detect_races=True)``). Semaphores count bytes (DMA)
+and signals as int32, as on hardware. A wait that finds its semaphore short
+would block on hardware; here the devices run in step, so the semaphore is
+poisoned (set far below zero, and no later signal lifts it) and the launch
+fails at the end with a ``DeadlockError`` naming device and semaphore,
+instead of running on with missing data.
 """
 
 import functools
@@ -39,24 +40,28 @@ from mpmd._jax import (
   state_discharge,
   state_primitives,
   state_types,
+  tpu,
   tree_util,
 )
 from mpmd.lowering import jaxpr_util, paths, watchdog
 from mpmd.primitives import mpmd_map as prim
 
-_POISON = int(jnp.iinfo(pallas_core.SEMAPHORE_INTERPRET_DTYPE).min)
-_MAX_COUNT = int(pallas_core.SEMAPHORE_MAX_VALUE)
+# Far below any count a kernel reaches, and far from wrapping around.
+_POISON = -(1 << 30)
 # Nesting under which devices may disagree on whether (or how often) an
 # operation runs: an exchange there would leave the others waiting.
 _DIVERGENT = ("cond", "while")
+_MESH = pallas_primitives.DeviceIdType.MESH
 
 
 def manual_axes(axis_context: Any) -> tuple[Any, ...]:
-  """The enclosing shard_map's manual axes, in mesh order (() if none)."""
+  """The mesh axes of the enclosing shard_map, in mesh order, if it is
+  manual over all of them (() otherwise: callbacks, which report deadlocks,
+  need a fully manual shard_map)."""
   if not isinstance(axis_context, sharding_impls.SPMDAxisContext):
     return ()
-  manual = axis_context.manual_axes
-  return tuple(a for a in axis_context.mesh.axis_names if a in manual)
+  names = tuple(axis_context.mesh.axis_names)
+  return names if set(names) <= set(axis_context.manual_axes) else ()
 
 
 def _remote_target(eqn) -> Any:
@@ -70,73 +75,123 @@ def _remote_target(eqn) -> Any:
   return None
 
 
+def exchange_axes(jaxpr: core.Jaxpr, axes: tuple[Any, ...]) -> tuple[Any, ...]:
+  """The mesh axes the kernel's remote operations name, in mesh order.
+
+  Devices that differ along other axes never exchange, so they need not
+  reach the same exchanges (a launch under a condition on another axis).
+  """
+  named = set()
+  for eqn in jaxpr_util.iter_eqns(jaxpr):
+    target = _remote_target(eqn)
+    if isinstance(target, dict):
+      named |= set(target)
+    elif target is not None:
+      named |= set(axes)
+  return tuple(a for a in axes if a in named) or axes
+
+
 def why_not(
   jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any], axes: tuple[Any, ...]
 ) -> str | None:
-  """Why a synchronising kernel cannot run in lockstep (None if it can)."""
+  """Why a synchronising kernel cannot run in lockstep (None if it can).
+
+  ``axes``: the mesh axes of the enclosing shard_map (``manual_axes``).
+  """
   if not axes:
-    return "it is not inside jax.shard_map (no devices to exchange with)"
+    return (
+      "it is not inside a jax.shard_map manual over every mesh axis (no "
+      "devices to exchange with)"
+    )
   if len(meshes) != 1 or math.prod(meshes[0].shape.values()) != 1:
     return "it runs several programs per device"
 
-  def walk(jaxpr, enclosing):
+  def walk(jaxpr, enclosing, scoped_semaphores):
     for eqn in jaxpr.eqns:
       name = eqn.primitive.name
-      if name == "get_barrier_semaphore" and enclosing is not None:
-        return f"it takes the barrier semaphore inside {enclosing}"
+      if name == "get_barrier_semaphore" and enclosing:
+        return f"it takes the barrier semaphore inside {enclosing[-1]}"
+      if name == "semaphore_read" and "while" in enclosing:
+        return "it reads a semaphore inside a while loop (it may spin)"
       if name == "semaphore_signal":
         *_, core_index = eqn.params["args_tree"].unflatten(eqn.invars)
         if core_index is not None:
           return "it signals another core's semaphore"
-      if name == "dma_start" and eqn.params["add"]:
-        target = _remote_target(eqn)
-        if target is not None:
-          return "it issues an accumulating remote DMA"
       target = _remote_target(eqn)
       if target is not None:
-        if enclosing in _DIVERGENT:
-          return f"it issues a remote {name} inside {enclosing}"
+        if eqn.params["device_id_type"] is not _MESH:
+          return f"a remote {name} names its device by a LOGICAL id"
+        if name == "dma_start" and eqn.params["add"]:
+          return "it issues an accumulating remote DMA"
+        divergent = [e for e in enclosing if e in _DIVERGENT]
+        if divergent:
+          return f"it issues a remote {name} inside {divergent[-1]}"
+        if scoped_semaphores:
+          return (
+            f"it issues a remote {name} inside pl.run_scoped with "
+            "semaphores (their counts are not checked at the end)"
+          )
         if isinstance(target, dict):
           foreign = [a for a in target if a not in axes]
           if foreign:
             return (
-              f"a remote {name} names axes {foreign} that are not manual "
-              f"axes {axes} of the enclosing shard_map"
+              f"a remote {name} names axes {foreign} that are not axes "
+              f"{axes} of the enclosing shard_map"
             )
         elif len(axes) != 1:
           return f"a remote {name} names its device by a flat id"
+      scoped = scoped_semaphores or (
+        name == "run_scoped"
+        and any(paths.is_semaphore(v.aval) for v in eqn.params["jaxpr"].invars)
+      )
       for sub in jaxpr_util.sub_jaxprs(eqn.params):
-        inner = enclosing if enclosing in _DIVERGENT else name
-        reason = walk(sub, inner)
+        reason = walk(sub, (*enclosing, name), scoped)
         if reason is not None:
           return reason
     return None
 
-  return walk(jaxprs[0], None)
+  return walk(jaxprs[0], (), False)
 
 
-# -- semaphores that stay poisoned once a wait found them short ---------------
+# -- semaphores (int32 refs) that stay poisoned once a wait found them short --
 
 
 def _signal(sem: Any, inc: Any) -> None:
   """Adds ``inc`` to a semaphore, unless it is poisoned (negative)."""
-  before = pallas_primitives.semaphore_read(sem)
-  pallas_primitives.semaphore_signal(sem, jnp.where(before < 0, 0, inc))
+  before = state_primitives.ref_get(sem, None)
+  inc = jnp.asarray(inc, jnp.int32)
+  state_primitives.ref_set(
+    sem, None, jnp.where(before < 0, before, before + inc)
+  )
 
 
 def _wait(sem: Any, value: Any, decrement: bool = True) -> None:
   """Takes ``value`` from a semaphore, or poisons it if it holds less."""
-  before = pallas_primitives.semaphore_read(sem).astype(jnp.int32)
+  before = state_primitives.ref_get(sem, None)
   value = jnp.asarray(value, jnp.int32)
   after = before - value if decrement else before
-  new = jnp.where(before < value, _POISON, after)
-  # int16 arithmetic wraps, so this lands exactly on ``new``.
-  pallas_primitives.semaphore_signal(sem, new - before)
+  state_primitives.ref_set(sem, None, jnp.where(before < value, _POISON, after))
 
 
-def _count(ref: Any) -> int:
-  """What a DMA of ``ref``'s shape adds to its semaphores."""
-  return min(math.prod(ref.shape), _MAX_COUNT)
+def _bytes(ref: Any) -> int:
+  """What a DMA of ``ref``'s shape adds to its semaphores (bytes, as on
+  hardware and in the simulator)."""
+  return math.prod(ref.shape) * np.dtype(ref.dtype).itemsize
+
+
+def _widen(aval: Any) -> Any:
+  """Semaphore counts as int32 (Pallas' interpreters use int16)."""
+  if (
+    isinstance(aval, state_types.AbstractRef)
+    and aval.memory_space == _SEMAPHORE_SPACE()
+    and aval.inner_aval.dtype == pallas_core.SEMAPHORE_INTERPRET_DTYPE
+  ):
+    return aval.update(inner_aval=aval.inner_aval.update(dtype=jnp.int32))
+  return aval
+
+
+def _SEMAPHORE_SPACE():
+  return tpu().core.MemorySpace.SEMAPHORE
 
 
 def _with_transforms(ref: Any, transforms: Any) -> Any:
@@ -152,10 +207,12 @@ def _split(ref: Any) -> tuple[Any, tuple[Any, ...]]:
 
 
 class _Devices:
-  """The devices a kernel exchanges with: the shard_map's manual axes."""
+  """The devices a kernel exchanges with: those differing along the axes
+  its device ids name (``exchange_axes``)."""
 
-  def __init__(self, axes: tuple[Any, ...], sizes: dict[Any, int]):
-    self.axes = axes
+  def __init__(self, axes, sizes: dict[Any, int], all_axes):
+    self.axes = axes  # those the kernel exchanges along
+    self.all_axes = all_axes  # every axis of the shard_map
     self.sizes = tuple(sizes[a] for a in axes)
 
   @property
@@ -177,6 +234,13 @@ class _Devices:
   def me(self) -> Any:
     return self.flat({})
 
+  def shift(self, k: int, tree: Any) -> Any:
+    """``tree`` of the device ``k`` flat positions back (a ring shift)."""
+    if k == 0:
+      return tree
+    perm = [(i, (i + k) % self.count) for i in range(self.count)]
+    return tree_util.tree_map(lambda x: lax.ppermute(x, self.axes, perm), tree)
+
   def gather(self, tree: Any) -> Any:
     """Every device's ``tree``, stacked; static leaves are shared."""
     return tree_util.tree_map(
@@ -185,7 +249,8 @@ class _Devices:
 
 
 def _traced(x: Any) -> bool:
-  return isinstance(x, core.Tracer)
+  # Python ints (static indices) are the same on every device.
+  return not isinstance(x, int)
 
 
 def _pick(leaves: list[Any], gathered: list[Any], j: int) -> list[Any]:
@@ -195,24 +260,50 @@ def _pick(leaves: list[Any], gathered: list[Any], j: int) -> list[Any]:
 
 
 def _remote_copy(devices: _Devices, src, dst, dst_sem, src_sem, device_id):
+  """A remote DMA, landed on its target in step with every device.
+
+  When every device of the mesh sends the same number of positions along
+  the ring of flat indices (a ring shift, the common case) the data moves
+  with one ``ppermute``; otherwise every device's data is gathered and each
+  device lands what was sent to it (several senders may target one device).
+  """
   data = state_primitives.ref_get(src, None)
-  _signal(src_sem, _count(src))
+  _signal(src_sem, _bytes(src))
   dst_ref, dst_transforms = _split(dst)
   sem_ref, sem_transforms = _split(dst_sem)
   leaves, tree = tree_util.tree_flatten((dst_transforms, sem_transforms))
-  data_all, target_all, leaves_all = devices.gather(
-    (data, devices.flat(device_id), leaves)
-  )
-  me = devices.me()
-  for j in range(devices.count):
-    dst_t, sem_t = tree_util.tree_unflatten(tree, _pick(leaves, leaves_all, j))
+  moving = [x for x in leaves if _traced(x)]  # the sender's dynamic indices
 
-    def land(j=j, dst_t=dst_t, sem_t=sem_t):
-      dst_j = _with_transforms(dst_ref, dst_t)
-      state_primitives.ref_set(dst_j, None, data_all[j])
-      _signal(_with_transforms(sem_ref, sem_t), _count(dst))
+  def land(value, moved):
+    moved = iter(moved)
+    picked = [next(moved) if _traced(x) else x for x in leaves]
+    dst_t, sem_t = tree_util.tree_unflatten(tree, picked)
+    state_primitives.ref_set(_with_transforms(dst_ref, dst_t), None, value)
+    _signal(_with_transforms(sem_ref, sem_t), _bytes(dst))
 
-    lax.cond(target_all[j] == me, land, lambda: None)
+  count, me, target = devices.count, devices.me(), devices.flat(device_id)
+
+  def shifted(k):
+    return lambda: land(*devices.shift(k, (data, moving)))
+
+  def gathered():
+    data_all, target_all, moving_all = devices.gather((data, target, moving))
+    for j in range(count):
+      lax.cond(
+        target_all[j] == me,
+        lambda j=j: land(data_all[j], [m[j] for m in moving_all]),
+        lambda: None,
+      )
+
+  if devices.axes != devices.all_axes:
+    # XLA's collective permute waits for every device of the mesh, but only
+    # the devices of this ring are sure to be here.
+    gathered()
+    return
+  offsets = devices.gather(lax.rem(target - me + count, count))
+  uniform = jnp.all(offsets == offsets[0])
+  branch = jnp.where(uniform, offsets[0], count)
+  lax.switch(branch, [*map(shifted, range(count)), gathered])
 
 
 def _remote_signal(devices: _Devices, sem, transforms, inc, device_id):
@@ -249,13 +340,13 @@ def _rule(devices: _Devices, barrier: tuple[Any, ...]):
       if eqn.params["add"]:
         data = data + state_primitives.ref_get(dst, None)
       state_primitives.ref_set(dst, None, data)
-      _signal(dst_sem, _count(dst))
+      _signal(dst_sem, _bytes(dst))
       return []
     if name == "dma_wait":
       # wait_send binds this with source and destination swapped, so the
       # semaphore and the buffer it counts are always the 2nd and 3rd.
       _, dst, dst_sem, _, _ = eqn.params["tree"].unflatten(invals)
-      _wait(dst_sem, _count(dst))
+      _wait(dst_sem, _bytes(dst))
       return []
     if name == "semaphore_signal":
       sem, transforms, inc, device_id, _ = eqn.params["args_tree"].unflatten(
@@ -272,9 +363,35 @@ def _rule(devices: _Devices, barrier: tuple[Any, ...]):
       )
       _wait(_with_transforms(sem, transforms), value, decrement)
       return []
+    if name == "semaphore_read":
+      sem, transforms = eqn.params["args_tree"].unflatten(invals)
+      value = state_primitives.ref_get(_with_transforms(sem, transforms), None)
+      return [value.astype(eqn.outvars[0].aval.dtype)]
+    if name == "run_scoped":
+      body = jaxpr_util.rewrite_scope(
+        eqn.params["jaxpr"], rule, _zero_semaphores
+      )
+      params = eqn.primitive.get_bind_params({**eqn.params, "jaxpr": body})
+      return eqn.primitive.bind(*invals, **params)
     return None
 
   return rule
+
+
+def _zero_semaphores(refs: tuple[Any, ...]) -> None:
+  """Scoped semaphores start at zero (Pallas' interpreters would fill int32
+  scratch with a sentinel)."""
+  for ref in refs:
+    if _is_count(ref.aval):
+      state_primitives.ref_set(ref, None, jnp.zeros(ref.shape, jnp.int32))
+
+
+def _is_count(aval: Any) -> bool:
+  """A semaphore after ``_widen``: an int32 Ref in semaphore memory."""
+  return (
+    isinstance(aval, state_types.AbstractRef)
+    and aval.memory_space == _SEMAPHORE_SPACE()
+  )
 
 
 def _barrier_avals(jaxpr: core.Jaxpr) -> list[Any]:
@@ -305,7 +422,7 @@ def lower(
   [mesh] = params["meshes"]
   num_in, num_out = len(in_nodes), len(params["out_avals"])
   sizes = dict(ctx.module_context.axis_context.mesh.shape)
-  devices = _Devices(axes, sizes)
+  devices = _Devices(exchange_axes(kernel, axes), sizes, axes)
   jaxpr = kernel
   barrier_avals = _barrier_avals(jaxpr)
   with prim.tracing_context(mesh, params["meshes"]):
@@ -315,9 +432,10 @@ def lower(
     jaxpr, consts = hlo_interpreter.resolve_physical_types(jaxpr, ())
     if consts:
       raise NotImplementedError("mpmd_map: kernel captured constants")
+    jaxpr = jaxpr_util.map_avals(jaxpr, _widen)
     jaxpr = jaxpr_util.rewrite_with_inputs(
       jaxpr,
-      [_physical(a) for a in barrier_avals],
+      [_widen(_physical(a)) for a in barrier_avals],
       functools.partial(_rule, devices),
     )
     program = state_discharge.discharge_state(core.ClosedJaxpr(jaxpr, ()))
@@ -368,17 +486,20 @@ def _run(
   names,
   devices,
 ):
-  def fresh(aval):
-    return pallas_primitives.uninitialized_value(aval.shape, aval.dtype)
-
   avals = [v.aval for v in program.jaxpr.invars]
+
+  def fresh(k):
+    if k in semaphores:
+      return jnp.zeros(avals[k].shape, avals[k].dtype)
+    return pallas_primitives.uninitialized_value(avals[k].shape, avals[k].dtype)
+
   operands = [
     *args,
     *(
-      args[out_sources[o]] if o in out_sources else fresh(avals[num_in + o])
+      args[out_sources[o]] if o in out_sources else fresh(num_in + o)
       for o in range(num_out)
     ),
-    *map(fresh, avals[num_in + num_out :]),
+    *map(fresh, range(num_in + num_out, len(avals))),
   ]
   # The discharged program returns the final value of each Ref operand.
   updated = iter(core.eval_jaxpr(program.jaxpr, program.consts, *operands))
@@ -388,24 +509,24 @@ def _run(
   if semaphores:
     # Device 0 reports for all: one error per launch, not one per device.
     short = jnp.stack([jnp.any(final[k] < 0) for k in semaphores])
+    coords = jnp.stack([lax.axis_index(a) for a in devices.all_axes])
     callback.io_callback(
-      functools.partial(_raise_if_short, names, devices),
+      functools.partial(_raise_if_short, names, devices.all_axes),
       None,
       devices.me(),
-      devices.gather(short),
+      devices.gather((short, coords)),
     )
   return final[num_in : num_in + num_out]
 
 
-def _raise_if_short(names, devices: _Devices, me, short) -> None:
-  short = np.asarray(short)
+def _raise_if_short(names, axes, me, gathered) -> None:
+  short, coords = (np.asarray(x) for x in gathered)
   if int(me) != 0 or not short.any():
     return
   lines = []
-  for flat, row in enumerate(short):
-    coords = np.unravel_index(flat, devices.sizes)
+  for row, device in zip(short, coords, strict=True):
     where = ", ".join(
-      f"{a}={int(c)}" for a, c in zip(devices.axes, coords, strict=True)
+      f"{a}={int(c)}" for a, c in zip(axes, device, strict=True)
     )
     waited = [name for name, s in zip(names, row, strict=True) if s]
     if waited:

@@ -264,3 +264,152 @@ def test_a_remote_dma_under_a_condition_goes_to_the_simulator(capsys):
   assert "tpu-simulator path" in printed
   assert "remote dma_start inside cond" in printed
   np.testing.assert_array_equal(out, jnp.roll(x, ROWS[0], axis=0))
+
+
+def test_pending_dmas_beyond_int16_counts():
+  """Two DMAs of 64 KiB each pending on one semaphore (Pallas' int16 counts
+  would wrap): semaphores count bytes in int32."""
+  n, half = 2, 128
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
+    copies = [
+      pltpu.make_async_remote_copy(
+        x_hbm.at[pl.ds(i * half, half)],
+        o_hbm.at[pl.ds(i * half, half)],
+        send,
+        recv,
+        device_id={"x": right},
+        device_id_type=MESH_ID,
+      )
+      for i in range(2)
+    ]
+    for copy in copies:
+      copy.start()
+    for copy in copies:
+      copy.wait()
+
+  def per_device(x):
+    sems = [pltpu.SemaphoreType.DMA(())] * 2
+    return _launch(kernel, (2 * half, 128), sems)(x)
+
+  x = _rows(mesh, P("x"), (2 * half, 128))
+  out = _sharded(mesh, P("x"), per_device)(x)
+  np.testing.assert_array_equal(out, jnp.roll(x, 2 * half, axis=0))
+
+
+def test_scoped_local_semaphores_run_in_lockstep(capsys):
+  """emit_pipeline-style scoped DMA semaphores next to a remote DMA."""
+  n = 4
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+
+  def kernel(x_hbm, o_hbm, send, recv, buf):
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
+    copy = pltpu.make_async_remote_copy(
+      x_hbm, o_hbm, send, recv, device_id={"x": right}, device_id_type=MESH_ID
+    )
+    copy.start()
+    copy.wait()
+
+    def scoped(sem):
+      load = pltpu.make_async_copy(o_hbm, buf, sem)
+      load.start()
+      load.wait()
+      buf[...] = buf[...] * 2.0
+      store = pltpu.make_async_copy(buf, o_hbm, sem)
+      store.start()
+      store.wait()
+
+    pl.run_scoped(scoped, pltpu.SemaphoreType.DMA(()))
+
+  def per_device(x):
+    scratch = [pltpu.SemaphoreType.DMA(())] * 2 + [pltpu.VMEM(ROWS, x.dtype)]
+    return _launch(kernel, ROWS, scratch, debug=True)(x)
+
+  x = _rows(mesh, P("x"))
+  out = _sharded(mesh, P("x"), per_device)(x)
+  assert "lockstep path" in capsys.readouterr().out
+  np.testing.assert_array_equal(out, 2.0 * jnp.roll(x, ROWS[0], axis=0))
+
+
+def test_remote_dma_with_scoped_semaphores_goes_to_the_simulator(capsys):
+  """Scoped semaphores vanish before the end-of-launch check."""
+  n = 2
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+
+  def kernel(x_hbm, o_hbm):
+    def scoped(send, recv):
+      right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
+      copy = pltpu.make_async_remote_copy(
+        x_hbm, o_hbm, send, recv, device_id={"x": right}, device_id_type=MESH_ID
+      )
+      copy.start()
+      copy.wait()
+
+    pl.run_scoped(scoped, *[pltpu.SemaphoreType.DMA(())] * 2)
+
+  def per_device(x):
+    return _launch(kernel, ROWS, [], debug=True)(x)
+
+  x = _rows(mesh, P("x"))
+  with mpmd.deadlock_timeout(60.0):
+    out = _sharded(mesh, P("x"), per_device)(x)
+  assert "inside pl.run_scoped with semaphores" in capsys.readouterr().out
+  np.testing.assert_array_equal(out, jnp.roll(x, ROWS[0], axis=0))
+
+
+def test_device_ids_naming_both_axes_of_a_2d_mesh():
+  """A transpose of a 2x2 device grid: each device sends to (y, x)."""
+  mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4])
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    x, y = jax.lax.axis_index("x"), jax.lax.axis_index("y")
+    copy = pltpu.make_async_remote_copy(
+      x_hbm,
+      o_hbm,
+      send,
+      recv,
+      device_id={"x": y, "y": x},
+      device_id_type=MESH_ID,
+    )
+    copy.start()
+    copy.wait()
+
+  def per_device(x):
+    return _launch(kernel, ROWS, [pltpu.SemaphoreType.DMA(())] * 2)(x)
+
+  spec = P(("x", "y"))
+  x = _rows(mesh, spec)
+  out = _sharded(mesh, spec, per_device)(x)
+  blocks = np.asarray(x).reshape(2, 2, *ROWS)
+  np.testing.assert_array_equal(
+    out, blocks.transpose(1, 0, 2, 3).reshape(x.shape)
+  )
+
+
+def test_a_launch_under_a_condition_on_another_axis():
+  """Rings along y, launched only on the x=0 row: devices exchange along
+  the axes their device ids name, so the x=1 row is not waited for."""
+  mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4])
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    right = jax.lax.rem(jax.lax.axis_index("y") + 1, 2)
+    copy = pltpu.make_async_remote_copy(
+      x_hbm, o_hbm, send, recv, device_id={"y": right}, device_id_type=MESH_ID
+    )
+    copy.start()
+    copy.wait()
+
+  def launch(x):
+    return _launch(kernel, ROWS, [pltpu.SemaphoreType.DMA(())] * 2)(x)
+
+  def per_device(x):
+    return jax.lax.cond(jax.lax.axis_index("x") == 0, launch, lambda x: x, x)
+
+  spec = P(("x", "y"))
+  x = _rows(mesh, spec)
+  out = np.asarray(_sharded(mesh, spec, per_device)(x)).reshape(2, 2, *ROWS)
+  blocks = np.asarray(x).reshape(2, 2, *ROWS)
+  np.testing.assert_array_equal(out[0], blocks[0, ::-1])
+  np.testing.assert_array_equal(out[1], blocks[1])
