@@ -509,21 +509,32 @@ def _matmul(
 
     dst_tile = (pl.ds(i * bn, bn), pl.ds(j * bm, bm))
 
-    @pl.when(kk == 0)
-    def _():
-      if init is None:
-        bufs.acc[...] = jnp.zeros(bufs.acc.shape, jnp.float32)
-      else:
+    if init is not None:
+
+      @pl.when(kk == 0)
+      def _():
         pltpu.sync_copy(init.at[dst_tile], bufs.acc)
 
     for c in copies(t, slot):
       c.wait()
-    bufs.acc[...] += jnp.dot(
+    product = jnp.dot(
       bufs.lhs[slot],
       bufs.rhs[slot],
       preferred_element_type=jnp.float32,
       precision=precision,
     )
+    if init is None:
+      # The first K tile sets the accumulator: no zeroing pass.
+      @pl.when(kk == 0)
+      def _():
+        bufs.acc[...] = product
+
+      @pl.when(kk > 0)
+      def _():
+        bufs.acc[...] += product
+
+    else:
+      bufs.acc[...] += product
 
     @pl.when(kk == nk - 1)
     def _():

@@ -4,6 +4,7 @@ import functools
 import math
 
 import jax.numpy as jnp
+from jax import lax
 
 from mpmd._jax import (
   callback,
@@ -190,8 +191,14 @@ def _run_unrolled(
       )
     )
   if semaphores:
-    callback.io_callback(
-      functools.partial(_raise_if_stuck, labels), None, jnp.stack(stuck)
+    stuck = jnp.stack(stuck)
+    # Python runs only to raise: a callback per launch costs milliseconds.
+    lax.cond(
+      jnp.any(stuck),
+      lambda: callback.io_callback(
+        functools.partial(_raise_if_stuck, labels), None, stuck
+      ),
+      lambda: None,
     )
   return outs
 

@@ -242,10 +242,25 @@ class _Devices:
     return tree_util.tree_map(lambda x: lax.ppermute(x, self.axes, perm), tree)
 
   def gather(self, tree: Any) -> Any:
-    """Every device's ``tree``, stacked; static leaves are shared."""
-    return tree_util.tree_map(
-      lambda x: lax.all_gather(x, self.axes) if _traced(x) else None, tree
-    )
+    """Every device's ``tree``, stacked (None for static leaves, which every
+    device shares). Integer scalars travel together in one collective: each
+    collective is a rendezvous of every device."""
+    leaves, treedef = tree_util.tree_flatten(tree)
+    out = [None] * len(leaves)
+    scalars = []
+    for i, x in enumerate(leaves):
+      if not _traced(x):
+        continue
+      if jnp.ndim(x) == 0 and jnp.issubdtype(jnp.result_type(x), jnp.integer):
+        scalars.append(i)
+      else:
+        out[i] = lax.all_gather(x, self.axes)
+    if scalars:
+      packed = jnp.stack([jnp.asarray(leaves[i], jnp.int32) for i in scalars])
+      packed = lax.all_gather(packed, self.axes)
+      for column, i in enumerate(scalars):
+        out[i] = packed[:, column].astype(jnp.result_type(leaves[i]))
+    return tree_util.tree_unflatten(treedef, out)
 
 
 def _traced(x: Any) -> bool:
@@ -282,12 +297,18 @@ def _remote_copy(devices: _Devices, src, dst, dst_sem, src_sem, device_id):
     _signal(_with_transforms(sem_ref, sem_t), _bytes(dst))
 
   count, me, target = devices.count, devices.me(), devices.flat(device_id)
+  # One rendezvous for every device's index, target and dynamic indices.
+  me_all, target_all, moving_all = devices.gather((me, target, moving))
 
   def shifted(k):
-    return lambda: land(*devices.shift(k, (data, moving)))
+    def branch():
+      sender = jnp.argmax(me_all == lax.rem(me - k + count, count))
+      land(devices.shift(k, data), [m[sender] for m in moving_all])
+
+    return branch
 
   def gathered():
-    data_all, target_all, moving_all = devices.gather((data, target, moving))
+    data_all = devices.gather(data)
     for j in range(count):
       lax.cond(
         target_all[j] == me,
@@ -300,7 +321,7 @@ def _remote_copy(devices: _Devices, src, dst, dst_sem, src_sem, device_id):
     # the devices of this ring are sure to be here.
     gathered()
     return
-  offsets = devices.gather(lax.rem(target - me + count, count))
+  offsets = lax.rem(target_all - me_all + count, count)
   uniform = jnp.all(offsets == offsets[0])
   branch = jnp.where(uniform, offsets[0], count)
   lax.switch(branch, [*map(shifted, range(count)), gathered])
@@ -507,22 +528,28 @@ def _run(
     next(updated) if r else x for x, r in zip(operands, is_ref, strict=True)
   ]
   if semaphores:
-    # Device 0 reports for all: one error per launch, not one per device.
     short = jnp.stack([jnp.any(final[k] < 0) for k in semaphores])
-    coords = jnp.stack([lax.axis_index(a) for a in devices.all_axes])
-    callback.io_callback(
-      functools.partial(_raise_if_short, names, devices.all_axes),
-      None,
-      devices.me(),
-      devices.gather((short, coords)),
+    coords = [lax.axis_index(a) for a in devices.all_axes]
+    report = jnp.stack([*coords, *short.astype(jnp.int32)])
+    reports = lax.all_gather(report, devices.axes)
+    # Python runs only to raise (a callback per device and launch would
+    # cost more than a ring step), and on one device: one error per launch.
+    stuck = jnp.any(reports[:, len(coords) :] != 0)
+    lax.cond(
+      jnp.logical_and(stuck, devices.me() == 0),
+      lambda: callback.io_callback(
+        functools.partial(_raise_if_short, names, devices.all_axes),
+        None,
+        reports,
+      ),
+      lambda: None,
     )
   return final[num_in : num_in + num_out]
 
 
-def _raise_if_short(names, axes, me, gathered) -> None:
-  short, coords = (np.asarray(x) for x in gathered)
-  if int(me) != 0 or not short.any():
-    return
+def _raise_if_short(names, axes, reports) -> None:
+  reports = np.asarray(reports)
+  coords, short = reports[:, : len(axes)], reports[:, len(axes) :]
   lines = []
   for row, device in zip(short, coords, strict=True):
     where = ", ".join(
