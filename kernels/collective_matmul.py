@@ -457,6 +457,7 @@ def _matmul(
   cols: tuple[Any, int],
   k: int,
   init: Any | None,
+  acc: Any | None = None,
 ) -> None:
   """``dst = init + lhs[rows, lhs_cols:+k] @ rhs[rhs_rows:+k, cols]``.
 
@@ -465,7 +466,9 @@ def _matmul(
   ``lhs`` rows / ``rhs`` columns, and the same region's shape is written to
   ``dst[0:size_rows, 0:size_cols]`` (``dst`` and ``init`` are region-sized).
   ``init=None`` means zero. Tiles stream through VMEM, the next pair of
-  operand tiles loading while the current pair multiplies.
+  operand tiles loading while the current pair multiplies. ``dst=None``
+  leaves a one-tile region's result in ``acc`` (VMEM, f32; default: the
+  buffers' accumulator).
   """
   _, bn, bk = bufs.lhs.shape
   _, _, bm = bufs.rhs.shape
@@ -475,6 +478,8 @@ def _matmul(
   ni, nj = nrows // bn, ncols // bm
   num_tiles = ni * nj * nk
   precision = _dot_precision(bufs.lhs.dtype)
+  acc = bufs.acc if acc is None else acc
+  assert dst is not None or ni * nj == 1, "only one tile stays on chip"
 
   def tile_coords(t):
     kk = lax.rem(t, nk)
@@ -513,7 +518,7 @@ def _matmul(
 
       @pl.when(kk == 0)
       def _():
-        pltpu.sync_copy(init.at[dst_tile], bufs.acc)
+        pltpu.sync_copy(init.at[dst_tile], acc)
 
     for c in copies(t, slot):
       c.wait()
@@ -527,22 +532,24 @@ def _matmul(
       # The first K tile sets the accumulator: no zeroing pass.
       @pl.when(kk == 0)
       def _():
-        bufs.acc[...] = product
+        acc[...] = product
 
       @pl.when(kk > 0)
       def _():
-        bufs.acc[...] += product
+        acc[...] += product
 
     else:
-      bufs.acc[...] += product
+      acc[...] += product
 
-    @pl.when(kk == nk - 1)
-    def _():
-      if dst.dtype == jnp.float32:
-        pltpu.sync_copy(bufs.acc, dst.at[dst_tile])
-      else:
-        bufs.out[...] = bufs.acc[...].astype(bufs.out.dtype)
-        pltpu.sync_copy(bufs.out, dst.at[dst_tile])
+    if dst is not None:
+
+      @pl.when(kk == nk - 1)
+      def _():
+        if dst.dtype == jnp.float32:
+          pltpu.sync_copy(acc, dst.at[dst_tile])
+        else:
+          bufs.out[...] = acc[...].astype(bufs.out.dtype)
+          pltpu.sync_copy(bufs.out, dst.at[dst_tile])
 
     return carry
 
@@ -570,6 +577,18 @@ def _add(bufs: _TileBuffers, a: Any, b: Any, dst: Any) -> None:
     return carry
 
   lax.fori_loop(0, ni * nj, tile, 0)
+
+
+def _add_to_held(bufs: _TileBuffers, held: Any, b: Any, dst: Any) -> None:
+  """``dst = held + b``: ``held`` a one-tile f32 region in VMEM (see
+  ``_matmul(dst=None)``), ``b`` and ``dst`` HBM refs of its shape."""
+  pltpu.sync_copy(b, bufs.extra)
+  if dst.dtype == jnp.float32:
+    held[...] += bufs.extra[...]
+    pltpu.sync_copy(held, dst)
+  else:
+    bufs.out[...] = (held[...] + bufs.extra[...]).astype(dst.dtype)
+    pltpu.sync_copy(bufs.out, dst)
 
 
 def _remote_copy(src: Any, dst: Any, send_sem: Any, recv_sem: Any, device_id):
@@ -972,11 +991,15 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
   slots = min(config.buffering, max(num - 1, 1))
   last = num - 2
 
+  # A region of one tile keeps each step's partial product on chip until
+  # the running sum it joins arrives; larger ones park it in HBM.
+  on_chip = region == (bn, bm)
   outs: dict[str, Any] = {"out": _out_type(block, out_dtype, (lhs, rhs), ring)}
   f32 = jnp.float32
   for st in streams:
     operands = (lhs, rhs)
-    outs[f"part_{st.tag}"] = _out_type(region, f32, operands, ring)
+    if not on_chip:
+      outs[f"part_{st.tag}"] = _out_type(region, f32, operands, ring)
     outs[f"send_buf_{st.tag}"] = _out_type((2, *region), f32, operands, ring)
     outs[f"slots_{st.tag}"] = _out_type((slots, *region), f32, operands, ring)
   scratch = _ring_scratch(
@@ -986,6 +1009,9 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
     streams,
     slots,
   )
+  if on_chip:
+    for st in streams:
+      scratch[f"held_{st.tag}"] = pltpu.VMEM(region, f32)
   names = (*outs, *scratch)
 
   def body(*refs):
@@ -1001,7 +1027,7 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
         return out_ref.at[:, pl.ds(st.start, st.size)]
       return out_ref.at[pl.ds(st.start, st.size)]
 
-    def partial_product(st, block_index, dst):
+    def partial_product(st, block_index, dst, acc=None):
       if dim == 0:
         rows = (block_index * block[0], block[0])
         cols = (st.start, st.size)
@@ -1019,6 +1045,7 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
         cols=cols,
         k=k,
         init=None,
+        acc=acc,
       )
 
     if not streams:
@@ -1053,8 +1080,12 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
       # after the remaining num - 1 - s hops.
       for st in streams:
         block_index = coords.device_at(-st.offset * (1 + s))
-        dst = r[f"send_buf_{st.tag}"].at[0] if s == 0 else r[f"part_{st.tag}"]
-        partial_product(st, block_index, dst)
+        if s == 0:
+          partial_product(st, block_index, r[f"send_buf_{st.tag}"].at[0])
+        elif on_chip:
+          partial_product(st, block_index, None, acc=r[f"held_{st.tag}"])
+        else:
+          partial_product(st, block_index, r[f"part_{st.tag}"])
       if s >= 1:
         for st in streams:
           incoming = transfer(st, s - 1)
@@ -1064,12 +1095,11 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
             if s == num - 1
             else r[f"send_buf_{st.tag}"].at[s % 2]
           )
-          _add(
-            bufs,
-            r[f"part_{st.tag}"],
-            r[f"slots_{st.tag}"].at[(s - 1) % slots],
-            dst,
-          )
+          arrived = r[f"slots_{st.tag}"].at[(s - 1) % slots]
+          if on_chip:
+            _add_to_held(bufs, r[f"held_{st.tag}"], arrived, dst)
+          else:
+            _add(bufs, r[f"part_{st.tag}"], arrived, dst)
           if (s - 1) + slots <= last:
             pl.semaphore_signal(
               r[f"cap_{st.tag}"],
