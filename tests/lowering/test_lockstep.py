@@ -47,6 +47,20 @@ def _rows(mesh, spec, shape=ROWS):
   return jax.device_put(x, NamedSharding(mesh, spec))
 
 
+def _shift_along(axis: str, size: int):
+  """Each device sends its block to the next one along ``axis``."""
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    right = jax.lax.rem(jax.lax.axis_index(axis) + 1, size)
+    copy = pltpu.make_async_remote_copy(
+      x_hbm, o_hbm, send, recv, device_id={axis: right}, device_id_type=MESH_ID
+    )
+    copy.start()
+    copy.wait()
+
+  return kernel
+
+
 def _ring_sum(n, interpret=None, debug=False):
   """All-reduce around a ring: a fori_loop of remote DMAs, each step's
   buffer slot freed by a capacity signal, after a barrier handshake."""
@@ -175,13 +189,7 @@ def test_every_device_sends_to_device_zero(form):
 def test_rows_of_a_2d_mesh_are_independent_rings():
   mesh = jax.make_mesh((2, 4), ("x", "y"))
 
-  def kernel(x_hbm, o_hbm, send, recv):
-    right = jax.lax.rem(jax.lax.axis_index("y") + 1, 4)
-    copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"y": right}, device_id_type=MESH_ID
-    )
-    copy.start()
-    copy.wait()
+  kernel = _shift_along("y", 4)
 
   def per_device(x):
     sems = [pltpu.SemaphoreType.DMA(())] * 2
@@ -393,13 +401,7 @@ def test_a_launch_under_a_condition_on_another_axis():
   the axes their device ids name, so the x=1 row is not waited for."""
   mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4])
 
-  def kernel(x_hbm, o_hbm, send, recv):
-    right = jax.lax.rem(jax.lax.axis_index("y") + 1, 2)
-    copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"y": right}, device_id_type=MESH_ID
-    )
-    copy.start()
-    copy.wait()
+  kernel = _shift_along("y", 2)
 
   def launch(x):
     return _launch(kernel, ROWS, [pltpu.SemaphoreType.DMA(())] * 2)(x)
