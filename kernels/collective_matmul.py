@@ -42,6 +42,9 @@ a slot, all around the ring.
 Memory. Operands, ring slots and accumulators stay in HBM; the local matmul
 of each step is a double-buffered pipeline of ``(block_n, block_k)`` x
 ``(block_k, block_m)`` tiles through VMEM, so no operand has to fit on chip.
+When a reduce-scatter region is a single tile, its partial sums stay on
+chip: computed into a VMEM send buffer, the arriving sum added in place, and
+sent from there.
 
 Rings. ``axis_name`` may name one mesh axis or several (their flattened
 index, in the order given, as ``jax.lax.all_gather`` does); on a 2-D mesh
@@ -579,13 +582,17 @@ def _add(bufs: _TileBuffers, a: Any, b: Any, dst: Any) -> None:
   lax.fori_loop(0, ni * nj, tile, 0)
 
 
-def _add_to_held(bufs: _TileBuffers, held: Any, b: Any, dst: Any) -> None:
+def _add_to_held(
+  bufs: _TileBuffers, held: Any, b: Any, dst: Any | None
+) -> None:
   """``dst = held + b``: ``held`` a one-tile f32 region in VMEM (see
-  ``_matmul(dst=None)``), ``b`` and ``dst`` HBM refs of its shape."""
+  ``_matmul(dst=None)``), ``b`` and ``dst`` HBM refs of its shape;
+  ``dst=None`` adds in place."""
   pltpu.sync_copy(b, bufs.extra)
-  if dst.dtype == jnp.float32:
+  if dst is None or dst.dtype == jnp.float32:
     held[...] += bufs.extra[...]
-    pltpu.sync_copy(held, dst)
+    if dst is not None:
+      pltpu.sync_copy(held, dst)
   else:
     bufs.out[...] = (held[...] + bufs.extra[...]).astype(dst.dtype)
     pltpu.sync_copy(bufs.out, dst)
@@ -991,8 +998,10 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
   slots = min(config.buffering, max(num - 1, 1))
   last = num - 2
 
-  # A region of one tile keeps each step's partial product on chip until
-  # the running sum it joins arrives; larger ones park it in HBM.
+  # A region of one tile stays on chip: each step's partial product is
+  # computed into a VMEM send buffer, the arriving running sum is added in
+  # place, and the remote DMA leaves from VMEM. Larger regions park the
+  # partial product and the send buffers in HBM.
   on_chip = region == (bn, bm)
   outs: dict[str, Any] = {"out": _out_type(block, out_dtype, (lhs, rhs), ring)}
   f32 = jnp.float32
@@ -1000,7 +1009,7 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
     operands = (lhs, rhs)
     if not on_chip:
       outs[f"part_{st.tag}"] = _out_type(region, f32, operands, ring)
-    outs[f"send_buf_{st.tag}"] = _out_type((2, *region), f32, operands, ring)
+      outs[f"send_buf_{st.tag}"] = _out_type((2, *region), f32, operands, ring)
     outs[f"slots_{st.tag}"] = _out_type((slots, *region), f32, operands, ring)
   scratch = _ring_scratch(
     _TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named(),
@@ -1011,7 +1020,7 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
   )
   if on_chip:
     for st in streams:
-      scratch[f"held_{st.tag}"] = pltpu.VMEM(region, f32)
+      scratch[f"send_buf_{st.tag}"] = pltpu.VMEM((2, *region), f32)
   names = (*outs, *scratch)
 
   def body(*refs):
@@ -1080,25 +1089,24 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
       # after the remaining num - 1 - s hops.
       for st in streams:
         block_index = coords.device_at(-st.offset * (1 + s))
-        if s == 0:
-          partial_product(st, block_index, r[f"send_buf_{st.tag}"].at[0])
-        elif on_chip:
-          partial_product(st, block_index, None, acc=r[f"held_{st.tag}"])
+        send_buf = r[f"send_buf_{st.tag}"].at[s % 2]
+        if on_chip:
+          partial_product(st, block_index, None, acc=send_buf)
+        elif s == 0:
+          partial_product(st, block_index, send_buf)
         else:
           partial_product(st, block_index, r[f"part_{st.tag}"])
       if s >= 1:
         for st in streams:
           incoming = transfer(st, s - 1)
           incoming.wait_recv()
-          dst = (
-            out_region(st)
-            if s == num - 1
-            else r[f"send_buf_{st.tag}"].at[s % 2]
-          )
+          send_buf = r[f"send_buf_{st.tag}"].at[s % 2]
           arrived = r[f"slots_{st.tag}"].at[(s - 1) % slots]
+          final = out_region(st) if s == num - 1 else None
           if on_chip:
-            _add_to_held(bufs, r[f"held_{st.tag}"], arrived, dst)
+            _add_to_held(bufs, send_buf, arrived, final)
           else:
+            dst = send_buf if final is None else final
             _add(bufs, r[f"part_{st.tag}"], arrived, dst)
           if (s - 1) + slots <= last:
             pl.semaphore_signal(
