@@ -1,12 +1,16 @@
-"""The CPU fallback's two paths on one kernel, against plain JAX.
+"""The CPU fallback's paths, each against plain JAX and the simulator.
 
 A sync-free kernel (each of 4 programs scales its rows and adds a bias, tile
-by tile) runs on the fast path (programs unrolled into one HLO program) and,
-forced with ``interpret=pltpu.InterpretParams()``, in the threaded TPU
-simulator. Ratios are measured side by side in one run, rounds interleaved:
+by tile) runs on the fast path (programs unrolled into one HLO program); a
+ring kernel under ``shard_map`` (each of 4 devices sends its block to the
+next with a remote DMA) runs on the lockstep path (the DMA an XLA
+collective). Both also run, forced with ``interpret=pltpu.InterpretParams()``,
+in the threaded TPU simulator. Ratios are measured side by side in one run,
+rounds interleaved:
 
-* fast path / plain jnp: the cost of running a kernel instead of XLA ops;
-* simulator / fast path: what the automatic path choice saves.
+* fast path / plain jnp, lockstep path / ``lax.ppermute``: the cost of
+  running a kernel instead of XLA ops;
+* simulator / fast or lockstep path: what the automatic path choice saves.
 
   python benchmarks/cpu_fallback.py [--quick]
   mpmd bench cpu_fallback [--quick]
@@ -17,12 +21,17 @@ import functools
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
-from _timing import time_interleaved
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-import mpmd
+jax.config.update("jax_num_cpu_devices", 4)
+
+import jax.numpy as jnp  # noqa: E402
+from _timing import time_interleaved  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import mpmd  # noqa: E402
 
 NUM_CORES = 4
 TILE_ROWS = 64
@@ -57,38 +66,112 @@ def _reference(x, b):
   return (x.reshape(-1, TILE_ROWS, cols) * 2.0 + b).reshape(rows, cols)
 
 
+def _ring_kernel(x_hbm, o_hbm, send, recv):
+  num = jax.lax.axis_size("x")
+  right = jax.lax.rem(jax.lax.axis_index("x") + 1, num)
+  copy = pltpu.make_async_remote_copy(
+    x_hbm,
+    o_hbm,
+    send,
+    recv,
+    device_id={"x": right},
+    device_id_type=pl.DeviceIdType.MESH,
+  )
+  copy.start()
+  copy.wait()
+
+
+def ring_shift(x: jax.Array, mesh, interpret=None) -> jax.Array:
+  """Each device's block of ``x`` (sharded along ``x``) moves one device on."""
+
+  def per_device(block):
+    return mpmd.mpmd_map(
+      [(pltpu.create_tensorcore_mesh("core", num_cores=1), _ring_kernel)],
+      jax.ShapeDtypeStruct(block.shape, block.dtype),
+      scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
+      interpret=interpret,
+    )(block)
+
+  return jax.shard_map(
+    per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
+  )(x)
+
+
+def _ring_reference(x, mesh):
+  num = mesh.shape["x"]
+  perm = [(i, (i + 1) % num) for i in range(num)]
+  return jax.shard_map(
+    lambda b: jax.lax.ppermute(b, "x", perm),
+    mesh=mesh,
+    in_specs=P("x"),
+    out_specs=P("x"),
+    check_vma=False,
+  )(x)
+
+
+def _compare(name, fns, reference, args, rounds):
+  want = reference(*args)
+  for path, fn in fns.items():
+    if not jnp.array_equal(fn(*args), want):
+      raise SystemExit(f"{name}: the {path} path disagrees with the reference")
+  t = time_interleaved(
+    {
+      k: functools.partial(f, *args)
+      for k, f in {**fns, "xla": reference}.items()
+    },
+    rounds=rounds,
+  )
+  path = next(iter(fns))
+  print(
+    f"    {path} {t[path] * 1e3:.2f} ms  simulator "
+    f"{t['simulator'] * 1e3:.1f} ms  XLA {t['xla'] * 1e3:.2f} ms  |  "
+    f"{path}/XLA {t[path] / t['xla']:.1f}x  "
+    f"simulator/{path} {t['simulator'] / t[path]:.0f}x",
+    flush=True,
+  )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="mpmd bench cpu_fallback")
   parser.add_argument("--quick", action="store_true", help="one small shape")
   args = parser.parse_args(argv)
   shapes = [(1024, 256)] if args.quick else [(1024, 256), (8192, 512)]
   print("CPU fallback paths; ratios from one run, rounds interleaved")
+  rounds = 3 if args.quick else 5
   for rows, cols in shapes:
     x = jnp.arange(rows * cols, dtype=jnp.float32).reshape(rows, cols)
     b = jnp.ones((TILE_ROWS, cols), jnp.float32)
-    fast = jax.jit(scale_rows)
-    simulated = jax.jit(
-      lambda x, b: scale_rows(x, b, interpret=pltpu.InterpretParams())
-    )
-    plain = jax.jit(_reference)
-    want = plain(x, b)
-    for name, fn in (("fast", fast), ("simulator", simulated)):
-      if not jnp.array_equal(fn(x, b), want):
-        raise SystemExit(f"{name} path disagrees with the reference")
-    print(f"  {rows}x{cols} f32, {NUM_CORES} programs ...", flush=True)
-    t = time_interleaved(
+    print(f"  fast path: {rows}x{cols} f32, {NUM_CORES} programs", flush=True)
+    _compare(
+      "scale_rows",
       {
-        "fast": functools.partial(fast, x, b),
-        "simulator": functools.partial(simulated, x, b),
-        "jnp": functools.partial(plain, x, b),
+        "fast": jax.jit(scale_rows),
+        "simulator": jax.jit(
+          lambda x, b: scale_rows(x, b, interpret=pltpu.InterpretParams())
+        ),
       },
-      rounds=3 if args.quick else 5,
+      jax.jit(_reference),
+      (x, b),
+      rounds,
     )
-    print(
-      f"    fast {t['fast'] * 1e3:.2f} ms  simulator "
-      f"{t['simulator'] * 1e3:.1f} ms  jnp {t['jnp'] * 1e3:.2f} ms  |  "
-      f"fast/jnp {t['fast'] / t['jnp']:.1f}x  "
-      f"simulator/fast {t['simulator'] / t['fast']:.0f}x"
+  mesh = jax.make_mesh((4,), ("x",))
+  for rows, cols in shapes:
+    x = jnp.arange(rows * cols, dtype=jnp.float32).reshape(rows, cols)
+    x = jax.device_put(x, NamedSharding(mesh, P("x")))
+    print(f"  lockstep path: {rows}x{cols} f32 over 4 devices", flush=True)
+    _compare(
+      "ring_shift",
+      {
+        "lockstep": jax.jit(functools.partial(ring_shift, mesh=mesh)),
+        "simulator": jax.jit(
+          functools.partial(
+            ring_shift, mesh=mesh, interpret=pltpu.InterpretParams()
+          )
+        ),
+      },
+      jax.jit(functools.partial(_ring_reference, mesh=mesh)),
+      (x,),
+      rounds,
     )
   return 0
 
