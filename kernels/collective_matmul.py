@@ -388,15 +388,25 @@ class _RingCoords:
   def __init__(self, ring: _Ring, table_smem: Any):
     self.ring = ring
     self.table = table_smem
+    self._ids: dict[int, dict[str, jax.Array]] = {}
 
   def device_at(self, offset: int) -> jax.Array:
     """Flattened axis index of the device ``offset`` positions away."""
     return self.table[0, offset % self.ring.size]
 
   def device_id(self, offset: int) -> dict[str, jax.Array]:
-    """Mesh coordinates (along the ring's axes) for a remote DMA/signal."""
+    """Mesh coordinates (along the ring's axes) for a remote DMA/signal.
+
+    Read once per offset (kernels call this at their top level): every
+    transfer to a neighbour then names it by the same values, which lets
+    the CPU lockstep path reuse what it learnt about the ring.
+    """
     column = offset % self.ring.size
-    return {a: self.table[1 + i, column] for i, a in enumerate(self.ring.axes)}
+    if column not in self._ids:
+      self._ids[column] = {
+        a: self.table[1 + i, column] for i, a in enumerate(self.ring.axes)
+      }
+    return self._ids[column]
 
 
 def _handshake(coords: _RingCoords) -> None:

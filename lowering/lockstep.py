@@ -214,6 +214,7 @@ class _Devices:
     self.axes = axes  # those the kernel exchanges along
     self.all_axes = all_axes  # every axis of the shard_map
     self.sizes = tuple(sizes[a] for a in axes)
+    self._patterns: dict[tuple[int, ...], Any] = {}
 
   @property
   def count(self) -> int:
@@ -233,6 +234,24 @@ class _Devices:
 
   def me(self) -> Any:
     return self.flat({})
+
+  def pattern(self, device_id: Any, me: Any, target: Any) -> Any:
+    """``k`` if every device sends to the device ``k`` flat positions on (a
+    ring shift), ``count`` otherwise: one rendezvous to find out, once per
+    device-id value (the same traced value targets the same devices)."""
+    leaves = tree_util.tree_leaves(device_id)
+    key = tuple(map(id, leaves))
+    reusable = all(isinstance(x, core.Tracer) for x in leaves)
+    if reusable and key in self._patterns:
+      return self._patterns[key][1]
+    me_all, target_all = self.gather((me, target))
+    offsets = lax.rem(target_all - me_all + self.count, self.count)
+    uniform = jnp.all(offsets == offsets[0])
+    branch = jnp.where(uniform, offsets[0], self.count)
+    if reusable:
+      # The leaves stay referenced so that their ids stay theirs.
+      self._patterns[key] = (leaves, branch)
+    return branch
 
   def shift(self, k: int, tree: Any) -> Any:
     """``tree`` of the device ``k`` flat positions back (a ring shift)."""
@@ -297,18 +316,13 @@ def _remote_copy(devices: _Devices, src, dst, dst_sem, src_sem, device_id):
     _signal(_with_transforms(sem_ref, sem_t), _bytes(dst))
 
   count, me, target = devices.count, devices.me(), devices.flat(device_id)
-  # One rendezvous for every device's index, target and dynamic indices.
-  me_all, target_all, moving_all = devices.gather((me, target, moving))
 
   def shifted(k):
-    def branch():
-      sender = jnp.argmax(me_all == lax.rem(me - k + count, count))
-      land(devices.shift(k, data), [m[sender] for m in moving_all])
-
-    return branch
+    # The sender's data and dynamic indices come from k positions back.
+    return lambda: land(*devices.shift(k, (data, moving)))
 
   def gathered():
-    data_all = devices.gather(data)
+    data_all, target_all, moving_all = devices.gather((data, target, moving))
     for j in range(count):
       lax.cond(
         target_all[j] == me,
@@ -321,9 +335,7 @@ def _remote_copy(devices: _Devices, src, dst, dst_sem, src_sem, device_id):
     # the devices of this ring are sure to be here.
     gathered()
     return
-  offsets = lax.rem(target_all - me_all + count, count)
-  uniform = jnp.all(offsets == offsets[0])
-  branch = jnp.where(uniform, offsets[0], count)
+  branch = devices.pattern(device_id, me, target)
   lax.switch(branch, [*map(shifted, range(count)), gathered])
 
 
