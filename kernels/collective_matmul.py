@@ -691,9 +691,10 @@ def _ag_kernel_call(
   # afterwards) rather than scratch so that remote DMAs may target them on
   # every execution path.
   for st in streams:
-    outs[f"slots_{st.tag}"] = _out_type(
-      (slots, st.size, k_local), dtype, (lhs,), ring
-    )
+    for i in range(slots):
+      outs[f"slots_{st.tag}_{i}"] = _out_type(
+        (st.size, k_local), dtype, (lhs,), ring
+      )
     if slots == 1:
       outs[f"stage_{st.tag}"] = _out_type(
         (st.size, k_local), dtype, (lhs,), ring
@@ -747,7 +748,7 @@ def _ag_kernel_call(
       # Transfer t lands in slot t % slots of the downstream neighbour.
       return _remote_copy(
         src,
-        r[f"slots_{st.tag}"].at[t % slots],
+        r[f"slots_{st.tag}_{t % slots}"],
         r[f"send_{st.tag}"],
         r[f"recv_{st.tag}"].at[t % slots],
         coords.device_id(st.offset),
@@ -768,7 +769,7 @@ def _ag_kernel_call(
     for t in range(num - 1):
       sources = []
       for st in streams:
-        slot_ref = r[f"slots_{st.tag}"].at[t % slots]
+        slot_ref = r[f"slots_{st.tag}_{t % slots}"]
         incoming = transfer(st, slot_ref, t)
         incoming.wait_recv()
         incoming.wait_send()  # our own transfer t, same shape
@@ -1019,8 +1020,10 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
     operands = (lhs, rhs)
     if not on_chip:
       outs[f"part_{st.tag}"] = _out_type(region, f32, operands, ring)
-      outs[f"send_buf_{st.tag}"] = _out_type((2, *region), f32, operands, ring)
-    outs[f"slots_{st.tag}"] = _out_type((slots, *region), f32, operands, ring)
+      for i in range(2):
+        outs[f"send_buf_{st.tag}_{i}"] = _out_type(region, f32, operands, ring)
+    for i in range(slots):
+      outs[f"slots_{st.tag}_{i}"] = _out_type(region, f32, operands, ring)
   scratch = _ring_scratch(
     _TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named(),
     ring,
@@ -1030,7 +1033,8 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
   )
   if on_chip:
     for st in streams:
-      scratch[f"send_buf_{st.tag}"] = pltpu.VMEM((2, *region), f32)
+      for i in range(2):
+        scratch[f"send_buf_{st.tag}_{i}"] = pltpu.VMEM(region, f32)
   names = (*outs, *scratch)
 
   def body(*refs):
@@ -1087,8 +1091,8 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
     def transfer(st, s):
       # Transfer s carries send_buf[s % 2] to slot s % slots downstream.
       return _remote_copy(
-        r[f"send_buf_{st.tag}"].at[s % 2],
-        r[f"slots_{st.tag}"].at[s % slots],
+        r[f"send_buf_{st.tag}_{s % 2}"],
+        r[f"slots_{st.tag}_{s % slots}"],
         r[f"send_{st.tag}"],
         r[f"recv_{st.tag}"].at[s % slots],
         coords.device_id(st.offset),
@@ -1099,7 +1103,7 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
       # after the remaining num - 1 - s hops.
       for st in streams:
         block_index = coords.device_at(-st.offset * (1 + s))
-        send_buf = r[f"send_buf_{st.tag}"].at[s % 2]
+        send_buf = r[f"send_buf_{st.tag}_{s % 2}"]
         if on_chip:
           partial_product(st, block_index, None, acc=send_buf)
         elif s == 0:
@@ -1110,8 +1114,8 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
         for st in streams:
           incoming = transfer(st, s - 1)
           incoming.wait_recv()
-          send_buf = r[f"send_buf_{st.tag}"].at[s % 2]
-          arrived = r[f"slots_{st.tag}"].at[(s - 1) % slots]
+          send_buf = r[f"send_buf_{st.tag}_{s % 2}"]
+          arrived = r[f"slots_{st.tag}_{(s - 1) % slots}"]
           final = out_region(st) if s == num - 1 else None
           if on_chip:
             _add_to_held(bufs, send_buf, arrived, final)

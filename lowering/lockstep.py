@@ -300,6 +300,8 @@ def _remote_copy(devices: _Devices, src, dst, dst_sem, src_sem, device_id):
   the ring of flat indices (a ring shift, the common case) the data moves
   with one ``ppermute``; otherwise every device's data is gathered and each
   device lands what was sent to it (several senders may target one device).
+  The exchange itself is pure; buffers are written outside any conditional
+  (a conditional that threads a buffer costs XLA a copy of it).
   """
   data = state_primitives.ref_get(src, None)
   _signal(src_sem, _bytes(src))
@@ -308,35 +310,50 @@ def _remote_copy(devices: _Devices, src, dst, dst_sem, src_sem, device_id):
   leaves, tree = tree_util.tree_flatten((dst_transforms, sem_transforms))
   moving = [x for x in leaves if _traced(x)]  # the sender's dynamic indices
 
-  def land(value, moved):
+  def land(value, moved, found):
     moved = iter(moved)
     picked = [next(moved) if _traced(x) else x for x in leaves]
     dst_t, sem_t = tree_util.tree_unflatten(tree, picked)
-    state_primitives.ref_set(_with_transforms(dst_ref, dst_t), None, value)
-    _signal(_with_transforms(sem_ref, sem_t), _bytes(dst))
+    dst_j = _with_transforms(dst_ref, dst_t)
+    old = state_primitives.ref_get(dst_j, None)
+    state_primitives.ref_set(dst_j, None, jnp.where(found, value, old))
+    _signal(_with_transforms(sem_ref, sem_t), jnp.where(found, _bytes(dst), 0))
 
   count, me, target = devices.count, devices.me(), devices.flat(device_id)
 
-  def shifted(k):
-    # The sender's data and dynamic indices come from k positions back.
-    return lambda: land(*devices.shift(k, (data, moving)))
-
   def gathered():
     data_all, target_all, moving_all = devices.gather((data, target, moving))
-    for j in range(count):
-      lax.cond(
-        target_all[j] == me,
-        lambda j=j: land(data_all[j], [m[j] for m in moving_all]),
-        lambda: None,
-      )
+    return data_all, target_all == me, moving_all
 
   if devices.axes != devices.all_axes:
     # XLA's collective permute waits for every device of the mesh, but only
     # the devices of this ring are sure to be here.
-    gathered()
+    data_all, mine, moving_all = gathered()
+    for j in range(count):
+      land(data_all[j], [m[j] for m in moving_all], mine[j])
     return
+
+  def shifted(k):
+    # The sender's data and dynamic indices come from k positions back.
+    return lambda: (*devices.shift(k, (data, moving)), jnp.bool_(True))
+
+  def first_sender():
+    data_all, mine, moving_all = gathered()
+    j = jnp.argmax(mine)
+    return data_all[j], [m[j] for m in moving_all], mine[j]
+
   branch = devices.pattern(device_id, me, target)
-  lax.switch(branch, [*map(shifted, range(count)), gathered])
+  land(*lax.switch(branch, [*map(shifted, range(count)), first_sender]))
+
+  # Rarely, several devices target this one in the same step.
+  def other_senders():
+    data_all, mine, moving_all = gathered()
+    first = jnp.argmax(mine)
+    for j in range(count):
+      others = jnp.logical_and(mine[j], j != first)
+      land(data_all[j], [m[j] for m in moving_all], others)
+
+  lax.cond(branch == count, other_senders, lambda: None)
 
 
 def _remote_signal(devices: _Devices, sem, transforms, inc, device_id):
