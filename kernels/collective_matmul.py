@@ -397,7 +397,8 @@ class _RingCoords:
   def device_id(self, offset: int) -> dict[str, jax.Array]:
     """Mesh coordinates (along the ring's axes) for a remote DMA/signal.
 
-    Read once per offset (kernels call this at their top level): every
+    Read once per offset, so the first call must be at the kernel's top
+    level (not under ``pl.when`` or in a loop body): every
     transfer to a neighbour then names it by the same values, which lets
     the CPU lockstep path reuse what it learnt about the ring.
     """

@@ -140,16 +140,21 @@ def rewrite_with_inputs(
   jaxpr: core.Jaxpr,
   extra_avals: list[Any],
   make_rule: Callable[[tuple[Any, ...]], EqnRule],
+  finish: Callable[[], None] | None = None,
 ) -> core.Jaxpr:
   """``rewrite`` that appends inputs of ``extra_avals`` to ``jaxpr``.
 
   ``make_rule(extra)`` builds the rule from the new inputs' tracers, which
-  only the top level may use (nested jaxprs are traced on their own).
+  only the top level may use (nested jaxprs are traced on their own);
+  ``finish()`` runs before the top-level trace ends (to drop its tracers).
   """
   num = len(jaxpr.invars)
 
   def body(*args):
-    return _eval(jaxpr, (), args[:num], make_rule(args[num:]))
+    outs = _eval(jaxpr, (), args[:num], make_rule(args[num:]))
+    if finish is not None:
+      finish()
+    return outs
 
   avals = [*(v.aval for v in jaxpr.invars), *extra_avals]
   debug_info = api_util.debug_info("mpmd_map rewrite", body, avals, {})

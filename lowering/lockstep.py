@@ -214,7 +214,8 @@ class _Devices:
     self.axes = axes  # those the kernel exchanges along
     self.all_axes = all_axes  # every axis of the shard_map
     self.sizes = tuple(sizes[a] for a in axes)
-    self._patterns: dict[tuple[int, ...], Any] = {}
+    self._patterns: dict[tuple[Any, ...], Any] = {}
+    self.top_trace: Any = None  # set when the kernel's rewrite starts
 
   @property
   def count(self) -> int:
@@ -239,19 +240,30 @@ class _Devices:
     """``k`` if every device sends to the device ``k`` flat positions on (a
     ring shift), ``count`` otherwise: one rendezvous to find out, once per
     device-id value (the same traced value targets the same devices)."""
-    leaves = tree_util.tree_leaves(device_id)
-    key = tuple(map(id, leaves))
-    reusable = all(isinstance(x, core.Tracer) for x in leaves)
+    leaves, treedef = tree_util.tree_flatten(device_id)
+    key = (treedef, *map(id, leaves))
+    # Only values of the top-level trace are remembered, and forgotten
+    # before it ends, so that no tracer outlives its trace.
+    reusable = all(
+      isinstance(x, core.Tracer) and x._trace is self.top_trace for x in leaves
+    )
     if reusable and key in self._patterns:
       return self._patterns[key][1]
     me_all, target_all = self.gather((me, target))
     offsets = lax.rem(target_all - me_all + self.count, self.count)
-    uniform = jnp.all(offsets == offsets[0])
+    # Out-of-range ids take the gathered path, where they reach nobody.
+    in_range = jnp.logical_and(target_all >= 0, target_all < self.count)
+    uniform = jnp.all(jnp.logical_and(offsets == offsets[0], in_range))
     branch = jnp.where(uniform, offsets[0], self.count)
     if reusable:
       # The leaves stay referenced so that their ids stay theirs.
       self._patterns[key] = (leaves, branch)
     return branch
+
+  def forget(self) -> None:
+    """Drops the remembered patterns and their tracers (trace ending)."""
+    self._patterns.clear()
+    self.top_trace = None
 
   def shift(self, k: int, tree: Any) -> Any:
     """``tree`` of the device ``k`` flat positions back (a ring shift)."""
@@ -483,10 +495,16 @@ def lower(
     if consts:
       raise NotImplementedError("mpmd_map: kernel captured constants")
     jaxpr = jaxpr_util.map_avals(jaxpr, _widen)
+
+    def make_rule(barrier):
+      devices.top_trace = core.unsafe_get_current_trace()
+      return _rule(devices, barrier)
+
     jaxpr = jaxpr_util.rewrite_with_inputs(
       jaxpr,
       [_widen(_physical(a)) for a in barrier_avals],
-      functools.partial(_rule, devices),
+      make_rule,
+      finish=devices.forget,
     )
     program = state_discharge.discharge_state(core.ClosedJaxpr(jaxpr, ()))
   kernel_invars = [*params["jaxprs"][0].invars]

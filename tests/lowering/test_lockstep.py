@@ -415,3 +415,65 @@ def test_a_launch_under_a_condition_on_another_axis():
   blocks = np.asarray(x).reshape(2, 2, *ROWS)
   np.testing.assert_array_equal(out[0], blocks[0, ::-1])
   np.testing.assert_array_equal(out[1], blocks[1])
+
+
+def test_one_value_naming_different_axes_is_two_patterns():
+  """{x: d} is a ring shift and {y: d} is not, though d is one value; and
+  no tracer outlives the rewrite (jax.checking_leaks)."""
+  mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4])
+
+  def kernel(x_hbm, o1, o2, s1, r1, s2, r2):
+    x, y = jax.lax.axis_index("x"), jax.lax.axis_index("y")
+    d = 1 - x
+    swap = pltpu.make_async_remote_copy(
+      x_hbm, o1, s1, r1, device_id={"x": d}, device_id_type=MESH_ID
+    )
+    swap.start()
+    swap.wait()
+    # (x, *) -> (x, 1 - x): two senders per receiver, each into its y block.
+    gather = pltpu.make_async_remote_copy(
+      x_hbm,
+      o2.at[pl.ds(y * ROWS[0], ROWS[0])],
+      s2,
+      r2,
+      device_id={"y": d},
+      device_id_type=MESH_ID,
+    )
+    gather.start()
+    gather.wait_send()
+
+    @pl.when(y == 1 - x)
+    def _():
+      gather.wait_recv()
+      gather.wait_recv()
+
+  def per_device(a):
+    return mpmd.mpmd_map(
+      [(CORE, kernel)],
+      (
+        jax.ShapeDtypeStruct(ROWS, jnp.float32),
+        jax.ShapeDtypeStruct((2 * ROWS[0], ROWS[1]), jnp.float32),
+      ),
+      scratch_types=[pltpu.SemaphoreType.DMA(())] * 4,
+    )(a)
+
+  spec = P(("x", "y"))
+  a = _rows(mesh, spec)
+  f = jax.jit(
+    jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=spec,
+      out_specs=(spec, spec),
+      check_vma=False,
+    )
+  )
+  with jax.checking_leaks():
+    o1, o2 = f(a)
+  blocks = np.asarray(a).reshape(2, 2, *ROWS)
+  np.testing.assert_array_equal(
+    np.asarray(o1).reshape(2, 2, *ROWS), blocks[::-1]
+  )
+  o2 = np.asarray(o2).reshape(2, 2, 2, *ROWS)  # device x, device y, slot
+  np.testing.assert_array_equal(o2[0, 1], blocks[0])
+  np.testing.assert_array_equal(o2[1, 0], blocks[1])
