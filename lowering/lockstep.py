@@ -55,13 +55,12 @@ _MESH = pallas_primitives.DeviceIdType.MESH
 
 
 def manual_axes(axis_context: Any) -> tuple[Any, ...]:
-  """The mesh axes of the enclosing shard_map, in mesh order, if it is
-  manual over all of them (() otherwise: callbacks, which report deadlocks,
-  need a fully manual shard_map)."""
+  """``paths.fully_manual_axes`` of the shard_map being lowered."""
   if not isinstance(axis_context, sharding_impls.SPMDAxisContext):
     return ()
-  names = tuple(axis_context.mesh.axis_names)
-  return names if set(names) <= set(axis_context.manual_axes) else ()
+  return paths.fully_manual_axes(
+    axis_context.mesh.axis_names, axis_context.manual_axes
+  )
 
 
 def _remote_target(eqn) -> Any:
@@ -183,14 +182,14 @@ def _widen(aval: Any) -> Any:
   """Semaphore counts as int32 (Pallas' interpreters use int16)."""
   if (
     isinstance(aval, state_types.AbstractRef)
-    and aval.memory_space == _SEMAPHORE_SPACE()
+    and aval.memory_space == _semaphore_space()
     and aval.inner_aval.dtype == pallas_core.SEMAPHORE_INTERPRET_DTYPE
   ):
     return aval.update(inner_aval=aval.inner_aval.update(dtype=jnp.int32))
   return aval
 
 
-def _SEMAPHORE_SPACE():
+def _semaphore_space():
   return tpu().core.MemorySpace.SEMAPHORE
 
 
@@ -452,7 +451,7 @@ def _is_count(aval: Any) -> bool:
   """A semaphore after ``_widen``: an int32 Ref in semaphore memory."""
   return (
     isinstance(aval, state_types.AbstractRef)
-    and aval.memory_space == _SEMAPHORE_SPACE()
+    and aval.memory_space == _semaphore_space()
   )
 
 
@@ -485,12 +484,11 @@ def lower(
   num_in, num_out = len(in_nodes), len(params["out_avals"])
   sizes = dict(ctx.module_context.axis_context.mesh.shape)
   devices = _Devices(exchange_axes(kernel, axes), sizes, axes)
-  jaxpr = kernel
-  barrier_avals = _barrier_avals(jaxpr)
+  barrier_avals = _barrier_avals(kernel)
   with prim.tracing_context(mesh, params["meshes"]):
     values = jaxpr_util.literal_axis_values(dict(mesh.shape), 0)
-    jaxpr = jaxpr_util.rewrite_axis_indices(jaxpr, values.get, mesh.shape)
-    # Semaphores as int16 counts, which plain signals may then update.
+    jaxpr = jaxpr_util.rewrite_axis_indices(kernel, values.get, mesh.shape)
+    # Semaphores as plain integer refs (int16), then widened to int32.
     jaxpr, consts = hlo_interpreter.resolve_physical_types(jaxpr, ())
     if consts:
       raise NotImplementedError("mpmd_map: kernel captured constants")

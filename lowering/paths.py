@@ -136,17 +136,24 @@ def choose(
   )
 
 
-def traced_manual_axes() -> tuple[Any, ...]:
-  """The manual axes of the shard_map being traced, in mesh order.
+def fully_manual_axes(names: Sequence[Any], manual: Any) -> tuple[Any, ...]:
+  """``names`` (a shard_map mesh's axes, in order) if all are in ``manual``,
+  else (): the lockstep path needs every axis manual (its deadlock report
+  is a callback, which JAX allows only in a fully manual shard_map)."""
+  names = tuple(names)
+  return names if names and set(names) <= set(manual) else ()
 
-  The same as the lowering's axis context sees (``lockstep.manual_axes``),
+
+def traced_manual_axes() -> tuple[Any, ...]:
+  """``fully_manual_axes`` of the shard_map being traced.
+
+  The same as the lowering's axis context gives (``lockstep.manual_axes``),
   so effects declared here match the path the lowering takes.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return ()
-  manual = getattr(mesh, "manual_axes", ())
-  return tuple(a for a in mesh.axis_names if a in manual)
+  return fully_manual_axes(mesh.axis_names, getattr(mesh, "manual_axes", ()))
 
 
 def simulator_effects(

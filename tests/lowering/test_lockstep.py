@@ -6,6 +6,8 @@ to the simulator, and waits that would block forever end in a
 DeadlockError that names the device and the semaphore.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -477,3 +479,31 @@ def test_one_value_naming_different_axes_is_two_patterns():
   o2 = np.asarray(o2).reshape(2, 2, 2, *ROWS)  # device x, device y, slot
   np.testing.assert_array_equal(o2[0, 1], blocks[0])
   np.testing.assert_array_equal(o2[1, 0], blocks[1])
+
+
+def test_a_partially_manual_shard_map_is_not_lockstep():
+  """Trace time (declared effects) and lowering agree: only a shard_map
+  manual over every mesh axis offers the lockstep path."""
+  from mpmd.lowering import paths
+
+  mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4])
+  seen = {}
+
+  def body(x, name):
+    seen[name] = paths.traced_manual_axes()
+    return x
+
+  x = jax.ShapeDtypeStruct((32, 128), jnp.float32)  # traced, not run
+  for name, axis_names in (("all", {"x", "y"}), ("x only", {"x"})):
+    jax.jit(
+      jax.shard_map(
+        functools.partial(body, name=name),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(),
+        axis_names=axis_names,
+        check_vma=False,
+      )
+    ).trace(x)
+  assert seen == {"all": ("x", "y"), "x only": ()}
+  assert paths.fully_manual_axes(("x", "y"), {"x"}) == ()
