@@ -52,7 +52,7 @@ def _kernel(x_hbm, b_hbm, o_hbm, x_vmem, b_vmem):
 
 def scale_rows(x: jax.Array, b: jax.Array, interpret=None) -> jax.Array:
   """``2 * x + b`` (f32 ``x: (rows, cols)``, ``b: (64, cols)``) over 4 cores."""
-  mesh = pltpu.create_tensorcore_mesh("core", num_cores=NUM_CORES)
+  mesh = mpmd.tensorcore_mesh("core", num_cores=NUM_CORES)
   return mpmd.mpmd_map(
     [(mesh, _kernel)],
     jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -75,7 +75,6 @@ def _ring_kernel(x_hbm, o_hbm, send, recv):
     send,
     recv,
     device_id={"x": right},
-    device_id_type=pl.DeviceIdType.MESH,
   )
   copy.start()
   copy.wait()
@@ -86,7 +85,7 @@ def ring_shift(x: jax.Array, mesh, interpret=None) -> jax.Array:
 
   def per_device(block):
     return mpmd.mpmd_map(
-      [(pltpu.create_tensorcore_mesh("core", num_cores=1), _ring_kernel)],
+      [(mpmd.tensorcore_mesh("core", num_cores=1), _ring_kernel)],
       jax.ShapeDtypeStruct(block.shape, block.dtype),
       scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
       interpret=interpret,

@@ -18,8 +18,8 @@ import mpmd
 from mpmd import registry
 
 NUM_CONSUMERS = 2
-producer = pltpu.create_tensorcore_mesh("producer", num_cores=1)
-consumers = pltpu.create_tensorcore_mesh("consumer", num_cores=NUM_CONSUMERS)
+producer = mpmd.tensorcore_mesh("producer", num_cores=1)
+consumers = mpmd.tensorcore_mesh("consumer", num_cores=NUM_CONSUMERS)
 
 
 def produce(x_hbm, o_hbm, staged, ready, buf):

@@ -12,7 +12,7 @@ import mpmd
 from mpmd import registry
 from mpmd.demos import gpu_add_one
 
-mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
+mesh = mpmd.tensorcore_mesh("core", num_cores=1)
 
 
 def axpy_kernel(x_hbm, y_hbm, o_hbm, x_vmem, y_vmem):

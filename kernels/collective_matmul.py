@@ -70,7 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mpmd import targets
+from mpmd import meshes, targets
 from mpmd.registry import Demo, register_demo
 
 __all__ = [
@@ -92,7 +92,6 @@ _DEFAULT_BLOCK_ELSEWHERE = 2048
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # The barrier semaphore handshake of every kernel here uses this collective id.
 _COLLECTIVE_ID = 0
-_MESH_ID = pl.DeviceIdType.MESH
 
 
 class BlockSizes(NamedTuple):
@@ -313,7 +312,7 @@ def _launch(
   bytes_accessed: int,
   transcendentals: int = 0,
 ) -> Callable[..., Any]:
-  mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
+  mesh = meshes.tensorcore_mesh("core", num_cores=1)
   mpmd_map, interpret = _mpmd_map(interpret)
   return mpmd_map(
     [(mesh, body)],
@@ -414,9 +413,7 @@ def _handshake(coords: _RingCoords) -> None:
   """Both ring neighbours are inside this kernel before any remote DMA."""
   barrier = pltpu.get_barrier_semaphore()
   for offset in (-1, 1):
-    pl.semaphore_signal(
-      barrier, 1, device_id=coords.device_id(offset), device_id_type=_MESH_ID
-    )
+    pl.semaphore_signal(barrier, 1, device_id=coords.device_id(offset))
   pl.semaphore_wait(barrier, 2)
 
 
@@ -611,7 +608,7 @@ def _add_to_held(
 
 def _remote_copy(src: Any, dst: Any, send_sem: Any, recv_sem: Any, device_id):
   return pltpu.make_async_remote_copy(
-    src, dst, send_sem, recv_sem, device_id=device_id, device_id_type=_MESH_ID
+    src, dst, send_sem, recv_sem, device_id=device_id
   )
 
 
@@ -786,9 +783,7 @@ def _ag_kernel_call(
           # transfer t (just waited); transfer t-1+slots may refill it.
           free_now = t >= 1 and t - 1 + slots <= last
         if free_now:
-          pl.semaphore_signal(
-            r[f"cap_{st.tag}"], 1, device_id=upstream, device_id_type=_MESH_ID
-          )
+          pl.semaphore_signal(r[f"cap_{st.tag}"], 1, device_id=upstream)
         if t + 1 <= last:
           if t + 1 >= slots:
             pl.semaphore_wait(r[f"cap_{st.tag}"], 1)
@@ -1128,7 +1123,6 @@ def _rs_kernel_call(config: _RsConfig, lhs: jax.Array, rhs: jax.Array):
               r[f"cap_{st.tag}"],
               1,
               device_id=coords.device_id(-st.offset),
-              device_id_type=_MESH_ID,
             )
       if s <= last:
         for st in streams:

@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mpmd import targets
+from mpmd import meshes, targets
 from mpmd.registry import Demo, register_demo
 
 __all__ = ["gmm", "tgmm", "default_tiling"]
@@ -519,7 +519,7 @@ def _block_specs(buffer_count: int):
 
 
 def _mesh():
-  return pltpu.create_tensorcore_mesh("core", num_cores=1)
+  return meshes.tensorcore_mesh("core", num_cores=1)
 
 
 # ---------------------------------------------------------------------- gmm

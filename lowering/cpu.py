@@ -6,6 +6,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from mpmd import _jax
 from mpmd._jax import (
   callback,
   core,
@@ -14,7 +15,6 @@ from mpmd._jax import (
   pallas_core,
   pallas_primitives,
   state,
-  state_discharge,
   tpu,
 )
 from mpmd.lowering import jaxpr_util, lockstep, paths, watchdog
@@ -76,7 +76,7 @@ def _is_shared(aval) -> bool:
   return space in (pallas_core.MemorySpace.ANY, tpu_spaces.HBM, None)
 
 
-def _buffers(num_in: int, params, program: core.ClosedJaxpr):
+def _buffers(num_in: int, params, program):
   kernel = params["jaxprs"][0]
   num_out = len(params["out_avals"])
   # Physical avals (semaphores as integers) come from a discharged program.
@@ -123,7 +123,10 @@ def _fast_programs(num_in: int, params):
   meshes = params["meshes"]
   aliases = dict(params["input_output_aliases"])
   programs, labels = [], []
-  for mesh, jaxpr in zip(meshes, params["jaxprs"], strict=True):
+  # Meshes by position, never `meshes.index(mesh)`: upstream meshes compare
+  # with `==`, which is elementwise (and ambiguous) for a multi-core
+  # TensorCoreMesh on jax 0.10.2, and a mesh may appear twice.
+  for i, (mesh, jaxpr) in enumerate(zip(meshes, params["jaxprs"], strict=True)):
     jaxpr = _alias_refs(jaxpr, num_in, aliases, mesh, meshes)
     sizes = dict(mesh.shape)
     for program in range(math.prod(sizes.values())):
@@ -132,10 +135,10 @@ def _fast_programs(num_in: int, params):
         unrolled = jaxpr_util.rewrite_axis_indices(jaxpr, values.get, sizes)
         physical, consts = hlo_interpreter.resolve_physical_types(unrolled, ())
         programs.append(
-          state_discharge.discharge_state(core.ClosedJaxpr(physical, consts))
+          _jax.discharge_state(_jax.closed_jaxpr(physical, consts))
         )
       coords = ", ".join(f"{a}={int(v)}" for a, v in values.items())
-      labels.append(f"mesh {meshes.index(mesh)} program {program} ({coords})")
+      labels.append(f"mesh {i} program {program} ({coords})")
   return programs, labels
 
 

@@ -9,16 +9,10 @@ import functools
 import threading
 from typing import Any
 
-from mpmd._jax import (
-  core,
-  gpu,
-  mlir,
-  pallas_core,
-  pallas_primitives,
-  source_info_util,
-)
+from mpmd import _jax
+from mpmd._jax import core, gpu, mlir, source_info_util
 from mpmd.lowering import callbacks, common, watchdog
-from mpmd.primitives import mpmd_map as prim
+from mpmd.lowering.gpu import scoped_scratch
 
 
 @functools.cache
@@ -27,7 +21,8 @@ def _install_wait_hook() -> None:
   original = barrier.wait
 
   @functools.wraps(original)
-  def wait(self, device_id, local_thread_id, logging_info=None):
+  def wait(self, *args, **kwargs):
+    device, program, logging_info = _jax.gpu_barrier_waiter(args, kwargs)
     where = ""
     if logging_info is not None and logging_info.source_info is not None:
       where = source_info_util.summarize(logging_info.source_info)
@@ -45,13 +40,13 @@ def _install_wait_hook() -> None:
     with (
       watchdog.reraise_with_message(),
       watchdog.waiting(
-        f"device {device_id} {watchdog.describe_program(int(local_thread_id))}",
+        f"device {device} {watchdog.describe_program(program)}",
         f"on a barrier (phase {self.phase})",
         where,
         abort,
       ),
     ):
-      return original(self, device_id, local_thread_id, logging_info)
+      return original(self, *args, **kwargs)
 
   barrier.wait = wait
 
@@ -74,45 +69,6 @@ def _is_barrier(aval) -> bool:
   return isinstance(aval.inner_aval.dtype, gpu().core.BarrierType)
 
 
-def _scoped_barriers(jaxpr, num_operands, transforms, mesh, meshes):
-  """Barrier scratch -> one collective ``run_scoped`` over the warpgroups.
-
-  The simulator cannot take barriers as kernel scratch on jax 0.10.2 ("nan +
-  barrier"); a scope collective over the thread axis is the same allocation,
-  shared by every warpgroup of the block.
-  """
-  scratch = [v.aval for v in jaxpr.invars[num_operands:]]
-  barriers = [i for i, a in enumerate(scratch) if _is_barrier(a)]
-  if not barriers or mesh.thread_name is None:
-    return jaxpr, tuple(transforms)
-  kept = [i for i in range(len(scratch)) if i not in barriers]
-  types = [
-    pallas_core.MemoryRef(scratch[i].inner_aval, scratch[i].memory_space)
-    for i in barriers
-  ]
-
-  def body(*refs):
-    operands, kept_refs = refs[:num_operands], refs[num_operands:]
-
-    def scoped(*barrier_refs):
-      all_scratch = [None] * len(scratch)
-      for i, r in zip(kept, kept_refs, strict=True):
-        all_scratch[i] = r
-      for i, r in zip(barriers, barrier_refs, strict=True):
-        all_scratch[i] = r
-      core.eval_jaxpr(jaxpr, (), *operands, *all_scratch)
-
-    pallas_primitives.run_scoped(
-      scoped, *types, collective_axes=mesh.thread_name
-    )
-    return ()
-
-  avals = [v.aval for v in jaxpr.invars[:num_operands]]
-  avals += [scratch[i] for i in kept]
-  new = prim.retrace(jaxpr, mesh, (*meshes, mesh), body, avals)
-  return new, tuple(transforms[i] for i in kept)
-
-
 def lower(
   ctx: mlir.LoweringRuleContext,
   *in_nodes,
@@ -125,13 +81,18 @@ def lower(
   """Lowers one (possibly merged) GPU mesh kernel to the simulator."""
   _install_wait_hook()
   callbacks.install()
+  _jax.let_gpu_simulator_take_numpy()
   num_operands = len(in_nodes) + len(params["out_avals"])
-  transforms = params["scratch_transforms"]
-  jaxpr, transforms = _scoped_barriers(
-    jaxpr, num_operands, transforms, mesh, params["meshes"]
+  # Barriers as kernel scratch fail in the simulator (trap 6); the rest
+  # stays kernel scratch, which the simulator allocates at its logical
+  # shape, given its layout transforms.
+  jaxpr, kept = scoped_scratch(
+    jaxpr, num_operands, mesh, params["meshes"], _is_barrier
   )
+  transforms = tuple(params["scratch_transforms"][i] for i in kept)
   pallas_params = common.pallas_params(mesh, jaxpr, ctx, params)
   pallas_params["kernel_arg_transforms"] = ((),) * num_operands + transforms
+  interpret, races_are_errors = _jax.gpu_race_params(interpret)
   if ranges is None:
     thread_axis = (
       {mesh.thread_name: mesh.num_threads} if mesh.num_threads else {}
@@ -150,6 +111,6 @@ def lower(
     run=run,
     reset=_reset_if_failed,
     races_found=_races_found,
-    detect_races=interpret.detect_races,
+    detect_races=interpret.detect_races and races_are_errors,
     orders="barriers",
   )

@@ -1,10 +1,11 @@
 """Walking and rewriting kernel jaxprs, into loops, conds and scopes."""
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from mpmd import _jax
 from mpmd._jax import (
   api_util,
   core,
@@ -17,11 +18,9 @@ from mpmd._jax import (
 
 
 def _map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:
-  if isinstance(value, (core.Jaxpr, core.ClosedJaxpr)):
+  if _jax.is_jaxpr(value):
     return fn(value)
-  if isinstance(value, tuple) and any(
-    isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value
-  ):
+  if isinstance(value, tuple) and any(_jax.is_jaxpr(v) for v in value):
     return tuple(_map_jaxprs(v, fn) for v in value)
   return value
 
@@ -31,7 +30,7 @@ def sub_jaxprs(params: dict[str, Any]) -> list[core.Jaxpr]:
   found = []
 
   def collect(j):
-    found.append(j.jaxpr if isinstance(j, core.ClosedJaxpr) else j)
+    found.append(_jax.open_jaxpr(j)[0])
     return j
 
   for value in params.values():
@@ -77,29 +76,31 @@ def _eval(jaxpr: core.Jaxpr, consts, args, rule: EqnRule):
 
 def bind_rewritten(eqn, invals, rule: EqnRule, **param_updates) -> list[Any]:
   """Binds ``eqn`` (with ``param_updates``), its nested jaxprs rewritten."""
+  scope = eqn.primitive is pallas_primitives.run_scoped_p
+
+  def rewrite_one(j):
+    if scope or not _jax.is_closed(j):
+      return rewrite_scope(j, rule, invals)
+    jaxpr, consts = _jax.open_jaxpr(j)
+    return _jax.closed_jaxpr(*_retrace(jaxpr, consts, rule))
+
   params = {
-    k: _map_jaxprs(v, lambda j: _rewrite_any(j, rule))
+    k: _map_jaxprs(v, rewrite_one)
     for k, v in {**eqn.params, **param_updates}.items()
   }
   outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
   return outs if eqn.primitive.multiple_results else [outs]
 
 
-def _rewrite_any(j, rule: EqnRule):
-  if isinstance(j, core.ClosedJaxpr):
-    new, consts = _retrace(j.jaxpr, j.consts, rule)
-    return core.ClosedJaxpr(new, consts)
-  return rewrite_scope(j, rule)
-
-
 def rewrite_scope(
   j: core.Jaxpr,
   rule: EqnRule,
+  operands: Sequence[Any],
   prologue: Callable[[tuple[Any, ...]], None] | None = None,
 ) -> core.Jaxpr:
-  """A bare nested jaxpr (``run_scoped``'s body) rewritten with ``rule``,
-  after ``prologue(scoped refs)`` if given."""
-  # A bare Jaxpr's constvars are operands of its equation (run_scoped's
+  """A nested scope (``run_scoped``'s body) rewritten with ``rule``, after
+  ``prologue(scoped refs)`` if given; ``operands`` are its equation's."""
+  # The scope's constvars are operands of its equation (run_scoped's
   # closed-over refs): rewrite them as inputs and split them off again.
   n = len(j.constvars)
   new, consts = _retrace(pe.convert_constvars_jaxpr(j), (), rule, prologue, n)
@@ -107,7 +108,7 @@ def rewrite_scope(
     raise NotImplementedError(
       "mpmd_map: rewriting a nested kernel scope captured constants"
     )
-  return new.replace(constvars=new.invars[:n], invars=new.invars[n:])
+  return _jax.scope_jaxpr(new, n, operands)
 
 
 def _retrace(jaxpr: core.Jaxpr, consts, rule: EqnRule, prologue=None, skip=0):
@@ -235,8 +236,9 @@ def map_avals(jaxpr: core.Jaxpr, fn: Callable[[Any], Any]) -> core.Jaxpr:
     return env[v]
 
   def sub(j):
-    if isinstance(j, core.ClosedJaxpr):
-      return core.ClosedJaxpr(map_avals(j.jaxpr, fn), j.consts)
+    if _jax.is_closed(j):
+      jaxpr, consts = _jax.open_jaxpr(j)
+      return _jax.closed_jaxpr(map_avals(jaxpr, fn), consts)
     return map_avals(j, fn)
 
   def effect(e):
@@ -256,7 +258,8 @@ def map_avals(jaxpr: core.Jaxpr, fn: Callable[[Any], Any]) -> core.Jaxpr:
         effects={effect(e) for e in eqn.effects},
       )
     )
-  return jaxpr.replace(
+  return _jax.replace_jaxpr(
+    jaxpr,
     constvars=constvars,
     invars=invars,
     outvars=[var(v) for v in jaxpr.outvars],

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mpmd import _jax
 from mpmd._jax import (
   callback,
   config,
@@ -37,7 +38,6 @@ from mpmd._jax import (
   pallas_core,
   pallas_primitives,
   sharding_impls,
-  state_discharge,
   state_primitives,
   state_types,
   tpu,
@@ -430,7 +430,7 @@ def _rule(devices: _Devices, barrier: tuple[Any, ...]):
       return [value.astype(eqn.outvars[0].aval.dtype)]
     if name == "run_scoped":
       body = jaxpr_util.rewrite_scope(
-        eqn.params["jaxpr"], rule, _zero_semaphores
+        eqn.params["jaxpr"], rule, invals, _zero_semaphores
       )
       params = eqn.primitive.get_bind_params({**eqn.params, "jaxpr": body})
       return eqn.primitive.bind(*invals, **params)
@@ -504,7 +504,7 @@ def lower(
       make_rule,
       finish=devices.forget,
     )
-    program = state_discharge.discharge_state(core.ClosedJaxpr(jaxpr, ()))
+    program = _jax.discharge_state(_jax.closed_jaxpr(jaxpr))
   kernel_invars = [*params["jaxprs"][0].invars]
   scratch_avals = [v.aval for v in kernel_invars[num_in + num_out :]]
   names = [

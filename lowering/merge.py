@@ -23,13 +23,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from mpmd import _jax
 from mpmd._jax import (
   core,
   gpu,
   pallas_core,
   pallas_primitives,
   state,
-  tpu,
   tree_util,
 )
 from mpmd.lowering import jaxpr_util, watchdog
@@ -236,7 +236,7 @@ def _strip_params(params, merged_mesh, jaxpr):
 def merge_for_tpu(params):
   """Several TensorCore meshes -> one TensorCore mesh over all programs."""
   layout = _tpu_layout(params["meshes"])
-  mesh = tpu().core.create_tensorcore_mesh(SUPER_AXIS, num_cores=layout.total)
+  mesh = _jax.tensorcore_mesh(SUPER_AXIS, num_cores=layout.total)
   jaxpr = _merge(layout, mesh, params["jaxprs"], "tpu")
   return mesh, jaxpr, _strip_params(params, mesh, jaxpr)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from mpmd import _jax
 from mpmd._jax import (
   core,
   mlir,
@@ -72,8 +73,8 @@ def _install_wait_hook() -> None:
     kind = "DMA semaphore" if has_tasks else "semaphore"
 
     def abort(message):
-      memory.set_failed(
-        watchdog.DeadlockError(message), device, core, top_level=False
+      _jax.fail_tpu_simulation(
+        memory, watchdog.DeadlockError(message), device, core
       )
 
     with watchdog.waiting(
@@ -141,7 +142,9 @@ def lower(
 
   def run(*args):
     results = tpu().simulator.interpret_pallas_call(
-      *args, interpret_params=interpret, **pallas_params
+      *args,
+      interpret_params=_jax.report_races_to_caller(interpret),
+      **pallas_params,
     )
     return results[:num_out]
 

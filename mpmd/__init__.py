@@ -13,6 +13,7 @@ from mpmd.lowering.watchdog import DeadlockError as DeadlockError
 from mpmd.lowering.watchdog import RaceError as RaceError
 from mpmd.lowering.watchdog import deadlock_timeout as deadlock_timeout
 from mpmd.lowering.watchdog import set_deadlock_timeout as set_deadlock_timeout
+from mpmd.meshes import tensorcore_mesh as tensorcore_mesh
 from mpmd.primitives.mpmd_map import mpmd_map_p as mpmd_map_p
 from mpmd.targets import TPU_TARGETS as TPU_TARGETS
 from mpmd.targets import install as _install_tpu_targets
@@ -29,6 +30,7 @@ __all__ = [
   "mpmd_map",
   "mpmd_map_p",
   "set_deadlock_timeout",
+  "tensorcore_mesh",
   "tpu_target",
 ]
 

@@ -7,24 +7,46 @@ tested against, so that a mismatch fails at import with a clear message
 instead of deep inside a lowering.
 """
 
+import dataclasses
 import functools
 import types
 
 import jax
 import jaxlib
+import numpy as np
 
-SUPPORTED_JAX_VERSION = "0.10.2"
+# The jax releases we test against, both ends of the range in CI: 0.10.2 is
+# the newest release for Python 3.11, 0.12.x the newest for Python 3.12+.
+MIN_JAX_VERSION = (0, 10, 2)
+MAX_JAX_VERSION = (0, 13)  # exclusive
+SUPPORTED_RANGE = ">=0.10.2,<0.13"
 
-if jax.__version__ != SUPPORTED_JAX_VERSION or (
-  jaxlib.__version__ != SUPPORTED_JAX_VERSION
-):
-  raise ImportError(
-    f"jax-mpmd supports exactly jax=={SUPPORTED_JAX_VERSION} and "
-    f"jaxlib=={SUPPORTED_JAX_VERSION} (it uses jax._src internals), but "
-    f"found jax=={jax.__version__} and jaxlib=={jaxlib.__version__}. "
-    f"Run: pip install 'jax=={SUPPORTED_JAX_VERSION}' "
-    f"'jaxlib=={SUPPORTED_JAX_VERSION}'"
-  )
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+  """``"0.12.0.1"`` -> ``(0, 12, 0, 1)``; stops at the first non-number
+  (``"0.13.0.dev20260101"`` -> ``(0, 13, 0)``)."""
+  parts = []
+  for part in version.split("."):
+    if not part.isdigit():
+      break
+    parts.append(int(part))
+  return tuple(parts)
+
+
+def check_version(name: str, version: str) -> None:
+  """Raises ImportError if ``version`` of ``name`` is outside our range."""
+  got = _version_tuple(version)
+  if not MIN_JAX_VERSION <= got < MAX_JAX_VERSION:
+    raise ImportError(
+      f"jax-mpmd supports {name}{SUPPORTED_RANGE} (it uses jax._src "
+      f"internals), but found {name}=={version}. Run: pip install "
+      f"'jax{SUPPORTED_RANGE}' 'jaxlib{SUPPORTED_RANGE}'"
+    )
+
+
+check_version("jax", jax.__version__)
+check_version("jaxlib", jaxlib.__version__)
+JAX_VERSION = _version_tuple(jax.__version__)
 
 # ruff: noqa: E402, F401, I001
 from jax._src import api_util
@@ -62,7 +84,12 @@ def tpu():
     from jax._src.pallas.mosaic import core as tpu_core
     from jax._src.pallas.mosaic import pallas_call_registration
     from jax._src.pallas.mosaic import primitives as tpu_primitives
-    from jax._src.pallas.mosaic import tpu_info
+    from jax._src.pallas.mosaic import tpu_info as pallas_tpu_info
+
+    if JAX_VERSION >= (0, 11):  # moved; Pallas' module re-exports its names
+      from jax._src import tpu_info
+    else:
+      tpu_info = pallas_tpu_info
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
     from jax._src.pallas.mosaic.interpret import params as interpret_params
     from jax._src.pallas.mosaic.interpret import shared_memory
@@ -76,6 +103,10 @@ def tpu():
     registration=pallas_call_registration,
     primitives=tpu_primitives,
     info=tpu_info,
+    # Where Pallas looks up the TPU hardware queries (by module attribute).
+    info_modules=tuple(
+      {id(m): m for m in (tpu_info, pallas_tpu_info)}.values()
+    ),
     interpret=interpret_params,
     simulator=interpret_pallas_call,
     simulator_memory=shared_memory,
@@ -107,3 +138,224 @@ def gpu():
     simulator_callbacks=gpu_callbacks,
     simulator_memory=shared_memory,
   )
+
+
+# -- what differs between supported versions ----------------------------------
+
+
+def tensorcore_mesh(axis_name: str, num_cores: int):
+  """A Pallas ``TensorCoreMesh`` of ``num_cores`` cores.
+
+  0.11 made the mesh a dataclass of ``(axis_name, num_cores)`` and deprecated
+  ``create_tensorcore_mesh``; 0.10.2 has only the latter.
+  """
+  tpu_core = tpu().core
+  if JAX_VERSION >= (0, 11):
+    return tpu_core.TensorCoreMesh(axis_name=axis_name, num_cores=num_cores)
+  return tpu_core.create_tensorcore_mesh(axis_name, num_cores=num_cores)
+
+
+def register_dce_rule(prim: core.Primitive, rule) -> None:
+  """Registers ``rule(used_outs, eqn) -> (used_ins, eqn | None)``.
+
+  0.12 calls DCE rules with the liveness of Ref inputs in between.
+  """
+  if JAX_VERSION >= (0, 12):
+    pe.dce_rules[prim] = lambda used_outs, live_ins, eqn: rule(used_outs, eqn)
+  else:
+    pe.dce_rules[prim] = rule
+
+
+def register_discharge_rule(prim: core.Primitive, rule) -> None:
+  """Registers ``rule(in_avals, out_avals, *args, **params)``.
+
+  0.11 passes a ``DischargeContext`` instead of the two aval lists.
+  """
+  if JAX_VERSION >= (0, 11):
+
+    def ctx_rule(ctx, *args, **params):
+      return rule(ctx.in_avals, ctx.out_avals, *args, **params)
+
+    state_discharge.register_discharge_rule(prim)(ctx_rule)
+  else:
+    state_discharge.register_discharge_rule(prim)(rule)
+
+
+def closed_jaxpr(jaxpr: core.Jaxpr, consts=()):
+  """``jaxpr`` closed over ``consts``: a ``ClosedJaxpr`` up to 0.10, a
+  ``Jaxpr`` with its consts attached from 0.11 on (``ClosedJaxpr`` is gone)."""
+  if JAX_VERSION >= (0, 11):
+    return jaxpr.with_consts(consts) if consts else jaxpr
+  return core.ClosedJaxpr(jaxpr, consts)
+
+
+def open_jaxpr(j) -> tuple[core.Jaxpr, list]:
+  """``(jaxpr, consts)`` of a jaxpr in an equation's params, closed or not.
+
+  From 0.11 on the jaxpr itself carries its consts, as values (a closed
+  jaxpr) or as the equation's operands (``run_scoped``).
+  """
+  if JAX_VERSION >= (0, 11):
+    return j, list(j.consts)
+  if isinstance(j, core.ClosedJaxpr):
+    return j.jaxpr, list(j.consts)
+  return j, []
+
+
+def is_jaxpr(value) -> bool:
+  """A jaxpr of an equation's params, closed or not."""
+  if JAX_VERSION >= (0, 11):
+    return isinstance(value, core.Jaxpr)
+  return isinstance(value, (core.Jaxpr, core.ClosedJaxpr))
+
+
+def is_closed(j) -> bool:
+  """Whether a params jaxpr is closed over values (a loop body or cond
+  branch), as opposed to a scope whose constvars are the equation's operands
+  (``run_scoped``; from 0.11 on, tell them apart by the primitive)."""
+  if JAX_VERSION >= (0, 11):
+    return True
+  return isinstance(j, core.ClosedJaxpr)
+
+
+def discharge_state(j, **kwargs):
+  """``discharge_state`` that drops Pallas memory spaces like 0.10 did."""
+  if JAX_VERSION >= (0, 11):
+    kwargs.setdefault("strip_memory_space", True)
+  return state_discharge.discharge_state(j, **kwargs)
+
+
+def scope_jaxpr(jaxpr: core.Jaxpr, num_closed: int, operands) -> core.Jaxpr:
+  """A ``run_scoped`` body from ``jaxpr`` whose first ``num_closed`` inputs
+  are the closed-over refs, passed to the equation as ``operands``.
+
+  Up to 0.10 they are the body's bare constvars; from 0.11 on they are
+  constvars with the operands attached (``run_scoped_p.bind(*jaxpr.consts)``).
+  """
+  if JAX_VERSION >= (0, 11):
+    return jaxpr.with_consts(list(operands)[:num_closed])
+  return jaxpr.replace(
+    constvars=jaxpr.invars[:num_closed], invars=jaxpr.invars[num_closed:]
+  )
+
+
+def replace_jaxpr(jaxpr: core.Jaxpr, **changes) -> core.Jaxpr:
+  """``jaxpr.replace(**changes)`` that keeps attached consts (0.11+ drops
+  them when ``constvars`` is replaced)."""
+  if JAX_VERSION >= (0, 11) and "constvars" in changes:
+    changes.setdefault("consts", jaxpr.consts)
+  return jaxpr.replace(**changes)
+
+
+# -- Mosaic GPU differences ---------------------------------------------------
+
+
+def lower_mosaic_gpu(ctx, *in_nodes, mesh, jaxpr, grid_mapping, **params):
+  """Lowers one Mosaic GPU mesh kernel with Pallas' own lowering.
+
+  ``jaxpr`` takes the inputs then the outputs, nothing else: its scratch is
+  allocated inside it (a collective ``run_scoped``). 0.10 lowers it as a
+  ``pallas_call`` over ``mesh`` (``grid_mapping`` describes the operands);
+  0.11 removed that entry point and lowers mesh kernels through its own
+  ``mpmd_map`` rule, which takes no scratch operands. ``params``: the rest
+  of ``pallas_call``'s lowering params.
+  """
+  registration = gpu().registration
+  if JAX_VERSION >= (0, 11):
+    aliases = FrozenDict(dict(params.pop("input_output_aliases")))
+    return registration.mpmd_map_mgpu_lowering_rule(
+      ctx,
+      *in_nodes,
+      meshes=(mesh,),
+      jaxprs=(jaxpr,),
+      input_output_aliases=aliases,
+      interpret=False,
+      external_meshes=(),
+      **params,
+    )
+  return registration.pallas_call_lowering(
+    ctx,
+    *in_nodes,
+    mesh=mesh,
+    jaxpr=jaxpr,
+    grid_mapping=grid_mapping,
+    interpret=False,
+    **params,
+  )
+
+
+@functools.cache
+def let_gpu_simulator_take_numpy() -> None:
+  """Lets the Mosaic GPU simulator's callbacks take numpy arguments.
+
+  Our simulator callbacks get numpy arrays, not jax Arrays (trap 3). From
+  0.11 on, the simulator rebuilds its thread and mesh-location dataclasses
+  from callback arguments with ``_to_int``, which takes ints, tracers and
+  jax Arrays but refuses numpy. Installed on first use of the simulator.
+  """
+  if JAX_VERSION < (0, 11):
+    return
+  memory = gpu().simulator_memory
+  to_int = memory._to_int
+
+  @functools.wraps(to_int)
+  def _to_int(x):
+    if isinstance(x, (np.ndarray, np.generic)):
+      return x.item()
+    return to_int(x)
+
+  memory._to_int = _to_int
+
+
+def gpu_barrier_waiter(args, kwargs) -> tuple[int, int, object]:
+  """``(device id, program in the block, logging info)`` of a call
+  ``Barrier.wait(*args, **kwargs)`` in the Mosaic GPU simulator.
+
+  0.10 passes the ids (``device_id, local_thread_id, logging_info``); 0.11
+  passes the waiting warpgroup (or warp) object (``thread, logging_info``).
+  """
+  if JAX_VERSION >= (0, 11):
+    thread, *rest = args or (kwargs["thread"],)
+    device, program = thread.device_id, thread.warpgroup_id
+  else:
+    device, program, *rest = args
+  logging_info = rest[0] if rest else kwargs.get("logging_info")
+  return int(device), int(program), logging_info
+
+
+def gpu_race_params(params):
+  """``(params to run the simulator with, whether a race is an error)``.
+
+  0.12 added ``on_race`` (default ``"raise"``): the detector then raises
+  inside a simulator callback, which surfaces as an opaque runtime error of
+  the launch. We run with ``"warn"`` so that it only records the race, and
+  raise our own error after the launch; ``on_race="warn"`` only warns.
+  Earlier versions only record races.
+  """
+  if JAX_VERSION < (0, 12) or not params.detect_races:
+    return params, True
+  return dataclasses.replace(params, on_race="warn"), params.on_race == "raise"
+
+
+# -- TPU simulator differences ------------------------------------------------
+
+
+def fail_tpu_simulation(memory, error: Exception, device: int, core: int):
+  """Fails a TPU simulation from inside one program's thread.
+
+  0.11 names the failed thread instead of its device and core.
+  """
+  if JAX_VERSION >= (0, 11):
+    memory.set_failed(
+      error, failed_thread=f"device {device} core {core}", top_level=False
+    )
+  else:
+    memory.set_failed(error, device, core, top_level=False)
+
+
+def report_races_to_caller(interpret_params):
+  """Simulator settings whose race detector records races for us to report
+  after the launch (0.12's raises inside a program thread by default)."""
+  if getattr(interpret_params, "on_race", None) == "raise":
+    return dataclasses.replace(interpret_params, on_race="warn")
+  return interpret_params

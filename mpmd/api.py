@@ -53,7 +53,7 @@ def mpmd_map(
 
   Args:
     meshes_and_fns: non-empty sequence of ``(mesh, fn)``; meshes are Pallas
-      meshes (``pltpu.create_tensorcore_mesh``, SparseCore meshes,
+      meshes (``mpmd.tensorcore_mesh``, SparseCore meshes,
       ``plgpu.Mesh``). Meshes may share an axis name only with equal sizes.
     out_types: a pytree of ``jax.ShapeDtypeStruct`` (or memory-space
       annotated types such as ``pltpu.HBM(shape, dtype)``).
@@ -78,7 +78,7 @@ def mpmd_map(
 
   Example::
 
-    mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
+    mesh = mpmd.tensorcore_mesh("core", num_cores=1)
 
     def double(x_hbm, o_hbm, buf):
       pltpu.sync_copy(x_hbm, buf)
@@ -186,7 +186,7 @@ def _check_meshes_and_fns(meshes_and_fns) -> tuple[tuple[Any, ...], list]:
     if not _is_mesh(mesh):
       raise TypeError(
         f"mpmd_map: expected meshes_and_fns[{i}][0] to be a Pallas mesh "
-        "(e.g. pltpu.create_tensorcore_mesh(...) or plgpu.Mesh(...)), got "
+        "(e.g. mpmd.tensorcore_mesh(...) or plgpu.Mesh(...)), got "
         f"{type(mesh).__name__}"
       )
     if not callable(fn):

@@ -6,6 +6,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
+from mpmd import meshes
 from mpmd.api import mpmd_map
 from mpmd.registry import Demo, register_demo
 
@@ -19,7 +20,7 @@ def _axpy_kernel(x_hbm, y_hbm, o_hbm, x_vmem, y_vmem):
 
 def axpy(x: jax.Array, y: jax.Array) -> jax.Array:
   """``2 * x + y`` as a one-core TPU kernel (f32 ``(8k, 128m)`` operands)."""
-  mesh = pltpu.create_tensorcore_mesh("core", num_cores=1)
+  mesh = meshes.tensorcore_mesh("core", num_cores=1)
   return mpmd_map(
     [(mesh, _axpy_kernel)],
     jax.ShapeDtypeStruct(x.shape, x.dtype),

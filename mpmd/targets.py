@@ -95,6 +95,13 @@ def current() -> TpuTarget:
   return TPU_TARGETS[_target.value or DEFAULT_TPU_TARGET]
 
 
+def num_cores() -> int:
+  """TensorCores per device: the attached TPU's, else the target's."""
+  if _no_tpu_attached():
+    return current().num_cores
+  return _jax.tpu().info.get_num_device_cores()
+
+
 def _no_tpu_attached() -> bool:
   abstract = mesh_lib.get_abstract_mesh().abstract_device
   if abstract is not None:
@@ -135,6 +142,7 @@ def install() -> None:
     chip = info.chip_version_from_device_kind(target.device_kind)
     return info.get_tpu_info_for_chip(chip, target.num_cores)
 
-  info.get_device_kind = get_device_kind
-  info.get_num_device_cores = get_num_device_cores
-  info.get_tpu_info = get_tpu_info
+  for module in _jax.tpu().info_modules:
+    module.get_device_kind = get_device_kind
+    module.get_num_device_cores = get_num_device_cores
+    module.get_tpu_info = get_tpu_info

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mpmd import _jax
 from mpmd._jax import (
   FrozenDict,
   ad,
@@ -36,7 +37,6 @@ from mpmd._jax import (
   pallas_core,
   pe,
   state,
-  state_discharge,
   util,
 )
 
@@ -85,9 +85,12 @@ def retrace(
 ) -> core.Jaxpr:
   """Traces ``body`` over ``jaxpr``'s input avals in ``mesh``'s context."""
   avals = [v.aval for v in jaxpr.invars] if avals is None else avals
-  debug_info = jaxpr.debug_info or api_util.debug_info(
-    "mpmd_map", body, avals, {}
-  )
+  debug_info = jaxpr.debug_info
+  names = debug_info.arg_names if debug_info is not None else None
+  if names is None or len(names) != len(avals):
+    # A rewrite that adds operands (discharge, hidden outputs) renames them:
+    # jax_enable_checks asserts one name per operand.
+    debug_info = api_util.debug_info("mpmd_map", body, avals, {})
   fun = lu.wrap_init(body, debug_info=debug_info)
   with tracing_context(mesh, meshes):
     new_jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(fun, avals)
@@ -275,7 +278,7 @@ def _mpmd_map_discharge(in_avals, avals_out, *args, **params):
   return new_invals, outs
 
 
-state_discharge.register_discharge_rule(mpmd_map_p)(_mpmd_map_discharge)
+_jax.register_discharge_rule(mpmd_map_p, _mpmd_map_discharge)
 
 
 # -- DCE ----------------------------------------------------------------------
@@ -289,7 +292,7 @@ def _mpmd_map_dce(used_outs: list[bool], eqn: core.JaxprEqn):
   return [True] * len(eqn.invars), eqn
 
 
-pe.dce_rules[mpmd_map_p] = _mpmd_map_dce
+_jax.register_dce_rule(mpmd_map_p, _mpmd_map_dce)
 
 
 # -- partial eval -------------------------------------------------------------

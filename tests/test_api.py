@@ -16,7 +16,7 @@ SHAPE = (16, 128)
 
 
 def tc_mesh(name="core", num_cores=1):
-  return pltpu.create_tensorcore_mesh(name, num_cores=num_cores)
+  return mpmd.tensorcore_mesh(name, num_cores=num_cores)
 
 
 def scale_kernel(x_hbm, o_hbm, buf):

@@ -39,13 +39,16 @@ def test_wheel_holds_only_the_mpmd_namespace(tmp_path):
   assert "mpmd/lowering/merge.py" in names
 
 
+# The project's library code (a virtual environment or a build inside the
+# checkout is not ours to police).
+LIBRARY_DIRS = ("mpmd", "primitives", "lowering", "kernels")
+
+
 def test_only_one_module_imports_jax_internals():
   offenders = []
-  for path in ROOT.glob("*/**/*.py"):
+  for path in (p for d in LIBRARY_DIRS for p in (ROOT / d).rglob("*.py")):
     rel = path.relative_to(ROOT)
-    if rel.parts[0] in ("tests", "benchmarks", "build") or rel == Path(
-      "mpmd/_jax.py"
-    ):
+    if rel == Path("mpmd/_jax.py"):
       continue
     for line in path.read_text().splitlines():
       if line.lstrip().startswith(("from jax._src", "import jax._src")):
@@ -53,18 +56,30 @@ def test_only_one_module_imports_jax_internals():
   assert not offenders, offenders
 
 
-def test_version_door_names_the_supported_version(monkeypatch):
+@pytest.mark.parametrize("version", ["0.10.1", "0.13.0", "1.0.0", "0.9.99"])
+def test_version_door_names_installed_and_supported(monkeypatch, version):
   import jax
 
-  monkeypatch.setattr(jax, "__version__", "0.0.1")
+  monkeypatch.setattr(jax, "__version__", version)
   sys.modules.pop("mpmd._jax")
   try:
-    with pytest.raises(ImportError, match=r"supports exactly jax==0\.10\.2"):
+    with pytest.raises(ImportError) as e:
       importlib.import_module("mpmd._jax")
+    assert "jax>=0.10.2,<0.13" in str(e.value)
+    assert f"found jax=={version}" in str(e.value)
   finally:
     monkeypatch.undo()
     sys.modules.pop("mpmd._jax", None)
     importlib.import_module("mpmd._jax")
+
+
+@pytest.mark.parametrize(
+  "version", ["0.10.2", "0.11.0", "0.11.2", "0.12.0", "0.12.0.1", "0.12.9"]
+)
+def test_version_door_accepts_the_range(version):
+  from mpmd import _jax
+
+  _jax.check_version("jax", version)  # does not raise
 
 
 def test_subpackages_import_under_the_mpmd_namespace():
@@ -81,7 +96,9 @@ def test_mpmd_check_exits_zero(capsys):
 
   assert cli.main(["check"]) == 0
   out = capsys.readouterr().out
-  assert "jax      0.10.2" in out
+  import jax
+
+  assert f"jax      {jax.__version__}" in out
   assert "quickstart      cpu" in out and "max |error| 0" in out
   assert "FAILED" not in out
 

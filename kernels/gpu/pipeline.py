@@ -757,6 +757,11 @@ class WarpSpecializedPipeline:
 
         @pl.when(step >= self.delay_release)
         def _release():
+          # The body may have read the slot through registers (the generic
+          # proxy) and the next TMA into it writes through the async proxy;
+          # only a proxy fence orders the two (the simulator checks it from
+          # jax 0.11 on).
+          plgpu.commit_smem()
           plgpu.barrier_arrive(consumed[0].at[release])
 
       return outputs.after_body(step, indices, runs), new_carry
@@ -810,7 +815,9 @@ def warp_specialized_pipeline(
     num_compute_wgs: warpgroups in the compute mesh; each runs the body on
       every step (it picks its share of the block with its axis index).
     manual_consumed_barriers: the body releases slots itself (e.g. after an
-      asynchronous WGMMA that reads them has finished).
+      asynchronous WGMMA that reads them has finished); a body that read a
+      slot through registers calls ``plgpu.commit_smem()`` before releasing
+      it, so that the next TMA into the slot is ordered after the reads.
     compute_context: ``compute_context(run)`` runs only on compute
       warpgroups; ``run(init_carry)`` runs the pipeline and returns the final
       carry, so the context can set up an accumulator and an epilogue.

@@ -488,8 +488,7 @@ import mpmd
 def body(x_ref, o_ref, buf_ref, vmem, send_sem, recv_sem):
   right = {"x": lax.rem(lax.axis_index("x") + 1, 2)}
   copy = pltpu.make_async_remote_copy(
-      x_ref, buf_ref, send_sem, recv_sem, device_id=right,
-      device_id_type=pl.DeviceIdType.MESH)
+      x_ref, buf_ref, send_sem, recv_sem, device_id=right)
   copy.start()
   pltpu.sync_copy(buf_ref, vmem)  # no wait_recv first: races with the DMA
   copy.wait_send()
@@ -498,7 +497,7 @@ def body(x_ref, o_ref, buf_ref, vmem, send_sem, recv_sem):
 
 def racy(x):
   return mpmd.mpmd_map(
-      [(pltpu.create_tensorcore_mesh("core", num_cores=1), body)],
+      [(mpmd.tensorcore_mesh("core", num_cores=1), body)],
       (jax.ShapeDtypeStruct(x.shape, x.dtype),) * 2,
       scratch_types=(pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA,
                      pltpu.SemaphoreType.DMA),

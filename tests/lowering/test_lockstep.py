@@ -20,8 +20,7 @@ from jax.sharding import PartitionSpec as P
 import mpmd
 
 ROWS = (8, 128)
-CORE = pltpu.create_tensorcore_mesh("core", num_cores=1)
-MESH_ID = pl.DeviceIdType.MESH
+CORE = mpmd.tensorcore_mesh("core", num_cores=1)
 
 
 def _launch(kernel, out_shape, scratch, interpret=None, debug=False):
@@ -55,7 +54,7 @@ def _shift_along(axis: str, size: int):
   def kernel(x_hbm, o_hbm, send, recv):
     right = jax.lax.rem(jax.lax.axis_index(axis) + 1, size)
     copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={axis: right}, device_id_type=MESH_ID
+      x_hbm, o_hbm, send, recv, device_id={axis: right}
     )
     copy.start()
     copy.wait()
@@ -73,9 +72,7 @@ def _ring_sum(n, interpret=None, debug=False):
     left = jax.lax.rem(me + n - 1, n)
     barrier = pltpu.get_barrier_semaphore()
     for neighbour in (left, right):
-      pl.semaphore_signal(
-        barrier, 1, device_id={"x": neighbour}, device_id_type=MESH_ID
-      )
+      pl.semaphore_signal(barrier, 1, device_id={"x": neighbour})
     pl.semaphore_wait(barrier, 2)
     pltpu.sync_copy(x_hbm, acc)
     pltpu.sync_copy(x_hbm, slots.at[0])
@@ -88,7 +85,6 @@ def _ring_sum(n, interpret=None, debug=False):
         send,
         recv,
         device_id={"x": right},
-        device_id_type=MESH_ID,
       )
 
       @pl.when(t > 0)
@@ -98,7 +94,7 @@ def _ring_sum(n, interpret=None, debug=False):
       copy.start()
       copy.wait()
       acc[...] += slots[1 - slot]
-      pl.semaphore_signal(cap, 1, device_id={"x": left}, device_id_type=MESH_ID)
+      pl.semaphore_signal(cap, 1, device_id={"x": left})
       return carry
 
     jax.lax.fori_loop(0, n - 1, step, 0)
@@ -160,7 +156,6 @@ def test_every_device_sends_to_device_zero(form):
       send,
       recv,
       device_id=target,
-      device_id_type=MESH_ID,
     )
     copy.start()
     copy.wait_send()
@@ -211,7 +206,7 @@ def _shift(wait_first: bool, receptions: int = 1):
   def kernel(x_hbm, o_hbm, send, recv):
     right = jax.lax.rem(jax.lax.axis_index("x") + 1, 4)
     copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"x": right}, device_id_type=MESH_ID
+      x_hbm, o_hbm, send, recv, device_id={"x": right}
     )
     if wait_first:
       copy.wait_recv()
@@ -254,7 +249,7 @@ def test_a_remote_dma_under_a_condition_goes_to_the_simulator(capsys):
   def kernel(x_hbm, o_hbm, send, recv):
     me = jax.lax.axis_index("x")
     copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"x": 1 - me}, device_id_type=MESH_ID
+      x_hbm, o_hbm, send, recv, device_id={"x": 1 - me}
     )
 
     @pl.when(me >= 0)
@@ -273,7 +268,7 @@ def test_a_remote_dma_under_a_condition_goes_to_the_simulator(capsys):
   printed = capsys.readouterr().out
   assert "tpu-simulator path" in printed
   assert "remote dma_start inside cond" in printed
-  np.testing.assert_array_equal(out, jnp.roll(x, ROWS[0], axis=0))
+  np.testing.assert_array_equal(out, np.roll(np.asarray(x), ROWS[0], axis=0))
 
 
 def test_pending_dmas_beyond_int16_counts():
@@ -291,7 +286,6 @@ def test_pending_dmas_beyond_int16_counts():
         send,
         recv,
         device_id={"x": right},
-        device_id_type=MESH_ID,
       )
       for i in range(2)
     ]
@@ -306,7 +300,7 @@ def test_pending_dmas_beyond_int16_counts():
 
   x = _rows(mesh, P("x"), (2 * half, 128))
   out = _sharded(mesh, P("x"), per_device)(x)
-  np.testing.assert_array_equal(out, jnp.roll(x, 2 * half, axis=0))
+  np.testing.assert_array_equal(out, np.roll(np.asarray(x), 2 * half, axis=0))
 
 
 def test_scoped_local_semaphores_run_in_lockstep(capsys):
@@ -317,7 +311,7 @@ def test_scoped_local_semaphores_run_in_lockstep(capsys):
   def kernel(x_hbm, o_hbm, send, recv, buf):
     right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
     copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"x": right}, device_id_type=MESH_ID
+      x_hbm, o_hbm, send, recv, device_id={"x": right}
     )
     copy.start()
     copy.wait()
@@ -340,7 +334,9 @@ def test_scoped_local_semaphores_run_in_lockstep(capsys):
   x = _rows(mesh, P("x"))
   out = _sharded(mesh, P("x"), per_device)(x)
   assert "lockstep path" in capsys.readouterr().out
-  np.testing.assert_array_equal(out, 2.0 * jnp.roll(x, ROWS[0], axis=0))
+  np.testing.assert_array_equal(
+    out, 2.0 * np.roll(np.asarray(x), ROWS[0], axis=0)
+  )
 
 
 def test_remote_dma_with_scoped_semaphores_goes_to_the_simulator(capsys):
@@ -352,7 +348,7 @@ def test_remote_dma_with_scoped_semaphores_goes_to_the_simulator(capsys):
     def scoped(send, recv):
       right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
       copy = pltpu.make_async_remote_copy(
-        x_hbm, o_hbm, send, recv, device_id={"x": right}, device_id_type=MESH_ID
+        x_hbm, o_hbm, send, recv, device_id={"x": right}
       )
       copy.start()
       copy.wait()
@@ -366,7 +362,7 @@ def test_remote_dma_with_scoped_semaphores_goes_to_the_simulator(capsys):
   with mpmd.deadlock_timeout(60.0):
     out = _sharded(mesh, P("x"), per_device)(x)
   assert "inside pl.run_scoped with semaphores" in capsys.readouterr().out
-  np.testing.assert_array_equal(out, jnp.roll(x, ROWS[0], axis=0))
+  np.testing.assert_array_equal(out, np.roll(np.asarray(x), ROWS[0], axis=0))
 
 
 def test_device_ids_naming_both_axes_of_a_2d_mesh():
@@ -381,7 +377,6 @@ def test_device_ids_naming_both_axes_of_a_2d_mesh():
       send,
       recv,
       device_id={"x": y, "y": x},
-      device_id_type=MESH_ID,
     )
     copy.start()
     copy.wait()
@@ -427,9 +422,7 @@ def test_one_value_naming_different_axes_is_two_patterns():
   def kernel(x_hbm, o1, o2, s1, r1, s2, r2):
     x, y = jax.lax.axis_index("x"), jax.lax.axis_index("y")
     d = 1 - x
-    swap = pltpu.make_async_remote_copy(
-      x_hbm, o1, s1, r1, device_id={"x": d}, device_id_type=MESH_ID
-    )
+    swap = pltpu.make_async_remote_copy(x_hbm, o1, s1, r1, device_id={"x": d})
     swap.start()
     swap.wait()
     # (x, *) -> (x, 1 - x): two senders per receiver, each into its y block.
@@ -439,7 +432,6 @@ def test_one_value_naming_different_axes_is_two_patterns():
       s2,
       r2,
       device_id={"y": d},
-      device_id_type=MESH_ID,
     )
     gather.start()
     gather.wait_send()

@@ -8,8 +8,9 @@ import numpy as np
 
 from mpmd import _jax
 
-# Substring of the Mosaic GPU custom call in a CUDA lowering
-# (``stablehlo.custom_call @mosaic_gpu_v2``).
+# The Mosaic GPU custom call in a CUDA lowering
+# (``stablehlo.custom_call @mosaic_gpu_v2``): one per kernel launch, however
+# many meshes the launch has.
 MOSAIC_GPU_CALL = re.compile(r"custom_call @mosaic_gpu")
 
 
@@ -69,9 +70,6 @@ def races_found() -> bool:
   """Whether the last kernel run with :func:`race_detecting_params` raced.
 
   The simulator keeps its race state in a module global until the next
-  kernel starts. jax-mpmd's door (``mpmd._jax``) does not expose it yet, so
-  the tests read it from the simulator's module.
+  kernel starts.
   """
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-
-  return interpret_pallas_call.get_races().races_found
+  return _jax.gpu().simulator.get_races().races_found

@@ -129,7 +129,7 @@ class TestMatmulCudaLowering(MatmulTestBase):
     lowered = util.cuda_lowering_text(
       functools.partial(fn, interpret=False), *args
     )
-    assert util.MOSAIC_GPU_CALL.search(lowered)
+    assert len(util.MOSAIC_GPU_CALL.findall(lowered)) == 1
 
   def test_demos_lower(self):
     from mpmd.registry import demos
@@ -141,7 +141,7 @@ class TestMatmulCudaLowering(MatmulTestBase):
       lowered = util.cuda_lowering_text(
         lambda *xs, demo=demo: demo.fn(*xs), *demo.args
       )
-      assert util.MOSAIC_GPU_CALL.search(lowered)
+      assert len(util.MOSAIC_GPU_CALL.findall(lowered)) == 1
 
 
 class TestMatmulErrors:

@@ -276,6 +276,7 @@ class TestWarpSpecializedSingleMesh(PipelineTestBase):
     def body(indices, x, o, consumed):
       del indices
       o[...] = x[...] + 1.0
+      plgpu.commit_smem()
       plgpu.barrier_arrive(consumed)
 
     out = _ws_call(
@@ -375,7 +376,7 @@ class TestWarpSpecializedMultiMesh(PipelineTestBase):
       interpret=False,
     )
     lowered = util.cuda_lowering_text(lambda x: fn([x]), x)
-    assert util.MOSAIC_GPU_CALL.search(lowered)
+    assert len(util.MOSAIC_GPU_CALL.findall(lowered)) == 1
 
 
 class TestPipelineErrors:

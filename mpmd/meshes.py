@@ -1,0 +1,39 @@
+"""Mesh constructors that mean the same on every supported jax version."""
+
+from mpmd import _jax, targets
+
+
+def tensorcore_mesh(axis_name: str, num_cores: int | None = None):
+  """A Pallas mesh of TPU TensorCores, one program per core.
+
+  The same mesh as ``pltpu.TensorCoreMesh(axis_name=..., num_cores=...)``
+  (jax 0.11+) or ``pltpu.create_tensorcore_mesh`` (jax 0.10.2, deprecated
+  later), built without deprecation warnings on either.
+
+  Args:
+    axis_name: the mesh's one axis, read in kernels with
+      ``jax.lax.axis_index(axis_name)``.
+    num_cores: the number of programs. By default, the TensorCores of the
+      attached TPU, or off-TPU those of the ``mpmd.tpu_target`` in force
+      (1 for the default ``"v5e"``).
+
+  Example::
+
+    mesh = mpmd.tensorcore_mesh("core", num_cores=2)
+    mesh.shape  # {'core': 2}
+  """
+  if not isinstance(axis_name, str):
+    raise TypeError(
+      f"tensorcore_mesh: expected 'axis_name' to be a str, got {axis_name!r}"
+    )
+  if num_cores is None:
+    num_cores = targets.num_cores()
+  if isinstance(num_cores, bool) or not isinstance(num_cores, int):
+    raise TypeError(
+      f"tensorcore_mesh: expected 'num_cores' to be an int, got {num_cores!r}"
+    )
+  if num_cores < 1:
+    raise ValueError(
+      f"tensorcore_mesh: expected 'num_cores' >= 1, got {num_cores}"
+    )
+  return _jax.tensorcore_mesh(axis_name, num_cores)
