@@ -92,7 +92,7 @@ def lower(
   transforms = tuple(params["scratch_transforms"][i] for i in kept)
   pallas_params = common.pallas_params(mesh, jaxpr, ctx, params)
   pallas_params["kernel_arg_transforms"] = ((),) * num_operands + transforms
-  interpret, races_are_errors = _jax.gpu_race_params(interpret)
+  interpret, races_are_errors = _jax.race_params(interpret)
   if ranges is None:
     thread_axis = (
       {mesh.thread_name: mesh.num_threads} if mesh.num_threads else {}

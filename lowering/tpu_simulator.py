@@ -140,11 +140,11 @@ def lower(
   if ranges is None:
     ranges = (watchdog.MeshRange(0, dict(mesh.shape), 0),)
 
+  interpret, races_are_errors = _jax.race_params(interpret)
+
   def run(*args):
     results = tpu().simulator.interpret_pallas_call(
-      *args,
-      interpret_params=_jax.report_races_to_caller(interpret),
-      **pallas_params,
+      *args, interpret_params=interpret, **pallas_params
     )
     return results[:num_out]
 
@@ -155,6 +155,6 @@ def lower(
     run=run,
     reset=_reset_if_failed,
     races_found=_races_found,
-    detect_races=interpret.detect_races,
+    detect_races=interpret.detect_races and races_are_errors,
     orders="semaphores or DMA waits",
   )

@@ -323,20 +323,6 @@ def gpu_barrier_waiter(args, kwargs) -> tuple[int, int, object]:
   return int(device), int(program), logging_info
 
 
-def gpu_race_params(params):
-  """``(params to run the simulator with, whether a race is an error)``.
-
-  0.12 added ``on_race`` (default ``"raise"``): the detector then raises
-  inside a simulator callback, which surfaces as an opaque runtime error of
-  the launch. We run with ``"warn"`` so that it only records the race, and
-  raise our own error after the launch; ``on_race="warn"`` only warns.
-  Earlier versions only record races.
-  """
-  if JAX_VERSION < (0, 12) or not params.detect_races:
-    return params, True
-  return dataclasses.replace(params, on_race="warn"), params.on_race == "raise"
-
-
 # -- TPU simulator differences ------------------------------------------------
 
 
@@ -353,9 +339,18 @@ def fail_tpu_simulation(memory, error: Exception, device: int, core: int):
     memory.set_failed(error, device, core, top_level=False)
 
 
-def report_races_to_caller(interpret_params):
-  """Simulator settings whose race detector records races for us to report
-  after the launch (0.12's raises inside a program thread by default)."""
-  if getattr(interpret_params, "on_race", None) == "raise":
-    return dataclasses.replace(interpret_params, on_race="warn")
-  return interpret_params
+def race_params(params):
+  """``(params to run a simulator with, whether a race is an error)``.
+
+  0.12 added ``on_race`` (default ``"raise"``) to both simulators: the
+  detector then raises inside a program's thread, which surfaces as an
+  opaque runtime error of the launch. We run with ``"warn"`` so that it only
+  records the race, and raise our own error after the launch; a user's
+  ``on_race="warn"`` only warns. Earlier versions only record races.
+  """
+  if not getattr(params, "detect_races", False):
+    return params, True
+  on_race = getattr(params, "on_race", "raise")
+  if on_race == "raise" and JAX_VERSION >= (0, 12):
+    params = dataclasses.replace(params, on_race="warn")
+  return params, on_race == "raise"
