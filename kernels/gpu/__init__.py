@@ -4,6 +4,9 @@
 * :func:`warp_specialized_pipeline`: the same contract split across a memory
   mesh (TMA copies) and a compute mesh (the body), assembled into one
   ``mpmd_map`` call by :func:`warp_specialized_kernel`.
+* :func:`emit_pipeline` and :func:`emit_pipeline_warp_specialized`: drop-ins
+  for upstream's ``plgpu`` functions of the same names (the second runs the
+  warp-specialized pipeline on the thread axis of one mesh).
 * :func:`matmul`: Hopper-style tiled matmul (TMA, swizzled SMEM, WGMMA) on
   either pipeline; :func:`fused_matmul` adds a fused ``activation(a @ b + c)``
   epilogue.
@@ -21,9 +24,19 @@ from mpmd.kernels.gpu.pipeline import (
 from mpmd.kernels.gpu.pipeline import (
   warp_specialized_pipeline as warp_specialized_pipeline,
 )
+from mpmd.kernels.gpu.upstream import (
+  EmittedWarpSpecializedPipeline as EmittedWarpSpecializedPipeline,
+)
+from mpmd.kernels.gpu.upstream import emit_pipeline as emit_pipeline
+from mpmd.kernels.gpu.upstream import (
+  emit_pipeline_warp_specialized as emit_pipeline_warp_specialized,
+)
 
 __all__ = [
+  "EmittedWarpSpecializedPipeline",
   "WarpSpecializedPipeline",
+  "emit_pipeline",
+  "emit_pipeline_warp_specialized",
   "fused_matmul",
   "matmul",
   "pipeline",

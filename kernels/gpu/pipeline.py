@@ -22,6 +22,17 @@ Both pipelines support index-invariant operands (loaded once, stored once),
 e.g. for asynchronous WGMMA) and outputs that are stored only when their block
 changes (consecutive steps with the same output block reuse one SMEM buffer, so
 the body may accumulate into it).
+
+Drop-ins for upstream's ``plgpu.emit_pipeline`` and
+``plgpu.emit_pipeline_warp_specialized`` live in
+:mod:`mpmd.kernels.gpu.upstream`.
+
+Grids and block specs follow Pallas: a grid entry is a positive int or a
+traced int32 scalar (the number of steps is then known only when the kernel
+runs); a block dimension is an int or ``pl.Blocked(n)`` (block ``i`` covers
+``[i * n, (i + 1) * n)``), ``pl.Element(n)`` (the index map returns the
+element offset of a window of ``n``) or ``None`` / ``pl.Squeezed()`` (one
+element, dropped from the SMEM block).
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
@@ -44,31 +56,208 @@ from jax.extend import core as jex_core
 _OUTPUT_SLOTS = 2
 
 # Registers per thread (H100): a warpgroup may use at most this many, and a
-# warpgroup-sized share of the 64K register file is 512.
+# warpgroup-sized share of the 64K register file is 512. ``setmaxnreg`` takes
+# multiples of the granule between the minimum and the maximum.
+_MIN_REGISTERS = 24
 _MAX_REGISTERS = 256
 _REGISTER_FILE_PER_WG = 512
 _REGISTER_GRANULE = 8
 MEMORY_WG_REGISTERS = 40
+
+# A grid entry: a static size or a traced int32 scalar.
+GridEntry = int | jax.Array
+
+
+# ---------------------------------------------------------------------------
+# Grids
+# ---------------------------------------------------------------------------
+
+
+def _check_grid(where: str, grid: Any) -> tuple[GridEntry, ...]:
+  """Static entries as ints, traced ones as int32 scalars."""
+  if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool):
+    grid = (grid,)
+  if not isinstance(grid, (tuple, list)):
+    raise TypeError(
+      f"{where}: expected 'grid' as a tuple of ints or int32 scalars, got "
+      f"{type(grid).__name__}"
+    )
+  checked = []
+  for g in grid:
+    if isinstance(g, bool):
+      raise TypeError(
+        f"{where}: expected 'grid' entries as ints or int32 scalars, got "
+        f"the bool {g}"
+      )
+    if isinstance(g, (int, np.integer)):
+      if g <= 0:
+        raise ValueError(
+          f"{where}: expected 'grid' of positive ints, got {tuple(grid)}"
+        )
+      checked.append(int(g))
+      continue
+    dtype = getattr(g, "dtype", None)
+    if (
+      dtype is None
+      or np.shape(g) != ()
+      or not jnp.issubdtype(dtype, jnp.integer)
+    ):
+      raise TypeError(
+        f"{where}: expected 'grid' entries as ints or integer scalars, got "
+        f"{g!r}"
+      )
+    checked.append(lax.convert_element_type(g, jnp.int32))
+  return tuple(checked)
+
+
+def _is_static(value: Any) -> bool:
+  return isinstance(value, int)
+
+
+def _i32(value: GridEntry) -> jax.Array:
+  return jnp.int32(value) if _is_static(value) else value
+
+
+def _num_steps(grid: tuple[GridEntry, ...]) -> GridEntry:
+  """The number of steps: an int for a static grid, else an int32 scalar."""
+  if all(map(_is_static, grid)):
+    return math.prod(grid)
+  return functools.reduce(lax.mul, map(_i32, grid))
+
+
+def _slots(max_concurrent_steps: int, num_steps: GridEntry) -> int:
+  # Fewer slots than steps in flight when a static grid is short: SMEM is
+  # scarce. A traced grid may be long, so it gets every slot.
+  if _is_static(num_steps):
+    return min(max_concurrent_steps, num_steps)
+  return max_concurrent_steps
+
+
+def _unravel(step: jax.Array, grid: tuple[GridEntry, ...]):
+  """Grid indices (row-major, int32) of the linear ``step``."""
+  indices = []
+  for size in reversed(grid):
+    indices.append(lax.rem(step, _i32(size)))
+    step = lax.div(step, _i32(size))
+  return tuple(reversed(indices))
+
+
+def _any_steps(num_steps: GridEntry) -> bool | jax.Array:
+  """Whether the grid has a step (always, for a static grid)."""
+  return True if _is_static(num_steps) else num_steps > 0
+
+
+def _when(condition: bool | jax.Array, fn: Callable[[], None]) -> None:
+  """``pl.when`` that folds a static condition at trace time."""
+  if isinstance(condition, (bool, np.bool_)):
+    if condition:
+      fn()
+  else:
+    pl.when(condition)(fn)
 
 
 # ---------------------------------------------------------------------------
 # Block specs
 # ---------------------------------------------------------------------------
 
+_BLOCKED, _ELEMENT, _SQUEEZED = "blocked", "element", "squeezed"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dim:
+  """One block dimension: how its index becomes a GMEM window."""
+
+  kind: str  # _BLOCKED, _ELEMENT or _SQUEEZED.
+  size: int  # Elements in the window (1 when squeezed).
+
+  def window(self, index: jax.Array):
+    if self.kind == _BLOCKED:
+      return pl.ds(index * self.size, self.size)
+    if self.kind == _ELEMENT:
+      return pl.ds(index, self.size)
+    return index  # An integer index drops the dimension.
+
+
+def _make_dim(where: str, dim: Any) -> _Dim:
+  if dim is None or isinstance(dim, pl.Squeezed):
+    return _Dim(_SQUEEZED, 1)
+  if isinstance(dim, pl.Blocked):
+    dim = dim.block_size
+  if isinstance(dim, pl.Element):
+    if tuple(dim.padding) != (0, 0):
+      raise NotImplementedError(
+        f"{where}: pl.Element block dimensions with padding are not "
+        f"supported, got padding={dim.padding}"
+      )
+    kind, size = _ELEMENT, dim.block_size
+  elif isinstance(dim, (int, np.integer)) and not isinstance(dim, bool):
+    kind, size = _BLOCKED, dim
+  elif isinstance(dim, pl.BoundedSlice):
+    raise NotImplementedError(
+      f"{where}: pl.BoundedSlice block dimensions are not supported"
+    )
+  else:
+    raise TypeError(
+      f"{where}: expected block dimensions as ints, pl.Blocked, pl.Element, "
+      f"pl.Squeezed or None, got {dim!r}"
+    )
+  if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+    raise TypeError(f"{where}: expected an int block size, got {size!r}")
+  if size <= 0:
+    raise ValueError(f"{where}: expected positive block sizes, got {size}")
+  return _Dim(kind, int(size))
+
 
 @dataclasses.dataclass(frozen=True)
 class _Operand:
   """A validated block spec of one pipeline operand."""
 
-  block_shape: tuple[int, ...] | None  # None: the whole ref, never copied.
-  index_map: Callable[..., Any] | None
+  in_smem: bool  # False: the whole GMEM ref is passed to the body.
+  dims: tuple[_Dim, ...] | None  # None: one block, the whole operand.
+  index_map: Callable[..., Any] | None  # None: always block (0, ...).
   transforms: tuple[Any, ...]
   delay_release: int
   invariant: bool  # The block does not depend on the grid indices.
 
-  @property
-  def in_smem(self) -> bool:
-    return self.block_shape is not None
+  def resolve(self, shape: Sequence[int]) -> tuple[_Dim, ...]:
+    if self.dims is None:
+      return tuple(_Dim(_BLOCKED, int(s)) for s in shape)
+    return self.dims
+
+  def smem_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(d.size for d in self.resolve(shape) if d.kind != _SQUEEZED)
+
+  def block_indices(self, indices, ndim: int) -> tuple[jax.Array, ...]:
+    if self.index_map is None:
+      return (jnp.int32(0),) * ndim
+    out = self.index_map(*indices)
+    out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    if len(out) != ndim:
+      raise ValueError(
+        f"pipeline: expected index_map to return {ndim} block indices (one "
+        f"per block dim), got {len(out)}"
+      )
+    return tuple(jnp.asarray(i).astype(jnp.int32) for i in out)
+
+  def gmem_block(self, gmem_ref, indices):
+    dims = self.resolve(gmem_ref.shape)
+    windows = tuple(
+      d.window(i)
+      for d, i in zip(dims, self.block_indices(indices, len(dims)), strict=True)
+    )
+    return gmem_ref.at[windows]
+
+  def copy_in(self, gmem_ref, indices, smem_ref, barrier_ref) -> None:
+    plgpu.copy_gmem_to_smem(
+      self.gmem_block(gmem_ref, indices), smem_ref, barrier_ref
+    )
+
+  def smem(self, slots: int, ref_type: Any) -> Any:
+    return plgpu.SMEM(
+      (slots, *self.smem_shape(ref_type.shape)),
+      ref_type.dtype,
+      transforms=self.transforms,
+    )
 
 
 def _depends_on_indices(index_map: Callable[..., Any], ndim: int) -> bool:
@@ -87,20 +276,24 @@ def _depends_on_indices(index_map: Callable[..., Any], ndim: int) -> bool:
   return any(map(uses, jaxpr.outvars))
 
 
-def _make_operand(where: str, spec: Any, grid: tuple[int, ...]) -> _Operand:
+def _in_smem(where: str, memory_space: Any) -> bool:
+  if memory_space in (None, plgpu.SMEM, pl.MemorySpace.DEFAULT):
+    return True
+  if memory_space in (plgpu.GMEM, pl.MemorySpace.ANY):
+    return False
+  raise ValueError(
+    f"{where}: expected memory_space SMEM (copied block by block) or "
+    f"GMEM (passed through), got {memory_space}"
+  )
+
+
+def _make_operand(where: str, spec: Any, grid: tuple[GridEntry, ...]):
   if not isinstance(spec, pl.BlockSpec):
     raise TypeError(
       f"{where}: expected a pl.BlockSpec or plgpu.BlockSpec, got "
       f"{type(spec).__name__}"
     )
-  memory_space = spec.memory_space
-  if memory_space not in (None, plgpu.SMEM, plgpu.GMEM) and (
-    memory_space is not pl.MemorySpace.ANY
-  ):
-    raise ValueError(
-      f"{where}: expected memory_space SMEM (copied block by block) or "
-      f"GMEM (passed through), got {memory_space}"
-    )
+  in_smem = _in_smem(where, spec.memory_space)
   if spec.pipeline_mode is not None:
     raise NotImplementedError(
       f"{where}: pipeline_mode is not supported; use max_concurrent_steps"
@@ -118,35 +311,30 @@ def _make_operand(where: str, spec: Any, grid: tuple[int, ...]) -> _Operand:
     raise ValueError(
       f"{where}: expected delay_release >= 0, got {delay_release}"
     )
-  transforms = tuple(getattr(spec, "transforms", ()))
-  if memory_space in (plgpu.GMEM, pl.MemorySpace.ANY):
-    return _Operand(None, None, (), 0, True)
-  if spec.block_shape is None or spec.index_map is None:
-    raise ValueError(
-      f"{where}: expected block_shape and index_map for an SMEM operand, "
-      f"got block_shape={spec.block_shape}, index_map={spec.index_map}"
-    )
-  block_shape = tuple(spec.block_shape)
-  if not all(isinstance(b, int) and b > 0 for b in block_shape):
-    raise ValueError(
-      f"{where}: expected block_shape of positive ints, got {block_shape}"
-    )
-  invariant = not _depends_on_indices(spec.index_map, len(grid))
+  if not in_smem:
+    return _Operand(False, None, None, (), 0, True)
+  dims = None
+  if spec.block_shape is not None:
+    dims = tuple(_make_dim(where, d) for d in spec.block_shape)
+  index_map = spec.index_map
+  invariant = index_map is None or not _depends_on_indices(index_map, len(grid))
   return _Operand(
-    block_shape, spec.index_map, transforms, delay_release, invariant
+    in_smem=True,
+    dims=dims,
+    index_map=index_map,
+    transforms=tuple(getattr(spec, "transforms", ())),
+    delay_release=delay_release,
+    invariant=invariant,
   )
 
 
-def _check_grid(where: str, grid: Any) -> tuple[int, ...]:
-  if isinstance(grid, int):
-    grid = (grid,)
-  if not isinstance(grid, (tuple, list)) or not grid:
-    raise TypeError(f"{where}: expected 'grid' as a tuple of ints, got {grid}")
-  if not all(isinstance(g, int) and g > 0 for g in grid):
-    raise ValueError(
-      f"{where}: expected 'grid' of positive ints, got {tuple(grid)}"
-    )
-  return tuple(grid)
+def _make_operands(where, specs, grid, kind) -> tuple[_Operand, ...]:
+  # A lone spec stands for a one-element sequence (as upstream accepts).
+  if isinstance(specs, pl.BlockSpec):
+    specs = (specs,)
+  return tuple(
+    _make_operand(f"{where}: {kind}[{i}]", s, grid) for i, s in enumerate(specs)
+  )
 
 
 def _check_steps(where: str, max_concurrent_steps: Any) -> int:
@@ -171,16 +359,26 @@ def _check_refs(
       f"{len(refs)}"
     )
   for i, (op, ref) in enumerate(zip(operands, refs, strict=True)):
-    if op.block_shape is None:
+    if not op.in_smem or op.dims is None:
       continue
     shape = tuple(ref.shape)
-    if len(shape) != len(op.block_shape) or any(
-      s % b for s, b in zip(shape, op.block_shape, strict=True)
-    ):
+    if len(shape) != len(op.dims):
       raise ValueError(
-        f"{where}: {kind}[{i}] expected a shape divisible by its "
-        f"block_shape {op.block_shape}, got {shape}"
+        f"{where}: {kind}[{i}] expected rank {len(op.dims)} (one dim per "
+        f"block dim), got shape {shape}"
       )
+    block = tuple(d.size if d.kind != _SQUEEZED else None for d in op.dims)
+    for d, s in zip(op.dims, shape, strict=True):
+      if d.kind == _BLOCKED and s % d.size:
+        raise ValueError(
+          f"{where}: {kind}[{i}] expected a shape divisible by its "
+          f"block_shape {block}, got {shape}"
+        )
+      if d.size > s:
+        raise ValueError(
+          f"{where}: {kind}[{i}] expected a shape at least its block_shape "
+          f"{block}, got {shape}"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -188,42 +386,12 @@ def _check_refs(
 # ---------------------------------------------------------------------------
 
 
-def _unravel(step: jax.Array, grid: tuple[int, ...]) -> tuple[jax.Array, ...]:
-  """Grid indices (row-major, int32) of the linear ``step``."""
-  indices = []
-  for size in reversed(grid):
-    indices.append(lax.rem(step, jnp.int32(size)))
-    step = lax.div(step, jnp.int32(size))
-  return tuple(reversed(indices))
-
-
-def _block_indices(op: _Operand, indices: tuple[jax.Array, ...]):
-  out = op.index_map(*indices)
-  out = out if isinstance(out, (tuple, list)) else (out,)
-  if len(out) != len(op.block_shape):
-    raise ValueError(
-      f"pipeline: expected index_map to return {len(op.block_shape)} block "
-      f"indices (one per block dim), got {len(out)}"
-    )
-  return tuple(jnp.asarray(i, jnp.int32) for i in out)
-
-
-def _gmem_block(op: _Operand, gmem_ref, indices):
-  slices = tuple(
-    pl.ds(i * b, b)
-    for i, b in zip(_block_indices(op, indices), op.block_shape, strict=True)
-  )
-  return gmem_ref.at[slices]
-
-
 def _differs(a: Sequence[jax.Array], b: Sequence[jax.Array]) -> jax.Array:
   return functools.reduce(
-    jnp.logical_or, (x != y for x, y in zip(a, b, strict=True))
+    jnp.logical_or,
+    (x != y for x, y in zip(a, b, strict=True)),
+    jnp.bool_(False),
   )
-
-
-def _smem(op: _Operand, slots: int, dtype) -> Any:
-  return plgpu.SMEM((slots, *op.block_shape), dtype, transforms=op.transforms)
 
 
 class _Outputs:
@@ -235,12 +403,12 @@ class _Outputs:
   between two buffers so that a store overlaps the next run.
   """
 
-  def __init__(self, operands, gmem_refs, smem_refs, grid, num_steps):
+  def __init__(self, operands, gmem_refs, smem_refs, grid):
     self.operands = operands
     self.gmem_refs = gmem_refs
     self.smem_refs = smem_refs
     self.grid = grid
-    self.num_steps = num_steps
+    self.num_steps = _num_steps(grid)
     self.streamed = [op.in_smem and not op.invariant for op in self.operands]
 
   def init_runs(self):
@@ -270,7 +438,7 @@ class _Outputs:
     if not any(self.streamed):
       return runs
     plgpu.commit_smem()
-    last = jnp.int32(self.num_steps - 1)
+    last = _i32(self.num_steps) - 1
     next_indices = _unravel(jnp.minimum(step + 1, last), self.grid)
     new_runs = []
     for op, gmem, smem, run, streamed in zip(
@@ -284,15 +452,19 @@ class _Outputs:
       if not streamed:
         new_runs.append(run)
         continue
+      ndim = len(op.resolve(gmem.shape))
       ends = jnp.logical_or(
         step == last,
-        _differs(_block_indices(op, indices), _block_indices(op, next_indices)),
+        _differs(
+          op.block_indices(indices, ndim),
+          op.block_indices(next_indices, ndim),
+        ),
       )
       slot = lax.rem(run, jnp.int32(_OUTPUT_SLOTS))
 
       @pl.when(ends)
       def _store(op=op, gmem=gmem, smem=smem, slot=slot):
-        plgpu.copy_smem_to_gmem(smem.at[slot], _gmem_block(op, gmem, indices))
+        plgpu.copy_smem_to_gmem(smem.at[slot], op.gmem_block(gmem, indices))
         plgpu.commit_smem_to_gmem_group()
 
       new_runs.append(run + ends.astype(jnp.int32))
@@ -307,12 +479,17 @@ class _Outputs:
       )
       if op.in_smem and op.invariant
     ]
-    if invariant:
+
+    def store():
       plgpu.commit_smem()
       zeros = (jnp.int32(0),) * len(self.grid)
       for op, gmem, smem in invariant:
-        plgpu.copy_smem_to_gmem(smem.at[0], _gmem_block(op, gmem, zeros))
+        plgpu.copy_smem_to_gmem(smem.at[0], op.gmem_block(gmem, zeros))
       plgpu.commit_smem_to_gmem_group()
+
+    if invariant:
+      # A traced grid may have no steps: the body never wrote the block.
+      _when(_any_steps(self.num_steps), store)
     if invariant or any(self.streamed):
       plgpu.wait_smem_to_gmem(0)
 
@@ -325,7 +502,7 @@ class _Outputs:
 def pipeline(
   body: Callable[..., Any],
   *,
-  grid: Sequence[int],
+  grid: Sequence[GridEntry],
   in_specs: Sequence[pl.BlockSpec] = (),
   out_specs: Sequence[pl.BlockSpec] = (),
   max_concurrent_steps: int = 2,
@@ -343,17 +520,25 @@ def pipeline(
 
   Args:
     body: ``body(indices, *in_blocks, *out_blocks[, carry])``; ``indices`` is
-      a tuple of int32 scalars, blocks are SMEM refs of ``block_shape``. With
-      ``init_carry`` it returns the next carry, otherwise None.
-    grid: sequential grid, positive ints, walked in row-major order.
-    in_specs: one ``pl.BlockSpec`` / ``plgpu.BlockSpec`` per input:
-      ``block_shape`` (ints dividing the operand's shape) and ``index_map``
-      from grid indices to block indices; ``plgpu.BlockSpec`` may add SMEM
-      ``transforms`` (tiling, swizzle) and ``delay_release``. A spec with
+      a tuple of int32 scalars, blocks are SMEM refs of the block shape (with
+      squeezed dims dropped). With ``init_carry`` it returns the next carry,
+      otherwise None.
+    grid: sequential grid walked in row-major order (a tuple or list; ``()``
+      is one step): positive ints, or integer scalars traced in the kernel
+      (e.g. read from a ref or computed from ``lax.axis_index``), which may
+      be zero.
+    in_specs: one ``pl.BlockSpec`` / ``plgpu.BlockSpec`` per input. Block
+      dims: ints or ``pl.Blocked`` (dividing the operand's dim),
+      ``pl.Element(n)`` (the index map returns an element offset) or
+      ``None`` / ``pl.Squeezed()``; ``block_shape=None`` is the whole
+      operand. ``index_map`` maps grid indices to block indices (None: block
+      0). ``plgpu.BlockSpec`` may add SMEM ``transforms`` (tiling, swizzle),
+      ``delay_release`` (jax 0.12's ``oob_fill_mode`` is accepted and
+      ignored: copies keep the default, zero fill). A spec with
       ``memory_space=plgpu.GMEM`` passes the whole GMEM ref to the body.
     out_specs: like ``in_specs``, for outputs.
     max_concurrent_steps: SMEM slots per streamed input (steps in flight);
-      capped at the number of steps.
+      capped at the number of steps of a static grid.
     init_carry: optional pytree carried through the body.
     compute_context: instead of ``init_carry``, ``compute_context(run)`` is
       called inside the pipeline's SMEM scope; ``run(init_carry)`` runs the
@@ -379,14 +564,8 @@ def pipeline(
   where = "pipeline"
   grid = _check_grid(where, grid)
   max_concurrent_steps = _check_steps(where, max_concurrent_steps)
-  ins = [
-    _make_operand(f"{where}: in_specs[{i}]", s, grid)
-    for i, s in enumerate(in_specs)
-  ]
-  outs = [
-    _make_operand(f"{where}: out_specs[{i}]", s, grid)
-    for i, s in enumerate(out_specs)
-  ]
+  ins = _make_operands(where, in_specs, grid, "in_specs")
+  outs = _make_operands(where, out_specs, grid, "out_specs")
   for i, op in enumerate(ins):
     if op.delay_release >= max_concurrent_steps:
       raise ValueError(
@@ -399,8 +578,8 @@ def pipeline(
       f"{where}: expected init_carry or compute_context, got both"
     )
   has_carry = init_carry is not None or compute_context is not None
-  num_steps = math.prod(grid)
-  slots = min(max_concurrent_steps, num_steps)
+  num_steps = _num_steps(grid)
+  slots = _slots(max_concurrent_steps, num_steps)
   streamed = [op.in_smem and not op.invariant for op in ins]
   once = [op.in_smem and op.invariant for op in ins]
 
@@ -410,11 +589,11 @@ def pipeline(
     _check_refs(where, outs, out_refs, "output")
     scratch = dict(
       in_smem=[
-        _smem(op, slots if s else 1, ref.dtype) if op.in_smem else None
+        op.smem(slots if s else 1, ref) if op.in_smem else None
         for op, ref, s in zip(ins, in_refs, streamed, strict=True)
       ],
       out_smem=[
-        _smem(op, 1 if op.invariant else _OUTPUT_SLOTS, ref.dtype)
+        op.smem(1 if op.invariant else _OUTPUT_SLOTS, ref)
         if op.in_smem
         else None
         for op, ref in zip(outs, out_refs, strict=True)
@@ -439,23 +618,23 @@ def pipeline(
         ins, in_gmem, in_smem, streamed, strict=True
       ):
         if s and (delay is None or op.delay_release == delay):
-          plgpu.copy_gmem_to_smem(
-            _gmem_block(op, gmem, indices), smem.at[slot], loaded.at[slot]
-          )
+          op.copy_in(gmem, indices, smem.at[slot], loaded.at[slot])
 
     zeros = (jnp.int32(0),) * len(grid)
     for op, gmem, smem, o in zip(ins, in_gmem, in_smem, once, strict=True):
       if o:
-        plgpu.copy_gmem_to_smem(
-          _gmem_block(op, gmem, zeros), smem.at[0], loaded_once
-        )
+        op.copy_in(gmem, zeros, smem.at[0], loaded_once)
     if any(streamed):
       for step in range(slots):
-        fetch(jnp.int32(step))
+        # A traced grid may have fewer steps than slots.
+        _when(
+          _is_static(num_steps) or step < num_steps,
+          functools.partial(fetch, jnp.int32(step)),
+        )
     if loaded_once is not None:
       plgpu.barrier_wait(loaded_once)
 
-    outputs = _Outputs(outs, out_gmem, out_smem, grid, num_steps)
+    outputs = _Outputs(outs, out_gmem, out_smem, grid)
     delays = sorted(
       {op.delay_release for op, s in zip(ins, streamed, strict=True) if s}
     )
@@ -508,7 +687,7 @@ def pipeline(
   return run
 
 
-def _run_once(where: str, compute_context, loop) -> None:
+def _run_once(where: str, compute_context, loop) -> Any:
   """Calls ``compute_context(run)``, checking that it runs ``loop`` once."""
   calls = []
 
@@ -547,7 +726,28 @@ def compute_registers(num_compute_wgs: int, memory_registers: int) -> int:
   return share // _REGISTER_GRANULE * _REGISTER_GRANULE
 
 
-@dataclasses.dataclass(frozen=True)
+def _check_registers(where: str, memory_registers: Any) -> None:
+  if memory_registers is None:
+    return
+  if isinstance(memory_registers, bool) or not isinstance(
+    memory_registers, int
+  ):
+    raise TypeError(
+      f"{where}: expected 'memory_registers' an int or None, got "
+      f"{memory_registers!r}"
+    )
+  if (
+    not _MIN_REGISTERS <= memory_registers <= _MAX_REGISTERS
+    or memory_registers % _REGISTER_GRANULE
+  ):
+    raise ValueError(
+      f"{where}: expected 'memory_registers' a multiple of "
+      f"{_REGISTER_GRANULE} in [{_MIN_REGISTERS}, {_MAX_REGISTERS}], got "
+      f"{memory_registers}"
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class WarpSpecializedPipeline:
   """A pipeline split between a memory mesh and a compute mesh.
 
@@ -562,7 +762,7 @@ class WarpSpecializedPipeline:
   """
 
   body: Callable[..., Any]
-  grid: tuple[int, ...]
+  grid: tuple[GridEntry, ...]
   ins: tuple[_Operand, ...]
   outs: tuple[_Operand, ...]
   slots: int
@@ -571,10 +771,11 @@ class WarpSpecializedPipeline:
   manual_consumed_barriers: bool
   compute_context: Callable[..., Any] | None
   memory_registers: int | None
+  manual_produced_barriers: bool = False
 
   @property
-  def num_steps(self) -> int:
-    return math.prod(self.grid)
+  def num_steps(self) -> GridEntry:
+    return _num_steps(self.grid)
 
   @property
   def _streamed(self) -> list[bool]:
@@ -583,6 +784,15 @@ class WarpSpecializedPipeline:
   @property
   def _once(self) -> list[bool]:
     return [op.in_smem and op.invariant for op in self.ins]
+
+  @property
+  def _synced(self) -> bool:
+    """Whether the meshes meet through barriers at every step."""
+    return (
+      any(self._streamed)
+      or self.manual_consumed_barriers
+      or self.manual_produced_barriers
+    )
 
   def scratch_types(self, *gmem_types: Any) -> dict[str, Any]:
     """SMEM and barrier types for ``mpmd_map(..., scratch_types=...)``.
@@ -603,21 +813,26 @@ class WarpSpecializedPipeline:
     _check_refs(where, self.ins, in_types, "input")
     _check_refs(where, self.outs, out_types, "output")
     streamed, once = self._streamed, self._once
+    if self.manual_produced_barriers:
+      # One barrier per input; the body waits on them itself.
+      loaded = [plgpu.Barrier(num_barriers=self.slots) for _ in self.ins]
+    elif any(streamed):
+      loaded = [
+        plgpu.Barrier(num_arrivals=sum(streamed), num_barriers=self.slots)
+      ]
+    else:
+      loaded = []
     num_consumed = len(self.ins) if self.manual_consumed_barriers else 1
     return dict(
       in_smem=[
-        _smem(op, self.slots if s else 1, t.dtype) if op.in_smem else None
+        op.smem(self.slots if s else 1, t) if op.in_smem else None
         for op, t, s in zip(self.ins, in_types, streamed, strict=True)
       ],
       out_smem=[
-        _smem(op, 1 if op.invariant else _OUTPUT_SLOTS, t.dtype)
-        if op.in_smem
-        else None
+        op.smem(1 if op.invariant else _OUTPUT_SLOTS, t) if op.in_smem else None
         for op, t in zip(self.outs, out_types, strict=True)
       ],
-      loaded=plgpu.Barrier(num_arrivals=sum(streamed), num_barriers=self.slots)
-      if any(streamed)
-      else None,
+      loaded=loaded,
       loaded_once=plgpu.Barrier(num_arrivals=sum(once)) if any(once) else None,
       consumed=[
         plgpu.Barrier(
@@ -625,30 +840,29 @@ class WarpSpecializedPipeline:
         )
         for _ in range(num_consumed)
       ]
-      if any(streamed)
+      if self._synced
       else [],
     )
 
-  def _fetch(self, step, in_gmem, scratch, only=None):
-    indices = _unravel(step, self.grid)
-    slot = lax.rem(step, jnp.int32(self.slots))
-    for i, (op, gmem, smem, s) in enumerate(
-      zip(self.ins, in_gmem, scratch["in_smem"], self._streamed, strict=True)
-    ):
-      if s and (only is None or only == i):
-        plgpu.copy_gmem_to_smem(
-          _gmem_block(op, gmem, indices),
-          smem.at[slot],
-          scratch["loaded"].at[slot],
-        )
-
-  def memory(self, *gmem_refs: Any, scratch: dict[str, Any]) -> None:
+  def memory(
+    self,
+    *gmem_refs: Any,
+    scratch: dict[str, Any],
+    pipeline_state: Any = None,
+  ) -> None:
     """The memory warpgroup's part: every GMEM->SMEM copy.
 
     Args:
       *gmem_refs: the GMEM input and output refs, as for :func:`pipeline`.
       scratch: the refs of :meth:`scratch_types`.
+      pipeline_state: None, or a ``plgpu.PipelinePipeline`` state (or an
+        int32 scalar holding one) when this call is one of a sequence of
+        pipelines sharing ``scratch``, as for
+        :func:`~mpmd.kernels.gpu.upstream.emit_pipeline_warp_specialized`.
     """
+    prologue, quiesce = _pipeline_state_flags(
+      "warp_specialized_pipeline", self, pipeline_state
+    )
     if self.memory_registers is not None:
       plgpu.set_max_registers(self.memory_registers, action="decrease")
     in_gmem = gmem_refs[: len(self.ins)]
@@ -658,37 +872,72 @@ class WarpSpecializedPipeline:
       self.ins, in_gmem, scratch["in_smem"], self._once, strict=True
     ):
       if o:
-        plgpu.copy_gmem_to_smem(
-          _gmem_block(op, gmem, zeros), smem.at[0], scratch["loaded_once"]
-        )
-    if not any(self._streamed):
+        op.copy_in(gmem, zeros, smem.at[0], scratch["loaded_once"])
+    if not self._synced:
       return
-    consumed = scratch["consumed"]
-    for step in range(self.slots):
-      self._fetch(jnp.int32(step), in_gmem, scratch)
+    produced, consumed = scratch["loaded"], scratch["consumed"]
+    num_steps, slots = self.num_steps, self.slots
+    manual_consumed = self.manual_consumed_barriers
 
-    def refill(step, _):
-      # Step ``step`` released its slot: load step ``step + slots`` into it.
-      slot = lax.rem(step, jnp.int32(self.slots))
-      if self.manual_consumed_barriers:
-        for i, barrier in enumerate(consumed):
-          if self._streamed[i]:
-            plgpu.barrier_wait(barrier.at[slot])
-            self._fetch(step + self.slots, in_gmem, scratch, only=i)
-          else:
-            plgpu.barrier_wait(barrier.at[slot])
-      else:
+    def fetch(step, wait):
+      """Loads ``step`` into its slot, after the slot's last reader if
+      ``wait``."""
+      indices = _unravel(step, self.grid)
+      slot = lax.rem(step, jnp.int32(slots))
+      if wait and not manual_consumed:
         plgpu.barrier_wait(consumed[0].at[slot])
-        self._fetch(step + self.slots, in_gmem, scratch)
+      for i, (op, gmem, smem, s) in enumerate(
+        zip(self.ins, in_gmem, scratch["in_smem"], self._streamed, strict=True)
+      ):
+        if wait and manual_consumed:
+          plgpu.barrier_wait(consumed[i].at[slot])
+        if self.manual_produced_barriers:
+          barrier = produced[i].at[slot]
+          if not s:
+            # Nothing to copy, but the body waits on every input's barrier.
+            plgpu.barrier_arrive(barrier)
+        else:
+          barrier = produced[0].at[slot] if produced else None
+        if s:
+          op.copy_in(gmem, indices, smem.at[slot], barrier)
 
-    lax.fori_loop(0, self.num_steps - self.slots, refill, None)
+    def fill():
+      for step in range(slots):
+        # A traced grid may have fewer steps than slots.
+        _when(
+          _is_static(num_steps) or step < num_steps,
+          functools.partial(fetch, jnp.int32(step), False),
+        )
 
-    # Observe the remaining releases so that no barrier is left mid-phase.
-    @pl.loop(self.num_steps - self.slots, self.num_steps - self.delay_release)
-    def _drain(step):
-      slot = lax.rem(step, jnp.int32(self.slots))
-      for barrier in consumed:
-        plgpu.barrier_wait(barrier.at[slot])
+    _when(prologue, fill)
+    if _is_static(num_steps):
+      filled = min(slots, num_steps)
+    else:
+      filled = lax.min(jnp.int32(slots), num_steps)
+    if isinstance(prologue, bool):
+      first = filled if prologue else 0
+    else:
+      first = jnp.where(prologue, _i32(filled), jnp.int32(0))
+
+    def refill(step, carry):
+      fetch(step, True)
+      return carry
+
+    lax.fori_loop(first, num_steps, refill, None)
+
+    def drain():
+      # Observe the last releases so that no barrier is left mid-phase.
+      def observe(step, carry):
+        slot = lax.rem(step, jnp.int32(slots))
+        for barrier in consumed:
+          plgpu.barrier_wait(barrier.at[slot])
+        return carry
+
+      lax.fori_loop(
+        num_steps - filled, num_steps - self.delay_release, observe, None
+      )
+
+    _when(quiesce, drain)
 
   def compute(
     self,
@@ -726,18 +975,19 @@ class WarpSpecializedPipeline:
     streamed = self._streamed
     if scratch["loaded_once"] is not None:
       plgpu.barrier_wait(scratch["loaded_once"])
-    outputs = _Outputs(
-      self.outs, out_gmem, scratch["out_smem"], self.grid, self.num_steps
-    )
+    outputs = _Outputs(self.outs, out_gmem, scratch["out_smem"], self.grid)
     has_carry = self.compute_context is not None
-    consumed = scratch["consumed"]
+    produced, consumed = scratch["loaded"], scratch["consumed"]
+    delay = self.delay_release
 
     def step_fn(step, carry):
       runs, body_carry = carry
       indices = _unravel(step, self.grid)
       slot = lax.rem(step, jnp.int32(self.slots))
-      if any(streamed):
-        plgpu.barrier_wait(scratch["loaded"].at[slot])
+      # The slot that step ``step - delay`` read, released after this body.
+      released = lax.rem(jnp.maximum(step - delay, 0), jnp.int32(self.slots))
+      if produced and not self.manual_produced_barriers:
+        plgpu.barrier_wait(produced[0].at[slot])
       outputs.before_body()
       blocks = []
       for op, gmem, smem, s in zip(
@@ -745,25 +995,26 @@ class WarpSpecializedPipeline:
       ):
         blocks.append(smem.at[slot if s else 0] if op.in_smem else gmem)
       blocks += outputs.body_refs(runs)
+      if self.manual_produced_barriers:
+        blocks += [barrier.at[slot] for barrier in produced]
       if self.manual_consumed_barriers:
-        blocks += [barrier.at[slot] for barrier in consumed]
+        blocks += [barrier.at[released] for barrier in consumed]
       if has_carry:
         new_carry = self.body(indices, *blocks, body_carry)
       else:
         self.body(indices, *blocks)
         new_carry = None
-      if any(streamed) and not self.manual_consumed_barriers:
-        release = lax.rem(step - self.delay_release, jnp.int32(self.slots))
+      if consumed and not self.manual_consumed_barriers:
 
-        @pl.when(step >= self.delay_release)
-        def _release():
+        def release():
           # The body may have read the slot through registers (the generic
           # proxy) and the next TMA into it writes through the async proxy;
           # only a proxy fence orders the two (the simulator checks it from
           # jax 0.11 on).
           plgpu.commit_smem()
-          plgpu.barrier_arrive(consumed[0].at[release])
+          plgpu.barrier_arrive(consumed[0].at[released])
 
+        _when(delay == 0 or step >= delay, release)
       return outputs.after_body(step, indices, runs), new_carry
 
     def loop(carry=None):
@@ -773,21 +1024,126 @@ class WarpSpecializedPipeline:
       return final
 
     if has_carry:
-      _run_once("warp_specialized_pipeline", self.compute_context, loop)
+      _run_once(where, self.compute_context, loop)
     else:
       loop()
     outputs.finish()
 
 
+def _pipeline_state_flags(
+  where: str, pipe: WarpSpecializedPipeline, state: Any
+) -> tuple[bool | jax.Array, bool | jax.Array]:
+  """(whether to fill the ring first, whether to drain it at the end)."""
+  if state is None:
+    return True, True
+  if pipe.delay_release:
+    raise NotImplementedError(
+      f"{where}: pipeline_state (a pipeline of pipelines) with "
+      f"delay_release={pipe.delay_release} is not supported"
+    )
+  if not _is_static(pipe.num_steps):
+    raise NotImplementedError(
+      f"{where}: pipeline_state (a pipeline of pipelines) with a traced "
+      "grid is not supported"
+    )
+  if pipe.num_steps % pipe.slots:
+    raise NotImplementedError(
+      f"{where}: pipeline_state (a pipeline of pipelines) needs the number "
+      f"of steps divisible by max_concurrent_steps={pipe.slots}, got "
+      f"{pipe.num_steps} steps"
+    )
+  if any(pipe._once):
+    raise NotImplementedError(
+      f"{where}: pipeline_state (a pipeline of pipelines) with "
+      "index-invariant inputs is not supported"
+    )
+  start, stop = plgpu.PipelinePipeline.START, plgpu.PipelinePipeline.STOP
+  if isinstance(state, plgpu.PipelinePipeline):
+    return state == start, state == stop
+  dtype = getattr(state, "dtype", None)
+  if (
+    isinstance(state, bool)
+    or dtype is None
+    or np.shape(state) != ()
+    or not jnp.issubdtype(dtype, jnp.integer)
+  ):
+    raise TypeError(
+      f"{where}: expected 'pipeline_state' None, a plgpu.PipelinePipeline or "
+      f"an integer scalar holding one, got {state!r}"
+    )
+  return state == int(start), state == int(stop)
+
+
+def _warp_specialized(
+  where: str,
+  body: Callable[..., Any],
+  *,
+  grid: Any,
+  in_specs: Any,
+  out_specs: Any,
+  max_concurrent_steps: Any,
+  num_compute_wgs: Any,
+  manual_consumed_barriers: bool,
+  manual_produced_barriers: bool,
+  compute_context: Callable[..., Any] | None,
+  memory_registers: Any,
+) -> WarpSpecializedPipeline:
+  grid = _check_grid(where, grid)
+  max_concurrent_steps = _check_steps(where, max_concurrent_steps)
+  if (
+    isinstance(num_compute_wgs, bool)
+    or not isinstance(num_compute_wgs, int)
+    or num_compute_wgs < 1
+  ):
+    raise ValueError(
+      f"{where}: expected 'num_compute_wgs' an int >= 1, got "
+      f"{num_compute_wgs!r}"
+    )
+  _check_registers(where, memory_registers)
+  ins = _make_operands(where, in_specs, grid, "in_specs")
+  outs = _make_operands(where, out_specs, grid, "out_specs")
+  delays = {op.delay_release for op in ins if op.in_smem and not op.invariant}
+  if len(delays) > 1:
+    raise NotImplementedError(
+      f"{where}: expected one delay_release for all streamed inputs, got "
+      f"{sorted(delays)}"
+    )
+  delay_release = delays.pop() if delays else 0
+  if delay_release >= max_concurrent_steps:
+    raise ValueError(
+      f"{where}: expected delay_release < max_concurrent_steps="
+      f"{max_concurrent_steps}, got {delay_release}"
+    )
+  if num_compute_wgs > 1 and any(op.in_smem for op in outs):
+    raise NotImplementedError(
+      f"{where}: SMEM outputs need num_compute_wgs=1, got "
+      f"{num_compute_wgs}; write outputs from compute_context instead"
+    )
+  return WarpSpecializedPipeline(
+    body=body,
+    grid=grid,
+    ins=ins,
+    outs=outs,
+    slots=_slots(max_concurrent_steps, _num_steps(grid)),
+    delay_release=delay_release,
+    num_compute_wgs=num_compute_wgs,
+    manual_consumed_barriers=bool(manual_consumed_barriers),
+    compute_context=compute_context,
+    memory_registers=memory_registers,
+    manual_produced_barriers=bool(manual_produced_barriers),
+  )
+
+
 def warp_specialized_pipeline(
   body: Callable[..., Any],
   *,
-  grid: Sequence[int],
+  grid: Sequence[GridEntry],
   in_specs: Sequence[pl.BlockSpec] = (),
   out_specs: Sequence[pl.BlockSpec] = (),
   max_concurrent_steps: int = 2,
   num_compute_wgs: int = 1,
   manual_consumed_barriers: bool = False,
+  manual_produced_barriers: bool = False,
   compute_context: Callable[..., Any] | None = None,
   memory_registers: int | None = MEMORY_WG_REGISTERS,
 ) -> WarpSpecializedPipeline:
@@ -801,12 +1157,17 @@ def warp_specialized_pipeline(
   compute warpgroups wait on the loaded barrier before their body.
 
   Args:
-    body: ``body(indices, *in_blocks, *out_blocks[, *consumed][, carry])``.
-      ``consumed`` (one barrier per input, for this step's slot) is passed
-      only with ``manual_consumed_barriers``; the body must then arrive on
-      each of them exactly once per step. ``carry`` is passed (and the next
-      carry returned) only with ``compute_context``.
-    grid: sequential grid, positive ints, walked in row-major order.
+    body: ``body(indices, *in_blocks, *out_blocks[, *produced][,
+      *consumed][, carry])``. ``produced`` (one barrier per input, for this
+      step's slot) is passed only with ``manual_produced_barriers``: the body
+      then waits on them itself before reading the blocks. ``consumed`` (one
+      barrier per input, for the slot of step ``step - delay_release``) is
+      passed only with ``manual_consumed_barriers``; the body must then
+      arrive on each of them exactly once per step from step
+      ``delay_release`` on. ``carry`` is passed (and the next carry
+      returned) only with ``compute_context``.
+    grid: sequential grid walked in row-major order: ints or traced integer
+      scalars, as for :func:`pipeline`.
     in_specs: input block specs, as for :func:`pipeline`. Every streamed
       input must use the same ``delay_release``.
     out_specs: output block specs; SMEM outputs need ``num_compute_wgs=1``
@@ -818,6 +1179,8 @@ def warp_specialized_pipeline(
       asynchronous WGMMA that reads them has finished); a body that read a
       slot through registers calls ``plgpu.commit_smem()`` before releasing
       it, so that the next TMA into the slot is ordered after the reads.
+    manual_produced_barriers: the body waits for the loads itself (e.g. one
+      input at a time).
     compute_context: ``compute_context(run)`` runs only on compute
       warpgroups; ``run(init_carry)`` runs the pipeline and returns the final
       carry, so the context can set up an accumulator and an epilogue.
@@ -837,58 +1200,16 @@ def warp_specialized_pipeline(
         compute_fn=lambda x, o, s, wg: pipe.compute(x, scratch=s),
         memory_fn=lambda x, o, s: pipe.memory(x, scratch=s))
   """
-  where = "warp_specialized_pipeline"
-  grid = _check_grid(where, grid)
-  max_concurrent_steps = _check_steps(where, max_concurrent_steps)
-  if (
-    isinstance(num_compute_wgs, bool)
-    or not isinstance(num_compute_wgs, int)
-    or num_compute_wgs < 1
-  ):
-    raise ValueError(
-      f"{where}: expected 'num_compute_wgs' an int >= 1, got "
-      f"{num_compute_wgs!r}"
-    )
-  ins = tuple(
-    _make_operand(f"{where}: in_specs[{i}]", s, grid)
-    for i, s in enumerate(in_specs)
-  )
-  outs = tuple(
-    _make_operand(f"{where}: out_specs[{i}]", s, grid)
-    for i, s in enumerate(out_specs)
-  )
-  delays = {op.delay_release for op in ins if op.in_smem and not op.invariant}
-  if len(delays) > 1:
-    raise NotImplementedError(
-      f"{where}: expected one delay_release for all streamed inputs, got "
-      f"{sorted(delays)}"
-    )
-  delay_release = delays.pop() if delays else 0
-  if delay_release >= max_concurrent_steps:
-    raise ValueError(
-      f"{where}: expected delay_release < max_concurrent_steps="
-      f"{max_concurrent_steps}, got {delay_release}"
-    )
-  if manual_consumed_barriers and delay_release:
-    raise NotImplementedError(
-      f"{where}: manual_consumed_barriers with delay_release="
-      f"{delay_release}; arrive on the barriers later in the body instead"
-    )
-  if num_compute_wgs > 1 and any(op.in_smem for op in outs):
-    raise NotImplementedError(
-      f"{where}: SMEM outputs need num_compute_wgs=1, got "
-      f"{num_compute_wgs}; write outputs from compute_context instead"
-    )
-  num_steps = math.prod(grid)
-  return WarpSpecializedPipeline(
-    body=body,
+  return _warp_specialized(
+    "warp_specialized_pipeline",
+    body,
     grid=grid,
-    ins=ins,
-    outs=outs,
-    slots=min(max_concurrent_steps, num_steps),
-    delay_release=delay_release,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    max_concurrent_steps=max_concurrent_steps,
     num_compute_wgs=num_compute_wgs,
     manual_consumed_barriers=manual_consumed_barriers,
+    manual_produced_barriers=manual_produced_barriers,
     compute_context=compute_context,
     memory_registers=memory_registers,
   )

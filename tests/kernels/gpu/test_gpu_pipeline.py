@@ -379,6 +379,64 @@ class TestWarpSpecializedMultiMesh(PipelineTestBase):
     assert len(util.MOSAIC_GPU_CALL.findall(lowered)) == 1
 
 
+@pytest.mark.parametrize("multi_mesh", [False, True])
+class TestWarpSpecializedManualBarriers:
+  """Manual barriers on both forms of the two-function pipeline."""
+
+  def test_manual_consumed_barriers_with_delay_release(self, rng, multi_mesh):
+    # At step s the body gets the consumed barrier of step s - 1's slot and
+    # releases it (the first step has nothing to release).
+    x = _columns(rng, 4)
+    spec = plgpu.BlockSpec((ROWS, BLOCK), lambda j: (0, j), delay_release=1)
+
+    def body(indices, x, o, consumed):
+      o[...] = x[...] + 1.0
+
+      @pl.when(indices[0] > 0)
+      def _release_previous():
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(consumed)
+
+    out = _ws_call(
+      body,
+      [x],
+      x.shape,
+      grid=(4,),
+      in_specs=[spec],
+      out_specs=[_column_specs()],
+      max_concurrent_steps=2,
+      manual_consumed_barriers=True,
+      multi_mesh=multi_mesh,
+    )
+    np.testing.assert_array_equal(out, x + 1.0)
+
+  def test_manual_produced_barriers(self, rng, multi_mesh):
+    # The body waits for each load itself; the index-invariant input has a
+    # barrier too (the memory warpgroup arrives on it every step).
+    x = _columns(rng, 3)
+    bias = jnp.asarray(rng.standard_normal((ROWS, BLOCK)), jnp.float32)
+
+    def body(indices, x, b, o, x_loaded, b_loaded):
+      del indices
+      plgpu.barrier_wait(b_loaded)
+      o[...] = b[...]
+      plgpu.barrier_wait(x_loaded)
+      o[...] += x[...]
+
+    out = _ws_call(
+      body,
+      [x, bias],
+      x.shape,
+      grid=(3,),
+      in_specs=[_column_specs(), pl.BlockSpec((ROWS, BLOCK), lambda j: (0, 0))],
+      out_specs=[_column_specs()],
+      max_concurrent_steps=2,
+      manual_produced_barriers=True,
+      multi_mesh=multi_mesh,
+    )
+    np.testing.assert_array_equal(out, x + jnp.tile(bias, (1, 3)))
+
+
 class TestPipelineErrors:
   @pytest.mark.parametrize(
     "make", [gpu.pipeline, gpu.warp_specialized_pipeline]
@@ -437,16 +495,6 @@ class TestPipelineErrors:
         in_specs=[_column_specs()],
         out_specs=[_column_specs()],
         num_compute_wgs=2,
-      )
-
-  def test_ws_manual_barriers_with_delay_release(self):
-    spec = plgpu.BlockSpec((ROWS, BLOCK), lambda j: (0, j), delay_release=1)
-    with pytest.raises(NotImplementedError, match=r"manual_consumed_barriers"):
-      gpu.warp_specialized_pipeline(
-        _add_one,
-        grid=(4,),
-        in_specs=[spec],
-        manual_consumed_barriers=True,
       )
 
   def test_ws_bad_num_compute_wgs(self):
