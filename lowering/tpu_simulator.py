@@ -123,6 +123,7 @@ def lower(
   """
   _install_wait_hook()
   callbacks.install()
+  _jax.cache_tpu_simulator_programs()
   num_in, num_out = len(in_nodes), len(params["out_avals"])
   [core_axis] = mesh.shape
   with prim.tracing_context(mesh, params["meshes"]):

@@ -354,3 +354,28 @@ def race_params(params):
   if on_race == "raise" and JAX_VERSION >= (0, 12):
     params = dataclasses.replace(params, on_race="warn")
   return params, on_race == "raise"
+
+
+def _eval_program(jaxpr, consts, *args):
+  core.eval_jaxpr(jaxpr, consts, *args)
+
+
+@functools.cache
+def cache_tpu_simulator_programs() -> None:
+  """Lets the TPU simulator compile each program's jaxpr once.
+
+  0.10.2's simulator runs the programs of a multi-core launch through a jit
+  of a function it defines anew on every launch, so every call recompiles
+  (two compiles a call for two cores); 0.11 made that function top-level.
+  We give 0.10.2 the same. Installed on first use of the simulator.
+  """
+  if JAX_VERSION >= (0, 11):
+    return
+  from jax._src.pallas.mosaic.interpret import thread_map
+
+  run = jax.jit(_eval_program, static_argnums=(0,))
+
+  def _run_jaxpr(jaxpr, consts, *args):
+    run.trace(jaxpr, consts, *args).lower().compile()(consts, *args)
+
+  thread_map._run_jaxpr = _run_jaxpr

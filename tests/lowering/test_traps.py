@@ -207,3 +207,44 @@ def test_shard_map_with_check_vma_infers_output_types(rng, interpret):
   x = jax.device_put(x, jax.NamedSharding(mesh, P("x")))
   out = ring_shift(x, mesh, check_vma=True, interpret=interpret)
   np.testing.assert_array_equal(out, np.roll(np.asarray(x), 8, axis=0))
+
+
+def test_simulator_launches_compile_once():
+  """jax 0.10.2's TPU simulator recompiled every program of a multi-core
+  launch on every call; a repeated launch must compile nothing."""
+  mesh = mpmd.tensorcore_mesh("core", num_cores=2)
+
+  def kernel(x_hbm, o_hbm, sem, buf):
+    c = jax.lax.axis_index("core")
+    pl.semaphore_signal(sem, 1, core_index=1 - c)
+    pl.semaphore_wait(sem, 1)
+    pltpu.sync_copy(x_hbm.at[c], buf)
+    buf[...] += 1.0
+    pltpu.sync_copy(buf, o_hbm.at[c])
+
+  f = jax.jit(
+    mpmd.mpmd_map(
+      [(mesh, kernel)],
+      jax.ShapeDtypeStruct((2, *ROWS), jnp.float32),
+      scratch_types=[
+        pltpu.SemaphoreType.REGULAR(()),
+        pltpu.VMEM(ROWS, jnp.float32),
+      ],
+    )
+  )
+  x = jnp.ones((2, *ROWS), jnp.float32)
+  np.testing.assert_array_equal(f(x), x + 1.0)  # compiles what it needs
+  compiles = []
+
+  def count(event, duration, **kwargs):
+    del duration, kwargs
+    if "backend_compile" in event:
+      compiles.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    for _ in range(3):
+      np.testing.assert_array_equal(f(x), x + 1.0)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert compiles == []
