@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -176,7 +177,10 @@ def _check_ring(
     order = tuple(range(size))
   else:
     try:
-      order = tuple(int(i) for i in ring)
+      if isinstance(ring, str) or any(isinstance(i, bool) for i in ring):
+        raise TypeError
+      # operator.index, not int(): 1.7 or "1" is not a device index.
+      order = tuple(operator.index(i) for i in ring)
     except TypeError:
       raise TypeError(
         f"{fn_name}: expected 'ring' to be a sequence of ints, got {ring!r}"
@@ -200,6 +204,11 @@ def _check_operands(fn_name: str, lhs: Any, rhs: Any, out_dtype: Any):
       raise ValueError(
         f"{fn_name}: expected '{arg_name}' of rank 2, got shape "
         f"{tuple(x.shape)}"
+      )
+    if 0 in x.shape:
+      raise ValueError(
+        f"{fn_name}: expected '{arg_name}' with no zero-sized dimension, "
+        f"got shape {tuple(x.shape)}"
       )
     if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
       raise TypeError(

@@ -218,11 +218,29 @@ def _check_float(name: str, arg: str, x: Any):
 
 
 def _check_group_sizes(name: str, group_sizes: Any):
+  """Checks the type; a concrete array's sizes must be non-negative (traced
+  ones cannot be checked: ``_group_rows`` says what they mean)."""
   _check_array(name, "group_sizes", group_sizes, 1, "(num_groups,)")
   if jnp.dtype(group_sizes.dtype) != jnp.int32:
     raise TypeError(
       f"{name}: expected 'group_sizes' of dtype int32, got "
       f"{jnp.dtype(group_sizes.dtype).name}"
+    )
+  if not isinstance(group_sizes, jax.Array | np.ndarray):
+    return
+  try:
+    sizes = np.asarray(group_sizes)
+  except (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+  ):
+    return  # traced
+  negative = np.flatnonzero(sizes < 0)
+  if negative.size:
+    i = int(negative[0])
+    raise ValueError(
+      f"{name}: expected non-negative 'group_sizes', got "
+      f"group_sizes[{i}] = {int(sizes[i])}"
     )
 
 
@@ -336,11 +354,22 @@ def _strips(size: int, block: int) -> tuple[_Strip, ...]:
 
 
 def _group_rows(
-  group_sizes: jax.Array, group_offset: jax.Array, num_local: int
+  group_sizes: jax.Array, group_offset: jax.Array, num_local: int, m: int
 ) -> tuple[jax.Array, jax.Array]:
-  """[lo, hi) rows of the local groups ``offset .. offset + num_local``."""
-  ends = jnp.cumsum(group_sizes, dtype=jnp.int32)
-  starts = ends - group_sizes
+  """[lo, hi) rows of the local groups ``offset .. offset + num_local``.
+
+  As in ``jax.lax.ragged_dot``, group ``i`` is the rows of
+  ``[sum(sizes[:i]), sum(sizes[:i+1]))`` that exist (``< m``). Traced sizes
+  cannot be checked, and after a negative one these ranges overlap, where
+  ragged_dot adds the products of every group holding a row: here a row
+  belongs to the first group holding it, so that groups stay disjoint and
+  in order (what the visit lists need), and equal ragged_dot's wherever its
+  groups do not overlap.
+  """
+  ends = jnp.clip(
+    lax.cummax(jnp.cumsum(group_sizes, dtype=jnp.int32), axis=0), 0, m
+  )
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
   lo = lax.dynamic_slice_in_dim(starts, group_offset, num_local)
   hi = lax.dynamic_slice_in_dim(ends, group_offset, num_local)
   return lo, hi
@@ -399,7 +428,7 @@ def _gmm_metadata(
   tiles_m = m // tm
   # Straddle tiles add at most one visit per group boundary.
   layout = _GmmMeta(size=tiles_m + num_local - 1)
-  lo, hi = _group_rows(group_sizes, group_offset, num_local)
+  lo, hi = _group_rows(group_sizes, group_offset, num_local, m)
   nonempty = hi > lo
   first_tile = lo // tm
   count = jnp.where(nonempty, (hi - 1) // tm - first_tile + 1, 0)
@@ -453,7 +482,7 @@ def _tgmm_metadata(
   """
   tiles_m = m // tm
   layout = _GmmMeta(size=tiles_m + num_local)
-  lo, hi = _group_rows(group_sizes, group_offset, num_local)
+  lo, hi = _group_rows(group_sizes, group_offset, num_local, m)
   nonempty = hi > lo
   first_tile = jnp.minimum(lo // tm, tiles_m - 1)
   count = jnp.where(nonempty, (hi - 1) // tm - first_tile + 1, 1)
@@ -726,7 +755,7 @@ def _active_rows(
   group_sizes: jax.Array, group_offset: jax.Array, num_local: int, m: int
 ) -> jax.Array:
   """(m, 1) bool: rows that belong to one of the local groups."""
-  lo, hi = _group_rows(group_sizes, group_offset, num_local)
+  lo, hi = _group_rows(group_sizes, group_offset, num_local, m)
   rows = lax.broadcasted_iota(jnp.int32, (m, 1), 0)
   return jnp.logical_and(rows >= lo[0], rows < hi[-1])
 
@@ -838,8 +867,12 @@ def gmm(
     rhs: ``(num_local_groups, k, n)`` (``(num_local_groups, n, k)`` with
       ``transpose_rhs``), any supported float dtype; with expert sharding it
       holds only groups ``group_offset .. group_offset + num_local_groups``.
-    group_sizes: ``(num_groups,)`` int32, non-negative, summing to at most m;
-      ``num_groups >= num_local_groups``.
+    group_sizes: ``(num_groups,)`` int32, non-negative (a concrete array is
+      checked); ``num_groups >= num_local_groups``. As in
+      ``jax.lax.ragged_dot``, rows past m of sizes that sum past m do not
+      exist. A traced negative size cannot be checked: it makes the next
+      groups' ranges overlap earlier ones, where ragged_dot adds the
+      products of every group holding a row and gmm takes the first group.
     preferred_element_type: dtype of the output (float32, bfloat16, float16);
       accumulation is always float32.
     tiling: ``(tm, tk, tn)``; a function ``(m, k, n) -> (tm, tk, tn)``; or
@@ -859,7 +892,7 @@ def gmm(
   Raises:
     TypeError: an argument of the wrong kind or dtype.
     ValueError: wrong ranks or shapes, mismatched K, a tiling that does not
-      fit.
+      fit, negative (concrete) ``group_sizes``.
 
   Example:
     >>> lhs = jnp.ones((256, 64), jnp.float32)
@@ -1089,7 +1122,9 @@ def tgmm(
   Args:
     lhs: ``(k, m)`` float32, bfloat16 or float16 (e.g. activations, transposed).
     rhs: ``(m, n)`` float (e.g. output gradients).
-    group_sizes: ``(num_groups,)`` int32, non-negative, summing to at most m.
+    group_sizes: ``(num_groups,)`` int32, non-negative, as for ``gmm``: a
+      concrete array is checked; rows past m do not exist; after a traced
+      negative size, a row in several groups' ranges belongs to the first.
     preferred_element_type: output dtype; accumulation is float32.
     tiling: ``(tm, tk, tn)``, a function ``(m, k, n) -> tiling``, or None for
       ``default_tiling``; ``tm`` must divide ``m``, K and N may be ragged.
@@ -1106,7 +1141,8 @@ def tgmm(
   Raises:
     TypeError: an argument of the wrong kind or dtype.
     ValueError: wrong ranks or shapes, mismatched M, a tiling that does not
-      fit, ``num_actual_groups`` out of range.
+      fit, ``num_actual_groups`` out of range, negative (concrete)
+      ``group_sizes``.
 
   Example:
     >>> lhs = jnp.ones((64, 256), jnp.float32)

@@ -1,10 +1,12 @@
 """The public entry point: ``mpmd_map``."""
 
 import contextlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from mpmd import _jax
 from mpmd._jax import (
@@ -19,7 +21,7 @@ from mpmd._jax import (
   state_types,
   tree_util,
 )
-from mpmd.lowering import paths
+from mpmd.lowering import jaxpr_util, paths
 from mpmd.primitives import mpmd_map as prim
 
 MeshAndFn = tuple[Any, Callable[..., None]]
@@ -55,8 +57,10 @@ def mpmd_map(
     meshes_and_fns: non-empty sequence of ``(mesh, fn)``; meshes are Pallas
       meshes (``mpmd.tensorcore_mesh``, SparseCore meshes,
       ``plgpu.Mesh``). Meshes may share an axis name only with equal sizes.
-    out_types: a pytree of ``jax.ShapeDtypeStruct`` (or memory-space
-      annotated types such as ``pltpu.HBM(shape, dtype)``).
+    out_types: a pytree of ``jax.ShapeDtypeStruct``, JAX types
+      (``jax.typeof(x)``; under ``shard_map`` the output varies like the
+      type says) or arrays (standing for their type), or memory-space
+      annotated types such as ``pltpu.HBM(shape, dtype)``.
     scratch_types: a pytree of scratch types (``pltpu.VMEM(shape, dtype)``,
       ``pltpu.SemaphoreType.DMA(())``, ``plgpu.SMEM(...)``, ...); with several
       meshes, ``type @ mesh`` says which mesh's memory holds it.
@@ -76,6 +80,15 @@ def mpmd_map(
     A function of the inputs (a pytree of arrays or Refs) returning outputs
     with the structure of ``out_types``.
 
+  Raises:
+    TypeError: an argument of the wrong kind (a ``name`` that is not a str,
+      ``compiler_params`` of another platform, aliases that are not int
+      pairs, ...).
+    ValueError: a bad value, found when the kernels are traced at the
+      latest (before lowering): negative shapes, scratch in another
+      platform's memory, a DMA between windows of different shapes or
+      dtypes, a ``device_id`` or ``axis_index`` of an axis no mesh has.
+
   Example::
 
     mesh = mpmd.tensorcore_mesh("core", num_cores=1)
@@ -91,21 +104,29 @@ def mpmd_map(
     f(jnp.ones((8, 128)))  # runs on CPU, TPU and (with a GPU mesh) GPU
   """
   meshes, fns = _check_meshes_and_fns(meshes_and_fns)
+  gpu = paths.is_gpu_mesh(meshes[0])
   flat_out_types, out_tree = tree_util.tree_flatten(out_types)
-  for i, t in enumerate(flat_out_types):
-    _check_out_type(t, i)
+  flat_out_types = [_as_out_type(t, i) for i, t in enumerate(flat_out_types)]
   flat_scratch, scratch_tree = tree_util.tree_flatten(scratch_types)
   scratch_avals = [
     _canonical_owner(_scratch_aval(t, i)) for i, t in enumerate(flat_scratch)
   ]
   _check_scratch_owners(scratch_avals, meshes)
+  _check_scratch_spaces(scratch_avals, gpu)
+  _check_options(
+    name=name,
+    compiler_params=compiler_params,
+    cost_estimate=cost_estimate,
+    metadata=metadata,
+    gpu=gpu,
+  )
   # Layout transforms of scratch (swizzled / tiled SMEM): the simulators
   # allocate the logical buffer and need them.
   scratch_transforms = tuple(
     a.transforms if isinstance(a, state_types.TransformedRef) else ()
     for a in scratch_avals
   )
-  aliases = FrozenDict(dict(input_output_aliases or {}))
+  aliases = _check_aliases_arg(input_output_aliases)
   if interpret is False:
     interpret = None  # CPU has no native path: False means "the default".
   _check_interpret(interpret, meshes)
@@ -194,6 +215,15 @@ def _check_meshes_and_fns(meshes_and_fns) -> tuple[tuple[Any, ...], list]:
         f"mpmd_map: expected meshes_and_fns[{i}][1] to be callable, got "
         f"{type(fn).__name__}"
       )
+    shape = dict(mesh.shape)
+    if not all(
+      isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 1
+      for n in shape.values()
+    ):
+      raise ValueError(
+        f"mpmd_map: expected meshes_and_fns[{i}][0] to be a mesh with at "
+        f"least one program along every axis, got axis sizes {shape}"
+      )
     meshes.append(_canonical_mesh(mesh))
     fns.append(fn)
   sizes: dict[Any, tuple[int, int]] = {}
@@ -236,15 +266,52 @@ def _check_interpret(interpret: Any, meshes: Sequence[Any]) -> None:
   )
 
 
-def _check_out_type(out_type: Any, i: int) -> None:
+def _as_out_type(out_type: Any, i: int) -> Any:
+  """An ``out_types`` leaf as a ShapeDtypeStruct or memory-space type.
+
+  Upstream takes "a PyTree of jax.ShapeDtypeStruct or JAX types": a JAX
+  type (``jax.typeof(x)``) and an array (``x``, standing for its type) give
+  the output that shape and dtype, and under ``shard_map`` the type's
+  varying axes. Weak types are dropped: an output is a buffer of a dtype.
+  """
+  if isinstance(out_type, (jax.Array, np.ndarray, np.generic)):
+    out_type = core.typeof(out_type)
+  if isinstance(out_type, core.ShapedArray):
+    out_type = jax.ShapeDtypeStruct(
+      out_type.shape,
+      out_type.dtype,
+      manual_axis_type=getattr(out_type, "manual_axis_type", None),
+    )
   if not (
     isinstance(out_type, (jax.ShapeDtypeStruct, pallas_core.MemoryRef))
     or hasattr(out_type, "get_ref_aval")
   ):
     raise TypeError(
-      f"mpmd_map: expected out_types leaf {i} to be a jax.ShapeDtypeStruct "
-      f"(or a memory-space type such as pltpu.HBM(shape, dtype)), got "
-      f"{type(out_type).__name__}: {out_type!r}"
+      f"mpmd_map: expected out_types leaf {i} to be a jax.ShapeDtypeStruct, "
+      "a JAX type (jax.typeof(x)), an array, or a memory-space type such "
+      f"as pltpu.HBM(shape, dtype), got {type(out_type).__name__}: "
+      f"{out_type!r}"
+    )
+  shape = getattr(out_type, "shape", ())
+  if hasattr(out_type, "get_ref_aval"):
+    shape = _inner_shape(out_type.get_ref_aval())
+  _check_shape(shape, f"out_types leaf {i}")
+  return out_type
+
+
+def _inner_shape(aval: Any) -> tuple[Any, ...]:
+  inner = getattr(aval, "inner_aval", aval)
+  return tuple(getattr(inner, "shape", ()))
+
+
+def _check_shape(shape: Sequence[Any], what: str) -> None:
+  # Symbolic dimensions (jax.export shape polymorphism) are fine.
+  if any(
+    not core.is_dim(d) or (core.is_constant_dim(d) and d < 0) for d in shape
+  ):
+    raise ValueError(
+      f"mpmd_map: expected {what} to have a shape of non-negative ints, "
+      f"got {tuple(shape)}"
     )
 
 
@@ -282,7 +349,90 @@ def _scratch_aval(scratch_type: Any, i: int) -> Any:
       "(pltpu.VMEM(shape, dtype), pltpu.SemaphoreType.DMA(()), "
       f"plgpu.SMEM(...)), got {type(scratch_type).__name__}"
     )
-  return scratch_type.get_ref_aval()
+  aval = scratch_type.get_ref_aval()
+  _check_shape(_inner_shape(aval), f"scratch_types leaf {i}")
+  return aval
+
+
+def _check_scratch_spaces(scratch_avals, gpu: bool) -> None:
+  """Scratch lives in memories of the launch's platform: Mosaic GPU has no
+  VMEM or TPU semaphores, Mosaic TPU no SMEM of Mosaic GPU's kind."""
+  tpu_spaces = _jax.tpu().core.MemorySpace
+  gpu_spaces = _jax.gpu().core.MemorySpace
+  foreign, platform, examples = (
+    (tpu_spaces, "GPU", "plgpu.SMEM, plgpu.Barrier, plgpu.GMEM")
+    if gpu
+    else (gpu_spaces, "TPU", "pltpu.VMEM, pltpu.SMEM, pltpu.HBM, semaphores")
+  )
+  for i, aval in enumerate(scratch_avals):
+    space = getattr(aval, "memory_space", None)
+    if isinstance(space, pallas_core.CoreMemorySpace):
+      space = space.memory_space
+    if isinstance(space, foreign):
+      raise ValueError(
+        f"mpmd_map: expected scratch_types leaf {i} in a {platform} memory "
+        f"space ({examples}) for {platform} meshes, got "
+        f"{getattr(space, 'name', space)}"
+      )
+
+
+def _check_options(
+  *, name, compiler_params, cost_estimate, metadata, gpu: bool
+) -> None:
+  if name is not None and not isinstance(name, str):
+    raise TypeError(
+      f"mpmd_map: expected 'name' to be a str or None, got {name!r}"
+    )
+  params_type = (_jax.gpu() if gpu else _jax.tpu()).core.CompilerParams
+  if compiler_params is not None and not isinstance(
+    compiler_params, params_type
+  ):
+    expected = "plgpu.CompilerParams" if gpu else "pltpu.CompilerParams"
+    platform = "GPU" if gpu else "TPU"
+    raise TypeError(
+      f"mpmd_map: expected 'compiler_params' for {platform} meshes to be "
+      f"None or a {expected}, got {type(compiler_params).__name__}: "
+      f"{compiler_params!r}"
+    )
+  if cost_estimate is not None and not isinstance(
+    cost_estimate, pallas_core.CostEstimate
+  ):
+    raise TypeError(
+      "mpmd_map: expected 'cost_estimate' to be None or a pl.CostEstimate, "
+      f"got {cost_estimate!r}"
+    )
+  if metadata is not None and not (
+    isinstance(metadata, Mapping)
+    and all(
+      isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    )
+  ):
+    raise TypeError(
+      "mpmd_map: expected 'metadata' to be None or a mapping of str to "
+      f"str, got {metadata!r}"
+    )
+
+
+def _check_aliases_arg(aliases: Any) -> FrozenDict:
+  """``input_output_aliases`` as a FrozenDict of non-negative int pairs
+  (their range is checked against the operands at call time)."""
+  if aliases is None:
+    return FrozenDict({})
+  if not isinstance(aliases, Mapping):
+    raise TypeError(
+      "mpmd_map: expected 'input_output_aliases' to be a dict {input "
+      f"index: output index}}, got {type(aliases).__name__}: {aliases!r}"
+    )
+  for i, o in aliases.items():
+    if not all(
+      isinstance(x, int | np.integer) and not isinstance(x, bool)
+      for x in (i, o)
+    ):
+      raise TypeError(
+        "mpmd_map: expected 'input_output_aliases' to map int input "
+        f"indices to int output indices, got {{{i!r}: {o!r}}}"
+      )
+  return FrozenDict({int(i): int(o) for i, o in aliases.items()})
 
 
 _CANONICAL_MESHES: dict[Any, Any] = {}
@@ -407,6 +557,176 @@ def _check_aliases(aliases, in_avals, out_avals) -> None:
       )
 
 
+# -- checks of the traced kernels ---------------------------------------------
+
+
+_UNBOUND_AXIS = re.compile(r"unbound axis name: (.+?)(?:\. |\.?$)", re.M)
+
+
+def _raise_if_unbound_axis(error: NameError, mesh, meshes, debug_info):
+  """JAX's advice for an unbound axis ("call axis_index under shard_map")
+  misleads in a kernel: say which axes the kernel can name."""
+  found = _UNBOUND_AXIS.search(str(error))
+  if found is None:
+    return  # not an axis name: a NameError of the user's code
+  outer = jax.sharding.get_abstract_mesh()
+  outer_axes = () if outer.empty else tuple(outer.axis_names)
+  others = {a: n for m in meshes if m is not mesh for a, n in m.shape.items()}
+  raise ValueError(
+    f"mpmd_map: kernel {debug_info.func_src_info} names axis "
+    f"{found.group(1)!r}, which is not an axis of its mesh "
+    f"{dict(mesh.shape)}"
+    + (f", of the launch's other meshes {others}" if others else "")
+    + (
+      f", or of the enclosing shard_map {outer_axes}"
+      if outer_axes
+      else " (and there is no enclosing shard_map)"
+    )
+  ) from None
+
+
+class _Roles(NamedTuple):
+  """Names a kernel's operands in messages: ``'x_hbm' (input 0)``."""
+
+  debug_info: Any
+  num_in: int
+  num_out: int
+
+  def describe(self, jaxpr: core.Jaxpr, var: Any, aval: Any) -> str:
+    try:
+      k = jaxpr.invars.index(var)
+    except ValueError:
+      return _short(aval)  # not traced back to a kernel operand
+    if k < self.num_in:
+      role = f"input {k}"
+    elif k < self.num_in + self.num_out:
+      role = f"out_types leaf {k - self.num_in}"
+    else:
+      role = f"scratch_types leaf {k - self.num_in - self.num_out}"
+    names = self.debug_info.arg_names
+    name = f"{names[k]!r} " if names and k < len(names) else ""
+    return f"{name}({role}, {_short(aval)})"
+
+
+def _check_kernel(jaxpr: core.Jaxpr, mesh, meshes, roles: _Roles) -> None:
+  """What the kernel asks of DMAs, signals and scoped allocations, checked
+  where it is written (trace time) instead of by a lowering or a simulator
+  after the kernel is merged."""
+  kernel = f"mpmd_map: kernel {roles.debug_info.func_src_info}"
+  outer = jax.sharding.get_abstract_mesh()
+  axis_sizes = {} if outer.empty else dict(outer.shape)
+  axis_sizes.update(prim.axis_env(meshes))
+  _check_eqns(jaxpr, jaxpr, {}, mesh, axis_sizes, roles, kernel)
+
+
+def _check_eqns(top, jaxpr, outer, mesh, axis_sizes, roles, kernel) -> None:
+  """``outer`` maps a variable of a nested jaxpr to the kernel operand it
+  stands for (so that messages can name it)."""
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "dma_start":
+      _check_dma(top, eqn, outer, roles, kernel)
+      *_, device_id = eqn.params["tree"].unflatten(eqn.invars)
+      _check_device_id(device_id, axis_sizes, f"{kernel}: a DMA")
+    elif name == "semaphore_signal":
+      *_, device_id, _ = eqn.params["args_tree"].unflatten(eqn.invars)
+      _check_device_id(device_id, axis_sizes, f"{kernel}: semaphore_signal")
+    elif name == "run_scoped":
+      _check_collective_axes(eqn.params.get("collective_axes"), mesh, kernel)
+    for sub in jaxpr_util.sub_jaxprs(eqn.params):
+      inner = dict(outer)
+      for v, x in _operands_of(eqn, sub):
+        if isinstance(x, core.Var) and v.aval == x.aval:
+          inner[v] = outer.get(x, x)
+      _check_eqns(top, sub, inner, mesh, axis_sizes, roles, kernel)
+
+
+def _check_collective_axes(axes, mesh, kernel: str) -> None:
+  axes = tuple(axes or ())
+  unknown = [a for a in axes if a not in mesh.shape]
+  if unknown:
+    raise ValueError(
+      f"{kernel}: run_scoped(collective_axes={axes!r}) names {unknown}, "
+      f"which are not axes of the kernel's mesh {dict(mesh.shape)}"
+    )
+  thread = getattr(mesh, "thread_name", None)
+  if paths.is_gpu_mesh(mesh) and axes and axes != (thread,):
+    # Mosaic GPU allocates collectively only across a block's warpgroups.
+    raise ValueError(
+      f"{kernel}: run_scoped(collective_axes={axes!r}): expected no "
+      f"collective axes or only the warpgroup axis ({thread!r},) of the "
+      f"kernel's mesh {dict(mesh.shape)}"
+    )
+
+
+def _operands_of(eqn, sub: core.Jaxpr):
+  """(variable of ``sub``, operand of ``eqn`` it receives) pairs, where the
+  layout is the usual one: closed-over operands (``run_scoped``), else the
+  trailing operands (``cond`` after its index, loops after their consts)."""
+  operands = list(eqn.invars)
+  if len(sub.constvars) == len(operands):
+    return zip(sub.constvars, operands, strict=True)
+  n = min(len(sub.invars), len(operands))
+  return zip(
+    sub.invars[len(sub.invars) - n :],
+    operands[len(operands) - n :],
+    strict=True,
+  )
+
+
+def _check_dma(top, eqn, outer, roles: _Roles, kernel: str) -> None:
+  avals = [v.aval for v in eqn.invars]
+  src, dst, *_ = eqn.params["tree"].unflatten(avals)
+  try:
+    # The windows' shapes follow from the static slice sizes.
+    src_type, dst_type = (src.shape, src.dtype), (dst.shape, dst.dtype)
+  except Exception:  # noqa: BLE001 -- a view we cannot size: Mosaic checks
+    return
+  if src_type == dst_type:
+    return
+  src_var, dst_var = eqn.invars[0], eqn.invars[_num_leaves(src)]
+  src_var, dst_var = outer.get(src_var, src_var), outer.get(dst_var, dst_var)
+  src_ref, dst_ref = avals[0], avals[_num_leaves(src)]
+  raise ValueError(
+    f"{kernel}: a DMA copies from "
+    f"{roles.describe(top, src_var, src_ref)} into "
+    f"{roles.describe(top, dst_var, dst_ref)}: expected the same shape and "
+    f"dtype on both sides, got {_type_str(*src_type)} and "
+    f"{_type_str(*dst_type)}"
+  )
+
+
+def _num_leaves(tree: Any) -> int:
+  return len(tree_util.tree_leaves(tree))
+
+
+def _type_str(shape, dtype) -> str:
+  return core.ShapedArray(tuple(shape), dtype).str_short(short_dtypes=True)
+
+
+def _check_device_id(device_id: Any, axis_sizes, what: str) -> None:
+  """Axes a ``device_id`` dict names exist; literal indices are in range."""
+  if not isinstance(device_id, Mapping):
+    return
+  for axis, index in device_id.items():
+    size = axis_sizes.get(axis)
+    if size is None:
+      try:  # bound some other way (pmap): still the caller's trace
+        size = jax.lax.axis_size(axis)
+      except NameError:
+        raise ValueError(
+          f"{what} names device_id axis {axis!r}, which is not an axis of "
+          f"the kernel meshes or of an enclosing shard_map {axis_sizes}"
+        ) from None
+    if isinstance(index, core.Literal):
+      value = int(index.val)
+      if not 0 <= value < size:
+        raise ValueError(
+          f"{what} names device_id {{{axis!r}: {value}}}: expected an "
+          f"index in [0, {size}) along axis {axis!r}"
+        )
+
+
 # -- tracing ------------------------------------------------------------------
 
 
@@ -482,10 +802,14 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
       returned.append(fn(*args, **kwargs))
       return []
 
-    with prim.tracing_context(mesh, meshes):
-      jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-        lu.wrap_init(flat_fn, debug_info=debug_info), flat_kernel_avals
-      )
+    try:
+      with prim.tracing_context(mesh, meshes):
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+          lu.wrap_init(flat_fn, debug_info=debug_info), flat_kernel_avals
+        )
+    except NameError as e:
+      _raise_if_unbound_axis(e, mesh, meshes, debug_info)
+      raise
     if returned[0] is not None:
       raise ValueError(
         f"mpmd_map: kernel {debug_info.func_src_info}: must return None "
@@ -493,6 +817,12 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
         f"{tree_util.tree_structure(returned[0])}"
       )
     _check_consts(consts, debug_info)
+    _check_kernel(
+      jaxpr,
+      mesh,
+      meshes,
+      _Roles(debug_info, len(flat_in_avals), len(spec.out_avals)),
+    )
     traced.append((jaxpr, consts))
   return _unify_consts(traced, meshes, len(flat_in_avals), flat_kernel_avals)
 

@@ -44,8 +44,9 @@ _target = config.optional_enum_state(
 )
 
 
-@contextlib.contextmanager
-def tpu_target(name: str = DEFAULT_TPU_TARGET) -> Iterator[TpuTarget]:
+def tpu_target(
+  name: str = DEFAULT_TPU_TARGET,
+) -> contextlib.AbstractContextManager[TpuTarget]:
   """Traces and lowers TPU kernels for a named TPU generation.
 
   Args:
@@ -56,11 +57,25 @@ def tpu_target(name: str = DEFAULT_TPU_TARGET) -> Iterator[TpuTarget]:
 
     with mpmd.tpu_target("v6e"):
       lowered = jax.jit(f).trace(x).lower(lowering_platforms=("tpu",))
+
+  Raises:
+    TypeError: ``name`` is not a str (checked when called, before ``with``).
+    ValueError: ``name`` is not a known generation.
   """
+  if not isinstance(name, str):
+    raise TypeError(
+      f"tpu_target: expected 'name' to be a str (one of "
+      f"{sorted(TPU_TARGETS)}), got {type(name).__name__}: {name!r}"
+    )
   if name not in TPU_TARGETS:
     raise ValueError(
       f"tpu_target: expected 'name' in {sorted(TPU_TARGETS)}, got {name!r}"
     )
+  return _in_target(name)
+
+
+@contextlib.contextmanager
+def _in_target(name: str) -> Iterator[TpuTarget]:
   with _target(name):
     yield TPU_TARGETS[name]
 

@@ -1,5 +1,6 @@
 """The public API end to end: run on CPU, lower for TPU / CUDA, bad input."""
 
+import functools
 import re
 
 import jax
@@ -227,9 +228,67 @@ def test_error_out_types_not_shape_dtype():
   with pytest.raises(
     TypeError,
     match="out_types leaf 0 to be a "
-    r"jax.ShapeDtypeStruct .* got ndarray",
+    r"jax.ShapeDtypeStruct, a JAX type .* got str",
   ):
-    mpmd.mpmd_map([(tc_mesh(), _noop)], np.zeros(SHAPE, np.float32))
+    mpmd.mpmd_map([(tc_mesh(), _noop)], "f32[16,128]")
+
+
+def _copy(x_hbm, o_hbm):
+  pltpu.sync_copy(x_hbm, o_hbm)
+
+
+@pytest.mark.parametrize(
+  "as_type",
+  [
+    jax.typeof,
+    lambda x: jax.core.ShapedArray(x.shape, x.dtype),
+    lambda x: x,
+    np.asarray,
+  ],
+  ids=["typeof", "ShapedArray", "jax_array", "numpy_array"],
+)
+def test_out_types_as_jax_types_or_arrays(rng, as_type):
+  """Upstream takes "a PyTree of jax.ShapeDtypeStruct or JAX types"."""
+  x = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
+
+  def kernel(x_hbm, outs):
+    _copy(x_hbm, outs["out"])
+
+  def f(x):
+    return mpmd.mpmd_map([(tc_mesh(), kernel)], {"out": as_type(x)})(x)
+
+  np.testing.assert_array_equal(f(x)["out"], x)
+  if as_type is not np.asarray:  # a tracer has no numpy value
+    np.testing.assert_array_equal(jax.jit(f)(x)["out"], x)
+
+
+def test_out_type_of_a_traced_value_keeps_its_varying_axes():
+  """Inside shard_map (check_vma=True), ``jax.typeof(r)`` says how ``r``
+  varies over the mesh, and the output is declared so: here invariant,
+  although an output that does not say would vary like all the inputs."""
+  mesh = jax.make_mesh((2,), ("x",))
+  spec = jax.sharding.PartitionSpec
+
+  def kernel(x_hbm, r_hbm, o_hbm):
+    del x_hbm
+    pltpu.sync_copy(r_hbm, o_hbm)
+
+  @jax.jit
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(spec("x"), spec()),
+    out_specs=spec(),
+  )
+  def f(x, r):
+    out = mpmd.mpmd_map([(tc_mesh(), kernel)], jax.typeof(r))(x, r)
+    assert not jax.typeof(out).manual_axis_type.varying
+    return out
+
+  x = jnp.zeros((16, 128), jnp.float32)
+  r = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+  x = jax.device_put(x, jax.NamedSharding(mesh, spec("x")))
+  np.testing.assert_array_equal(f(x, r), r)
 
 
 def test_error_mixed_tpu_and_gpu_meshes():

@@ -125,7 +125,12 @@ def check_config(
       f"matmul: expected 'b' with {k} rows (the columns of 'a'), got "
       f"shape {tuple(b.shape)}"
     )
-  out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
+  try:
+    out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
+  except TypeError:
+    raise TypeError(
+      f"matmul: expected 'out_dtype' to be a dtype, got {out_dtype!r}"
+    ) from None
   if out_dtype not in OUTPUT_DTYPES:
     raise ValueError(
       "matmul: expected 'out_dtype' float16, bfloat16 or float32, got "

@@ -404,6 +404,142 @@ class TestTgmmCpuFallback:
     np.testing.assert_allclose(out, want, **tolerances(jnp.float32))
 
 
+def tgmm_ragged_dot_ref(lhs, rhs, group_sizes):
+  """tgmm as ``jax.lax.ragged_dot_general`` (the contraction is ragged)."""
+  dims = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [0]), ([], [])),
+    lhs_ragged_dimensions=[1],
+    rhs_group_dimensions=[],
+  )
+  return lax.ragged_dot_general(
+    lhs.astype(jnp.float32),
+    rhs.astype(jnp.float32),
+    group_sizes,
+    dims,
+    precision=HIGHEST,
+    preferred_element_type=jnp.float32,
+  )
+
+
+def first_group_sizes(sizes, m):
+  """Sizes whose disjoint groups give each row to the first of ragged_dot's
+  (possibly overlapping) groups that holds it."""
+  ends = np.clip(np.maximum.accumulate(np.cumsum(sizes)), 0, m)
+  return np.diff(np.concatenate([[0], ends])).astype(np.int32)
+
+
+def groups_per_row(sizes, m):
+  """How many of ragged_dot's groups hold each row."""
+  ends = np.cumsum(sizes)
+  starts = np.concatenate([[0], ends[:-1]])
+  rows = np.arange(m)[:, None]
+  return ((rows >= starts) & (rows < ends)).sum(axis=1)
+
+
+# Traced sizes outside the documented contract (non-negative, sum <= m):
+# a sum past m, negative sizes (overlapping ragged_dot groups), a negative
+# running sum, and everything at once.
+OUT_OF_CONTRACT_SIZES = {
+  "sum_past_m": [10, 20, 30, 40, 0, 9],
+  "last_group_past_m": [0, 0, 0, 0, 60, 30],
+  "negative_middle": [20, -8, 30, 10, 0, 5],
+  "negative_first": [-5, 30, 10, 10, 10, 4],
+  "overlap_past_m": [40, -30, 50, 20, -100, 70],
+}
+
+
+@functools.cache
+def _jitted(kernel):
+  """One compilation per kernel for all the patterns (sizes are data)."""
+  return jax.jit(functools.partial(kernel, tiling=TILING))
+
+
+class TestGroupSizesOutsideTheContract:
+  """Concrete sizes are checked; traced ones mean what ragged_dot means."""
+
+  def setup_method(self):
+    self.lhs = jnp.zeros((M, K), jnp.float32)
+    self.rhs = jnp.zeros((G, K, N), jnp.float32)
+
+  @pytest.mark.parametrize("as_array", [np.asarray, jnp.asarray])
+  def test_concrete_negative_sizes_are_rejected(self, as_array):
+    sizes = as_array(np.asarray([8, 8, -3, 8, 8, 8], np.int32))
+    with pytest.raises(
+      ValueError,
+      match=r"gmm: expected non-negative 'group_sizes', got "
+      r"group_sizes\[2\] = -3",
+    ):
+      gm.gmm(self.lhs, self.rhs, sizes, tiling=TILING)
+    with pytest.raises(
+      ValueError, match=r"tgmm: expected non-negative 'group_sizes'"
+    ):
+      gm.tgmm(self.lhs.T, self.lhs, sizes, tiling=TILING)
+
+  @pytest.mark.parametrize("pattern", list(OUT_OF_CONTRACT_SIZES))
+  def test_traced_sizes_gmm(self, rng, pattern):
+    sizes = np.asarray(OUT_OF_CONTRACT_SIZES[pattern], np.int32)
+    lhs, rhs = operands(rng, M, K, N, G)
+    out = np.asarray(_jitted(gm.gmm)(lhs, rhs, jnp.asarray(sizes)))
+    # Equal to ragged_dot of the same sizes on every row that is in at most
+    # one of its groups; everywhere to ragged_dot of the disjoint groups.
+    ref = np.asarray(ragged_dot_ref(lhs, rhs, jnp.asarray(sizes)))
+    single = groups_per_row(sizes, M) <= 1
+    np.testing.assert_allclose(
+      out[single], ref[single], **tolerances(jnp.float32)
+    )
+    first = jnp.asarray(first_group_sizes(sizes, M))
+    np.testing.assert_allclose(
+      out, ragged_dot_ref(lhs, rhs, first), **tolerances(jnp.float32)
+    )
+
+  @pytest.mark.parametrize("pattern", list(OUT_OF_CONTRACT_SIZES))
+  def test_traced_sizes_tgmm(self, rng, pattern):
+    sizes = np.asarray(OUT_OF_CONTRACT_SIZES[pattern], np.int32)
+    x = jnp.asarray(rng.standard_normal((K, M)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((M, N)) / np.sqrt(M), jnp.float32)
+    out = _jitted(gm.tgmm)(x, dy, jnp.asarray(sizes))
+    first = jnp.asarray(first_group_sizes(sizes, M))
+    np.testing.assert_allclose(
+      out, tgmm_ragged_dot_ref(x, dy, first), **tolerances(jnp.float32)
+    )
+    if (sizes >= 0).all():  # no overlap: ragged_dot's own groups
+      np.testing.assert_allclose(
+        out,
+        tgmm_ragged_dot_ref(x, dy, jnp.asarray(sizes)),
+        **tolerances(jnp.float32),
+      )
+
+  def test_concrete_sizes_past_m_are_clipped_like_ragged_dot(self, rng):
+    sizes = jnp.asarray(OUT_OF_CONTRACT_SIZES["last_group_past_m"], jnp.int32)
+    lhs, rhs = operands(rng, M, K, N, G)
+    np.testing.assert_allclose(
+      gm.gmm(lhs, rhs, sizes, tiling=TILING),
+      ragged_dot_ref(lhs, rhs, sizes),
+      **tolerances(jnp.float32),
+    )
+    x, dy = lhs.T, jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+    np.testing.assert_allclose(
+      gm.tgmm(x, dy, sizes, tiling=TILING),
+      tgmm_ragged_dot_ref(x, dy, sizes),
+      **tolerances(jnp.float32),
+    )
+
+  def test_gradient_with_traced_negative_sizes(self, rng):
+    """d lhs (gmm) and d rhs (tgmm) agree on which rows are whose."""
+    sizes = np.asarray(OUT_OF_CONTRACT_SIZES["overlap_past_m"], np.int32)
+    lhs, rhs = operands(rng, M, K, N, G)
+    cot = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+    ours = functools.partial(gm.gmm, tiling=TILING)
+    got = jax.jit(jax.grad(_loss_fn, argnums=(1, 2)), static_argnums=0)(
+      ours, lhs, rhs, jnp.asarray(sizes), cot
+    )
+    want = jax.grad(_loss_fn, argnums=(1, 2))(
+      ragged_dot_ref, lhs, rhs, jnp.asarray(first_group_sizes(sizes, M)), cot
+    )
+    for g, r, name in zip(got, want, ["d lhs", "d rhs"], strict=True):
+      np.testing.assert_allclose(g, r, err_msg=name, **tolerances(jnp.float32))
+
+
 class TestExpertSharding:
   """Experts sharded over simulated CPU devices, group_offset per device."""
 
