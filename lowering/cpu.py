@@ -9,6 +9,7 @@ from jax import lax
 from mpmd import _jax
 from mpmd._jax import (
   callback,
+  config,
   core,
   hlo_interpreter,
   mlir,
@@ -16,14 +17,22 @@ from mpmd._jax import (
   pallas_primitives,
   state,
   tpu,
+  tree_util,
 )
-from mpmd.lowering import jaxpr_util, lockstep, paths, watchdog
+from mpmd.lowering import bounds, jaxpr_util, lockstep, paths, watchdog
 from mpmd.primitives import mpmd_map as prim
 
 
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   jaxprs, meshes = params["jaxprs"], params["meshes"]
   paths.check_simulable(jaxprs)
+  if not any(paths.is_gpu_mesh(m) for m in meshes):
+    for kernel in jaxprs:
+      bounds.check_static(
+        kernel,
+        bounds.operand_names(kernel, len(in_nodes), len(params["out_avals"])),
+        kernel.debug_info.func_src_info,
+      )
   axes = lockstep.manual_axes(ctx.module_context.axis_context)
   path = paths.choose(jaxprs, meshes, params["interpret"], axes)
   if params["debug"]:
@@ -33,14 +42,24 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     kernel = _alias_refs(jaxprs[0], len(in_nodes), aliases, meshes[0], meshes)
     return lockstep.lower(ctx, *in_nodes, kernel=kernel, axes=axes, **params)
   if path.kind == paths.FAST:
-    programs, labels = _fast_programs(len(in_nodes), params)
+    programs, labels, num_checks = _fast_programs(len(in_nodes), params)
     run = functools.partial(
       _run_unrolled,
       programs=programs,
       labels=labels,
+      num_checks=num_checks,
       **_buffers(len(in_nodes), params, programs[0]),
     )
-    return mlir.lower_fun(run, multiple_results=True)(ctx, *in_nodes)
+    # Kernels are traced without varying-axes types: under a
+    # shard_map(check_vma=True) their index arithmetic mixes varying and
+    # invariant values, and checkify's conditionals would tell them apart.
+    plain = [
+      a.update(manual_axis_type=core.ManualAxisType()) for a in ctx.avals_in
+    ]
+    with config._check_vma(False):
+      return mlir.lower_fun(run, multiple_results=True)(
+        ctx.replace(avals_in=plain), *in_nodes
+      )
   ranges = None
   if len(meshes) == 1 and getattr(meshes[0], "num_threads", 0) is None:
     # A GPU mesh without warpgroups: nothing to merge or share.
@@ -118,28 +137,54 @@ def _alias_refs(jaxpr, num_in, aliases, mesh, meshes):
 
 
 def _fast_programs(num_in: int, params):
-  """One pure jaxpr per program, in launch order, axis indices literal;
-  and a label for each (``mesh 1 program 0 (core=0)``)."""
+  """One pure jaxpr per program, in launch order, axis indices literal; a
+  label for each (``mesh 1 program 0 (core=0)``); how many run-time checks
+  they make (``bounds.Checks``).
+
+  DMAs and semaphores go through the lockstep path's rewrite: semaphores
+  count bytes in int32 (Pallas' discharge rules count elements in int16,
+  which several large pending DMAs wrap), and DMA windows are checked.
+  """
   meshes = params["meshes"]
   aliases = dict(params["input_output_aliases"])
-  programs, labels = [], []
+  num_out = len(params["out_avals"])
+  programs, labels, num_checks = [], [], 0
   # Meshes by position, never `meshes.index(mesh)`: upstream meshes compare
   # with `==`, which is elementwise (and ambiguous) for a multi-core
   # TensorCoreMesh on jax 0.10.2, and a mesh may appear twice.
-  for i, (mesh, jaxpr) in enumerate(zip(meshes, params["jaxprs"], strict=True)):
-    jaxpr = _alias_refs(jaxpr, num_in, aliases, mesh, meshes)
+  kernels = zip(meshes, params["jaxprs"], strict=True)
+  for i, (mesh, traced) in enumerate(kernels):
+    jaxpr = _alias_refs(traced, num_in, aliases, mesh, meshes)
     sizes = dict(mesh.shape)
+    with prim.tracing_context(mesh, meshes):
+      jaxpr, consts = hlo_interpreter.resolve_physical_types(jaxpr, ())
+      if consts:
+        raise NotImplementedError("mpmd_map: kernel captured constants")
+      jaxpr = jaxpr_util.map_avals(jaxpr, lockstep.widen)
+    refs = bounds.trace_refs(
+      jaxpr, bounds.operand_names(traced, num_in, num_out)
+    )
+    proven = bounds.prove(jaxpr, sizes)
     for program in range(math.prod(sizes.values())):
       values = jaxpr_util.literal_axis_values(sizes, program)
-      with prim.tracing_context(mesh, meshes):
-        unrolled = jaxpr_util.rewrite_axis_indices(jaxpr, values.get, sizes)
-        physical, consts = hlo_interpreter.resolve_physical_types(unrolled, ())
-        programs.append(
-          _jax.discharge_state(_jax.closed_jaxpr(physical, consts))
-        )
       coords = ", ".join(f"{a}={int(v)}" for a, v in values.items())
-      labels.append(f"mesh {i} program {program} ({coords})")
-  return programs, labels
+      label = f"mesh {i} program {program} ({coords})"
+      checks = bounds.Checks(
+        traced.debug_info.func_src_info,
+        refs,
+        proven,
+        path="fast path (programs run one after another)",
+        where=lambda args, label=label: f", {label}",
+      )
+      rule = lockstep.sync_rule(
+        checks, first=jaxpr_util.axis_index_rule(values.get, sizes)
+      )
+      with prim.tracing_context(mesh, meshes):
+        unrolled = jaxpr_util.rewrite(jaxpr, rule)
+        programs.append(_jax.discharge_state(_jax.closed_jaxpr(unrolled)))
+      labels.append(label)
+      num_checks += checks.count
+  return programs, labels, num_checks
 
 
 def _uninitialized(aval):
@@ -150,6 +195,7 @@ def _run_unrolled(
   *args,
   programs,
   labels,
+  num_checks,
   num_in,
   out_avals,
   out_sources,
@@ -157,56 +203,74 @@ def _run_unrolled(
   is_ref,
   semaphores,
 ):
-  outs = [
-    args[out_sources[o]] if o in out_sources else _uninitialized(aval)
-    for o, aval in enumerate(out_avals)
-  ]
-  shared = {
-    k: _uninitialized(aval)
-    for k, (aval, is_shared) in enumerate(scratch)
-    if is_shared
-  }
   num_out = len(out_avals)
-  stuck = []
-  for program in programs:
-    operands = [
-      *args,
-      *outs,
-      *(
-        shared[k] if k in shared else _uninitialized(aval)
-        for k, (aval, _) in enumerate(scratch)
-      ),
+
+  def scratch_value(k, aval):
+    # Semaphores start at zero (uninitialised int32 would be a sentinel).
+    if k in semaphores:
+      return jnp.zeros(aval.shape, aval.dtype)
+    return _uninitialized(aval)
+
+  def launch(*args):
+    outs = [
+      args[out_sources[o]] if o in out_sources else _uninitialized(aval)
+      for o, aval in enumerate(out_avals)
     ]
-    # The discharged program returns the final value of each Ref operand.
-    updated = iter(core.eval_jaxpr(program.jaxpr, program.consts, *operands))
-    operands = [
-      next(updated) if r else x for x, r in zip(operands, is_ref, strict=True)
-    ]
-    outs = operands[num_in : num_in + num_out]
-    shared = {k: operands[num_in + num_out + k] for k in shared}
-    # A wait that took more than was signalled drove a count negative: on
-    # hardware that program would wait forever.
-    stuck.append(
-      functools.reduce(
-        jnp.logical_or,
-        [jnp.any(operands[num_in + num_out + k] < 0) for k in semaphores],
-        jnp.bool_(False),
+    shared = {
+      k: _uninitialized(aval)
+      for k, (aval, is_shared) in enumerate(scratch)
+      if is_shared
+    }
+    stuck = []
+    for program in programs:
+      operands = [
+        *args,
+        *outs,
+        *(
+          shared[k] if k in shared else scratch_value(k, aval)
+          for k, (aval, _) in enumerate(scratch)
+        ),
+      ]
+      # The discharged program returns the final value of each Ref operand.
+      updated = iter(core.eval_jaxpr(program.jaxpr, program.consts, *operands))
+      operands = [
+        next(updated) if r else x for x, r in zip(operands, is_ref, strict=True)
+      ]
+      outs = operands[num_in : num_in + num_out]
+      shared = {k: operands[num_in + num_out + k] for k in shared}
+      # A wait that found its semaphore short poisoned it (negative): on
+      # hardware that program would wait forever.
+      stuck.append(
+        functools.reduce(
+          jnp.logical_or,
+          [jnp.any(operands[num_in + num_out + k] < 0) for k in semaphores],
+          jnp.bool_(False),
+        )
       )
+    return outs, jnp.stack(stuck)
+
+  error, (outs, stuck) = bounds.checked(launch, num_checks)(*args)
+  if semaphores or error is not None:
+    failed = jnp.any(stuck)
+    if error is not None:
+      failed = jnp.logical_or(failed, bounds.failed(error))
+    leaves, treedef = tree_util.tree_flatten(error)
+    raise_error = functools.partial(
+      _raise_for, labels, treedef if leaves else None
     )
-  if semaphores:
-    stuck = jnp.stack(stuck)
     # Python runs only to raise: a callback per launch costs milliseconds.
     lax.cond(
-      jnp.any(stuck),
-      lambda: callback.io_callback(
-        functools.partial(_raise_if_stuck, labels), None, stuck
-      ),
+      failed,
+      lambda: callback.io_callback(raise_error, None, stuck, *leaves),
       lambda: None,
     )
   return outs
 
 
-def _raise_if_stuck(labels, stuck) -> None:
+def _raise_for(labels, treedef, stuck, *leaves) -> None:
+  failure = bounds.first_failure(treedef, leaves)
+  if failure is not None:
+    raise failure
   waiting = [label for label, s in zip(labels, stuck, strict=True) if s]
   if waiting:
     raise watchdog.DeadlockError(

@@ -16,7 +16,9 @@ and signals as int32, as on hardware. A wait that finds its semaphore short
 would block on hardware; here the devices run in step, so the semaphore is
 poisoned (set far below zero, and no later signal lifts it) and the launch
 fails at the end with a ``DeadlockError`` naming device and semaphore,
-instead of running on with missing data.
+instead of running on with missing data. A DMA whose window leaves its
+buffer, or a wait that finds a ``pl.run_scoped`` semaphore short, fails the
+launch too (``mpmd.lowering.bounds``).
 """
 
 import functools
@@ -24,6 +26,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -43,7 +46,7 @@ from mpmd._jax import (
   tpu,
   tree_util,
 )
-from mpmd.lowering import jaxpr_util, paths, watchdog
+from mpmd.lowering import bounds, jaxpr_util, paths, watchdog
 from mpmd.primitives import mpmd_map as prim
 
 # Far below any count a kernel reaches, and far from wrapping around.
@@ -164,12 +167,14 @@ def _signal(sem: Any, inc: Any) -> None:
   )
 
 
-def _wait(sem: Any, value: Any, decrement: bool = True) -> None:
-  """Takes ``value`` from a semaphore, or poisons it if it holds less."""
+def _wait(sem: Any, value: Any, decrement: bool = True) -> Any:
+  """Takes ``value`` from a semaphore, or poisons it if it holds less;
+  returns whether it held enough."""
   before = state_primitives.ref_get(sem, None)
   value = jnp.asarray(value, jnp.int32)
   after = before - value if decrement else before
   state_primitives.ref_set(sem, None, jnp.where(before < value, _POISON, after))
+  return jnp.all(before >= value)
 
 
 def _bytes(ref: Any) -> int:
@@ -178,19 +183,25 @@ def _bytes(ref: Any) -> int:
   return math.prod(ref.shape) * np.dtype(ref.dtype).itemsize
 
 
-def _widen(aval: Any) -> Any:
+def widen(aval: Any) -> Any:
   """Semaphore counts as int32 (Pallas' interpreters use int16)."""
   if (
-    isinstance(aval, state_types.AbstractRef)
-    and aval.memory_space == _semaphore_space()
+    _is_count(aval)
     and aval.inner_aval.dtype == pallas_core.SEMAPHORE_INTERPRET_DTYPE
   ):
     return aval.update(inner_aval=aval.inner_aval.update(dtype=jnp.int32))
   return aval
 
 
-def _semaphore_space():
-  return tpu().core.MemorySpace.SEMAPHORE
+def _is_count(aval: Any) -> bool:
+  """A Ref in semaphore memory (of physical integer counts)."""
+  if not isinstance(aval, state_types.AbstractRef):
+    return False
+  space = aval.memory_space
+  # Scratch placed on one mesh's cores (`SEMAPHORE @ mesh`) wraps the space.
+  if isinstance(space, pallas_core.CoreMemorySpace):
+    space = space.memory_space
+  return space == tpu().core.MemorySpace.SEMAPHORE
 
 
 def _with_transforms(ref: Any, transforms: Any) -> Any:
@@ -383,14 +394,30 @@ def _remote_signal(devices: _Devices, sem, transforms, inc, device_id):
     )
 
 
-def _rule(devices: _Devices, barrier: tuple[Any, ...]):
-  """The rewrite of every synchronising operation (see module docstring)."""
+def sync_rule(
+  checks: bounds.Checks,
+  devices: _Devices | None = None,
+  barrier: tuple[Any, ...] = (),
+  first: jaxpr_util.EqnRule | None = None,
+) -> jaxpr_util.EqnRule:
+  """The rewrite of every synchronising operation (see module docstring),
+  with ``checks`` of DMA windows and scoped waits; ``first`` (say an axis
+  index rule) goes before it on every equation, nested ones included.
+
+  The fast path uses it too, for its local DMAs and semaphores (no
+  ``devices``): the same int32 byte counts, the same poisoned waits.
+  """
 
   def rule(eqn, invals):
+    if first is not None:
+      outs = first(eqn, invals)
+      if outs is not None:
+        return outs
     name = eqn.primitive.name
     if name == "get_barrier_semaphore":
       return list(barrier)
     if name == "dma_start":
+      checks.dma(eqn, invals)
       src, dst, dst_sem, src_sem, device_id = eqn.params["tree"].unflatten(
         invals
       )
@@ -401,13 +428,15 @@ def _rule(devices: _Devices, barrier: tuple[Any, ...]):
       if eqn.params["add"]:
         data = data + state_primitives.ref_get(dst, None)
       state_primitives.ref_set(dst, None, data)
-      _signal(dst_sem, _bytes(dst))
+      if dst_sem is not None:
+        _signal(dst_sem, _bytes(dst))
       return []
     if name == "dma_wait":
       # wait_send binds this with source and destination swapped, so the
       # semaphore and the buffer it counts are always the 2nd and 3rd.
       _, dst, dst_sem, _, _ = eqn.params["tree"].unflatten(invals)
-      _wait(dst_sem, _bytes(dst))
+      sem = eqn.params["tree"].unflatten(eqn.invars)[2]
+      checks.wait(eqn, sem, _wait(dst_sem, _bytes(dst)))
       return []
     if name == "semaphore_signal":
       sem, transforms, inc, device_id, _ = eqn.params["args_tree"].unflatten(
@@ -422,37 +451,52 @@ def _rule(devices: _Devices, barrier: tuple[Any, ...]):
       sem, transforms, value, decrement = eqn.params["args_tree"].unflatten(
         invals
       )
-      _wait(_with_transforms(sem, transforms), value, decrement)
+      ok = _wait(_with_transforms(sem, transforms), value, decrement)
+      checks.wait(eqn, eqn.params["args_tree"].unflatten(eqn.invars)[0], ok)
       return []
     if name == "semaphore_read":
       sem, transforms = eqn.params["args_tree"].unflatten(invals)
       value = state_primitives.ref_get(_with_transforms(sem, transforms), None)
       return [value.astype(eqn.outvars[0].aval.dtype)]
     if name == "run_scoped":
-      body = jaxpr_util.rewrite_scope(
-        eqn.params["jaxpr"], rule, invals, _zero_semaphores
-      )
-      params = eqn.primitive.get_bind_params({**eqn.params, "jaxpr": body})
-      return eqn.primitive.bind(*invals, **params)
+      return _inline_scope(eqn, invals, rule)
     return None
 
   return rule
 
 
-def _zero_semaphores(refs: tuple[Any, ...]) -> None:
-  """Scoped semaphores start at zero (Pallas' interpreters would fill int32
-  scratch with a sentinel)."""
-  for ref in refs:
-    if _is_count(ref.aval):
-      state_primitives.ref_set(ref, None, jnp.zeros(ref.shape, jnp.int32))
+def _inline_scope(eqn, invals, rule) -> list[Any]:
+  """A ``pl.run_scoped`` rewritten with ``rule`` and run in place, its
+  allocations discharged to values.
 
-
-def _is_count(aval: Any) -> bool:
-  """A semaphore after ``_widen``: an int32 Ref in semaphore memory."""
-  return (
-    isinstance(aval, state_types.AbstractRef)
-    and aval.memory_space == _semaphore_space()
+  Discharging the kernel would keep the ``run_scoped`` (with its scoped
+  Refs), into which ``checkify`` cannot see: the checks in it would be lost.
+  """
+  scope = eqn.params["jaxpr"]
+  num_closed = len(scope.constvars)
+  # Under jax.enable_checks, 0.10's convert_constvars_jaxpr typechecks the
+  # scope, whose semaphores already count in int32 (``widen``), which
+  # Pallas' dma_wait rejects.
+  with jax.enable_checks(False):
+    scope = _jax.pe.convert_constvars_jaxpr(scope)
+  body = jaxpr_util.rewrite(scope, rule)
+  allocated = [v.aval for v in body.invars[num_closed:]]
+  pure, consts = _jax.open_jaxpr(
+    _jax.discharge_state(
+      _jax.closed_jaxpr(body),
+      should_discharge=[False] * num_closed + [True] * len(allocated),
+    )
   )
+  # Scoped semaphores start at zero (Pallas' uninitialised int32 is a
+  # sentinel); other allocations as Pallas leaves them.
+  initial = [
+    jnp.zeros(a.shape, jnp.int32)
+    if _is_count(a)
+    else pallas_primitives.uninitialized_value(a.shape, a.dtype)
+    for a in allocated
+  ]
+  outs = core.eval_jaxpr(pure, consts, *invals, *initial)
+  return outs[: len(body.outvars)]
 
 
 def _barrier_avals(jaxpr: core.Jaxpr) -> list[Any]:
@@ -485,6 +529,7 @@ def lower(
   sizes = dict(ctx.module_context.axis_context.mesh.shape)
   devices = _Devices(exchange_axes(kernel, axes), sizes, axes)
   barrier_avals = _barrier_avals(kernel)
+  traced = params["jaxprs"][0]  # as the user wrote it: names, arguments
   with prim.tracing_context(mesh, params["meshes"]):
     values = jaxpr_util.literal_axis_values(dict(mesh.shape), 0)
     jaxpr = jaxpr_util.rewrite_axis_indices(kernel, values.get, mesh.shape)
@@ -492,20 +537,27 @@ def lower(
     jaxpr, consts = hlo_interpreter.resolve_physical_types(jaxpr, ())
     if consts:
       raise NotImplementedError("mpmd_map: kernel captured constants")
-    jaxpr = jaxpr_util.map_avals(jaxpr, _widen)
+    jaxpr = jaxpr_util.map_avals(jaxpr, widen)
+    checks = bounds.Checks(
+      traced.debug_info.func_src_info,
+      bounds.trace_refs(jaxpr, bounds.operand_names(traced, num_in, num_out)),
+      bounds.prove(jaxpr, {**mesh.shape, **sizes}),
+      path="lockstep path (devices run in step)",
+      where=functools.partial(_where, devices.all_axes),
+    )
 
     def make_rule(barrier):
       devices.top_trace = core.unsafe_get_current_trace()
-      return _rule(devices, barrier)
+      return sync_rule(checks, devices, barrier)
 
     jaxpr = jaxpr_util.rewrite_with_inputs(
       jaxpr,
-      [_widen(_physical(a)) for a in barrier_avals],
+      [widen(_physical(a)) for a in barrier_avals],
       make_rule,
       finish=devices.forget,
     )
     program = _jax.discharge_state(_jax.closed_jaxpr(jaxpr))
-  kernel_invars = [*params["jaxprs"][0].invars]
+  kernel_invars = [*traced.invars]
   scratch_avals = [v.aval for v in kernel_invars[num_in + num_out :]]
   names = [
     f"scratch {k} ({_describe(a)})"
@@ -527,6 +579,7 @@ def lower(
     semaphores=semaphores,
     names=names,
     devices=devices,
+    num_checks=checks.count,
   )
   # The kernel's values carry no varying-axes types: check none here.
   plain = [
@@ -541,6 +594,15 @@ def lower(
   return outs
 
 
+def _where(axes, args: list[Any]) -> str:
+  """``bounds.Checks``' ``where``: the device a check runs on."""
+  coords = []
+  for a in axes:
+    args.append(lax.axis_index(a))
+    coords.append(f"{a}={{0[{len(args) - 1}]}}")
+  return f", device ({', '.join(coords)})"
+
+
 def _run(
   *args,
   program,
@@ -551,6 +613,7 @@ def _run(
   semaphores,
   names,
   devices,
+  num_checks,
 ):
   avals = [v.aval for v in program.jaxpr.invars]
 
@@ -558,6 +621,13 @@ def _run(
     if k in semaphores:
       return jnp.zeros(avals[k].shape, avals[k].dtype)
     return pallas_primitives.uninitialized_value(avals[k].shape, avals[k].dtype)
+
+  def launch(*operands):
+    # The discharged program returns the final value of each Ref operand.
+    updated = iter(core.eval_jaxpr(program.jaxpr, program.consts, *operands))
+    return [
+      next(updated) if r else x for x, r in zip(operands, is_ref, strict=True)
+    ]
 
   operands = [
     *args,
@@ -567,29 +637,45 @@ def _run(
     ),
     *map(fresh, range(num_in + num_out, len(avals))),
   ]
-  # The discharged program returns the final value of each Ref operand.
-  updated = iter(core.eval_jaxpr(program.jaxpr, program.consts, *operands))
-  final = [
-    next(updated) if r else x for x, r in zip(operands, is_ref, strict=True)
-  ]
-  if semaphores:
-    short = jnp.stack([jnp.any(final[k] < 0) for k in semaphores])
+  error, final = bounds.checked(launch, num_checks)(*operands)
+  if semaphores or error is not None:
+    flags = [jnp.any(final[k] < 0) for k in semaphores]
+    if error is not None:
+      flags.append(bounds.failed(error))
     coords = [lax.axis_index(a) for a in devices.all_axes]
-    report = jnp.stack([*coords, *short.astype(jnp.int32)])
+    report = jnp.stack([*coords, *(f.astype(jnp.int32) for f in flags)])
     reports = lax.all_gather(report, devices.axes)
+    leaves, treedef = tree_util.tree_flatten(error)
+    raise_error = functools.partial(
+      _raise_for_reports, names, devices.all_axes, treedef if leaves else None
+    )
+
+    def report_on_device_zero():
+      # Every device takes this branch (the reports are gathered), so the
+      # failed checks' details travel only when something failed.
+      gathered = [lax.all_gather(x, devices.axes) for x in leaves]
+      lax.cond(
+        devices.me() == 0,
+        lambda: callback.io_callback(raise_error, None, reports, *gathered),
+        lambda: None,
+      )
+
     # Python runs only to raise (a callback per device and launch would
     # cost more than a ring step), and on one device: one error per launch.
-    stuck = jnp.any(reports[:, len(coords) :] != 0)
     lax.cond(
-      jnp.logical_and(stuck, devices.me() == 0),
-      lambda: callback.io_callback(
-        functools.partial(_raise_if_short, names, devices.all_axes),
-        None,
-        reports,
-      ),
+      jnp.any(reports[:, len(coords) :] != 0),
+      report_on_device_zero,
       lambda: None,
     )
   return final[num_in : num_in + num_out]
+
+
+def _raise_for_reports(names, axes, treedef, reports, *gathered) -> None:
+  for j in range(len(reports)):
+    failure = bounds.first_failure(treedef, [x[j] for x in gathered])
+    if failure is not None:
+      raise failure
+  _raise_if_short(names, axes, np.asarray(reports)[:, : len(axes) + len(names)])
 
 
 def _raise_if_short(names, axes, reports) -> None:

@@ -168,7 +168,9 @@ def simulator_effects(
   path = choose(jaxprs, meshes, interpret, traced_manual_axes())
   # The fast and lockstep paths check semaphore counts after the run (an
   # unordered callback: an ordered one's token would carry a failed launch's
-  # error into every later launch on several devices).
+  # error into every later launch on several devices). Their checks of DMA
+  # windows declare no effect: a launch whose results go unused may be
+  # dropped, checks and all, as it would be on hardware.
   if path.kind == LOCKSTEP:
     return {_jax.callback._IOEffect}
   if path.kind == FAST:

@@ -30,6 +30,13 @@ class RaceError(RuntimeError):
   """A simulator's race detector saw two programs race on a buffer."""
 
 
+class OutOfBoundsError(IndexError):
+  """A DMA's window reached past its buffer (hardware would fault).
+
+  An ``IndexError``, as the simulators' own out-of-bounds reports are.
+  """
+
+
 def set_deadlock_timeout(seconds: float) -> None:
   """Sets how long a simulated program may wait before the launch fails.
 

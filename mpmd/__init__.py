@@ -10,6 +10,7 @@ from mpmd import _jax as _jax  # checks the jax pin before anything else
 from mpmd import lowering as _lowering  # registers the per-platform rules
 from mpmd.api import mpmd_map as mpmd_map
 from mpmd.lowering.watchdog import DeadlockError as DeadlockError
+from mpmd.lowering.watchdog import OutOfBoundsError as OutOfBoundsError
 from mpmd.lowering.watchdog import RaceError as RaceError
 from mpmd.lowering.watchdog import deadlock_timeout as deadlock_timeout
 from mpmd.lowering.watchdog import set_deadlock_timeout as set_deadlock_timeout
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
   "DeadlockError",
   "GPUInterpretParams",
+  "OutOfBoundsError",
   "RaceError",
   "TPU_TARGETS",
   "deadlock_timeout",

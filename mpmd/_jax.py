@@ -247,6 +247,17 @@ def replace_jaxpr(jaxpr: core.Jaxpr, **changes) -> core.Jaxpr:
   return jaxpr.replace(**changes)
 
 
+def scan_layout(params) -> tuple[int, int]:
+  """(consts, carries) of a ``scan`` equation's operands, which its body
+  takes in the same order (then the scanned slices). Up to 0.11 they are
+  counts among the params; 0.12 packs them in a flat tree (``ft_in``)."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  layout = params["ft_in"]
+  consts, carry, _ = layout.update(list(range(len(layout)))).unpack()
+  return len(list(consts)), len(list(carry))
+
+
 # -- Mosaic GPU differences ---------------------------------------------------
 
 

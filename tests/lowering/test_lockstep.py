@@ -271,6 +271,22 @@ def test_a_remote_dma_under_a_condition_goes_to_the_simulator(capsys):
   np.testing.assert_array_equal(out, np.roll(np.asarray(x), ROWS[0], axis=0))
 
 
+def test_semaphores_placed_on_the_mesh_count_in_int32():
+  """``SemaphoreType.DMA @ mesh`` wraps the semaphore memory space: it is
+  widened to int32 like a plain one (it was left int16, and the first
+  signal mixed int16 and int32)."""
+  n = 2
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+
+  def per_device(x):
+    sems = [pltpu.SemaphoreType.DMA @ CORE] * 2
+    return _launch(_shift_along("x", n), ROWS, sems)(x)
+
+  x = _rows(mesh, P("x"))
+  out = _sharded(mesh, P("x"), per_device)(x)
+  np.testing.assert_array_equal(out, np.roll(np.asarray(x), ROWS[0], axis=0))
+
+
 def test_pending_dmas_beyond_int16_counts():
   """Two DMAs of 64 KiB each pending on one semaphore (Pallas' int16 counts
   would wrap): semaphores count bytes in int32."""

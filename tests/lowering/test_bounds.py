@@ -1,0 +1,599 @@
+"""DMA windows past their buffers fail on the CPU paths, as on hardware.
+
+Pallas' discharge rules slice with ``lax.dynamic_slice``, which clamps: a
+DMA of rows [12, 20) of a 16-row buffer used to copy rows [8, 16). A window
+fixed in the kernel now fails when the launch is lowered (``ValueError``),
+one the kernel computes when the launch runs (``mpmd.OutOfBoundsError``);
+both name the kernel, the Ref, the window and the shape, on the fast path
+(local DMAs: ``sync_copy``, ``make_async_copy``) and on the lockstep path
+(remote DMAs), for sources and destinations. The next launch still works.
+
+Also here: the fast path's semaphores (int32 byte counts, as on the
+lockstep path) and waits on ``pl.run_scoped`` semaphores that come before
+their signal, which would block forever on hardware.
+"""
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import io_callback
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mpmd
+
+ROWS, COLS, WINDOW = 16, 128, 8
+NAME = "oob_copy"
+CORE = mpmd.tensorcore_mesh("core", num_cores=1)
+NUM_DEVICES = 2
+
+# Starts past either end: each window [start, start + 8) leaves 16 rows.
+DYNAMIC_STARTS = [12, 100, -4]
+
+
+def _static_start(start: int):
+  # Python ints past the end already fail in JAX's own indexing (without
+  # naming the kernel); a concrete jnp scalar and a negative int do not.
+  return start if start < 0 else jnp.int32(start)
+
+
+STATIC_STARTS = [(-4, "-4:4"), (12, "12:20"), (100, "100:108")]
+
+
+def _window(start: int) -> str:
+  return f".at[{start}:{start + WINDOW}, 0:{COLS}]"
+
+
+def _copy(kind: str, src, dst, sem) -> None:
+  if kind == "sync_copy":
+    pltpu.sync_copy(src, dst)
+  else:
+    copy = pltpu.make_async_copy(src, dst, sem)
+    copy.start()
+    copy.wait()
+
+
+def _windows(side: str, start, x_hbm, o_hbm):
+  """The (source, destination) of a copy of 8 rows, ``side`` at ``start``."""
+  if side == "source":
+    return x_hbm.at[pl.ds(start, WINDOW)], o_hbm.at[pl.ds(0, WINDOW)]
+  return x_hbm.at[pl.ds(0, WINDOW)], o_hbm.at[pl.ds(start, WINDOW)]
+
+
+def _ref(side: str) -> str:
+  if side == "source":
+    return f"'x_hbm' (input 1, f32[{ROWS},{COLS}])"
+  return f"'o_hbm' (output 0, f32[{ROWS},{COLS}])"
+
+
+def _rows():
+  return jnp.arange(ROWS * COLS, dtype=jnp.float32).reshape(ROWS, COLS)
+
+
+# -- the fast path ------------------------------------------------------------
+
+
+@functools.cache
+def _fast(kind: str, side: str, static_start=None):
+  """A launch copying 8 rows with its ``side`` at a start read from the
+  first operand (or ``static_start``, fixed in the kernel)."""
+
+  def oob_copy(start_hbm, x_hbm, o_hbm, start_smem, sem):
+    pltpu.sync_copy(start_hbm, start_smem)
+    start = (
+      start_smem[0] if static_start is None else _static_start(static_start)
+    )
+    src, dst = _windows(side, start, x_hbm, o_hbm)
+    _copy(kind, src, dst, sem)
+
+  return jax.jit(
+    mpmd.mpmd_map(
+      [(CORE, oob_copy)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[
+        pltpu.SMEM((1,), jnp.int32),
+        pltpu.SemaphoreType.DMA(()),
+      ],
+      name=NAME,
+    )
+  )
+
+
+def _start(value: int):
+  return jnp.array([value], jnp.int32)
+
+
+@contextlib.contextmanager
+def _fails_at_run_time(*parts: str):
+  with pytest.raises(Exception) as info:
+    yield
+  error = info.value
+  # The callback's error reaches us as itself or wrapped by the runtime.
+  assert isinstance(error, mpmd.OutOfBoundsError) or (
+    "OutOfBoundsError" in str(error)
+  ), error
+  for part in parts:
+    assert part in str(error), (part, str(error))
+
+
+def _still_healthy(run_good) -> None:
+  """The process works on: the same launch in bounds, and unrelated code
+  with an ordered callback."""
+  run_good()
+  g = jax.jit(
+    lambda x: (io_callback(lambda v: None, None, x, ordered=True), x + 1)[1]
+  )
+  np.testing.assert_array_equal(g(jnp.ones(3)), np.full(3, 2.0))
+  jax.effects_barrier()  # no error left behind
+
+
+FAST_CASES = [
+  (kind, side)
+  for kind in ("sync_copy", "async_copy")
+  for side in ("source", "destination")
+]
+
+
+@pytest.mark.parametrize("start", DYNAMIC_STARTS)
+@pytest.mark.parametrize("kind, side", FAST_CASES)
+def test_fast_path_dynamic_window_fails_at_run_time(kind, side, start):
+  f = _fast(kind, side)
+  with _fails_at_run_time(
+    f"kernel {NAME} at ",
+    "mesh 0 program 0 (core=0)",
+    f"a DMA's {side} window {_window(start)}",
+    f"out of bounds of {_ref(side)}",
+  ):
+    jax.block_until_ready(f(_start(start), _rows()))
+
+  def good():
+    out = f(_start(0), _rows())
+    np.testing.assert_array_equal(out[:WINDOW], _rows()[:WINDOW])
+
+  _still_healthy(good)
+
+
+@pytest.mark.parametrize("start, window", STATIC_STARTS)
+@pytest.mark.parametrize("kind, side", FAST_CASES)
+def test_fast_path_static_window_fails_when_lowered(kind, side, start, window):
+  f = _fast(kind, side, start)
+  with pytest.raises(ValueError) as info:
+    f(_start(0), _rows())
+  message = str(info.value)
+  for part in (
+    f"kernel {NAME} at ",
+    f"a DMA's {side} window .at[{window}, 0:{COLS}]",
+    f"out of bounds of {_ref(side)}",
+  ):
+    assert part in message, (part, message)
+
+
+def test_in_bounds_windows_copy_exactly():
+  """The last window that fits, on both sides: no false alarm."""
+  for side in ("source", "destination"):
+    out = _fast("async_copy", side)(_start(ROWS - WINDOW), _rows())
+    got = out[:WINDOW] if side == "source" else out[ROWS - WINDOW :]
+    want = _rows()[ROWS - WINDOW :] if side == "source" else _rows()[:WINDOW]
+    np.testing.assert_array_equal(got, want)
+
+
+def _indexed(index):
+  """A launch copying the window ``index(x_hbm, start)`` (``start`` read at
+  run time) into ``o_hbm``'s first rows."""
+
+  def oob_copy(start_hbm, x_hbm, o_hbm, start_smem, sem):
+    pltpu.sync_copy(start_hbm, start_smem)
+    src = index(x_hbm, start_smem[0])
+    rows = src.shape[0] if len(src.shape) == 2 else None
+    dst = o_hbm.at[0] if rows is None else o_hbm.at[pl.ds(0, rows)]
+    _copy("async_copy", src, dst, sem)
+
+  return mpmd.mpmd_map(
+    [(CORE, oob_copy)],
+    jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+    scratch_types=[pltpu.SMEM((1,), jnp.int32), pltpu.SemaphoreType.DMA(())],
+    name=NAME,
+  )
+
+
+INDEXERS = {
+  # A window of a window: rows 4 + [6, 10) lie in the buffer, not in the
+  # 8-row view the second .at[] indexes.
+  "chain": (
+    lambda x, i: x.at[pl.ds(4, WINDOW)].at[pl.ds(i, 4)],
+    6,
+    f".at[4:12, 0:{COLS}].at[6:10, 0:{COLS}]",
+    "(its successive .at[] index shapes (16, 128), (8, 128))",
+  ),
+  "integer": (lambda x, i: x.at[i], ROWS, f".at[{ROWS}, 0:{COLS}]", ""),
+  # Not wrapped around as in NumPy: Mosaic takes the index as an offset.
+  "negative integer": (lambda x, i: x.at[i], -1, f".at[-1, 0:{COLS}]", ""),
+  "columns": (
+    lambda x, i: x.at[pl.ds(0, 4), pl.ds(i, COLS)],
+    1,
+    f".at[0:4, 1:{COLS + 1}]",
+    "",
+  ),
+}
+
+
+@pytest.mark.parametrize("case", list(INDEXERS))
+def test_indexers_and_chains_dynamic(case):
+  index, start, window, shapes = INDEXERS[case]
+  with _fails_at_run_time(f"window {window}", shapes):
+    jax.block_until_ready(_indexed(index)(_start(start), _rows()))
+
+
+@pytest.mark.parametrize("case", list(INDEXERS))
+def test_indexers_and_chains_static(case):
+  index, start, window, shapes = INDEXERS[case]
+
+  def at_literal(x, _):
+    # Python ints as integer indices; as slice starts JAX rejects them
+    # itself (without naming the kernel), so those are jnp scalars made in
+    # the kernel (literals too).
+    return index(x, start if "integer" in case else jnp.int32(start))
+
+  with pytest.raises(ValueError, match=r"window .*out of bounds") as info:
+    _indexed(at_literal)(_start(0), _rows())
+  assert f"window {window}" in str(info.value)
+  assert shapes in str(info.value)
+
+
+def test_only_the_program_that_runs_a_window_checks_it():
+  """Program 1 of 2 would copy row 2 of 2, under a condition that stops it:
+  what never runs never fails (as on hardware)."""
+
+  def kernel(x_hbm, o_hbm, sem):
+    core = jax.lax.axis_index("core")
+
+    @pl.when(core < 1)
+    def _():
+      _copy("async_copy", x_hbm.at[core + 1], o_hbm.at[core], sem)
+
+  f = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=2), kernel)],
+    jax.ShapeDtypeStruct((2, COLS), jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.DMA(())],
+  )
+  x = _rows()[:2]
+  np.testing.assert_array_equal(f(x)[0], x[1])
+
+
+def _tiled(num_tiles: int, loop: str):
+  """Each of 2 cores copies its 8 rows tile by tile (4 rows) in a loop of
+  ``num_tiles`` steps, of which 2 fit."""
+  tile = WINDOW // 2
+
+  def kernel(x_hbm, o_hbm, buf):
+    core = jax.lax.axis_index("core")
+
+    def step(t):
+      rows = pl.ds(core * WINDOW + t * tile, tile)
+      pltpu.sync_copy(x_hbm.at[rows], buf)
+      pltpu.sync_copy(buf, o_hbm.at[rows])
+
+    if loop == "pl.loop":
+      pl.loop(0, num_tiles)(step)
+    else:
+
+      def body(t):
+        step(t)
+        return t + 1
+
+      jax.lax.while_loop(lambda t: t < num_tiles, body, 0)
+
+  return jax.jit(
+    mpmd.mpmd_map(
+      [(mpmd.tensorcore_mesh("core", num_cores=2), kernel)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[pltpu.VMEM((tile, COLS), jnp.float32)],
+      name=NAME,
+    )
+  )
+
+
+@pytest.mark.parametrize("loop", ["pl.loop", "while_loop"])
+def test_windows_proven_in_bounds_cost_no_callback(loop):
+  """Windows of loop counters and core indices that an interval analysis
+  proves in bounds, and sync_copy's waits, are not checked at run time: the
+  launch keeps jax's fast dispatch (no host callback)."""
+  f = _tiled(2, loop)
+  assert "callback" not in f.lower(_rows()).as_text()
+  np.testing.assert_array_equal(f(_rows()), _rows())
+
+
+@pytest.mark.parametrize("loop", ["pl.loop", "while_loop"])
+def test_a_loop_one_step_too_long_fails_at_run_time(loop):
+  """The third step of core 1 reads rows [16, 20): the analysis proves
+  nothing, the run-time check finds it."""
+  with _fails_at_run_time(
+    "mesh 0 program 1 (core=1)",
+    f"a DMA's source window .at[16:20, 0:{COLS}]",
+  ):
+    jax.block_until_ready(_tiled(3, loop)(_rows()))
+
+
+# -- the lockstep path --------------------------------------------------------
+
+
+@functools.cache
+def _lockstep(side: str, static_start=None, debug=False):
+  """Each of 2 devices sends 8 rows to the next; ``side``'s window starts at
+  the first operand's value (or at ``static_start``)."""
+  num = NUM_DEVICES
+
+  def oob_copy(start_hbm, x_hbm, o_hbm, start_smem, send, recv):
+    pltpu.sync_copy(start_hbm, start_smem)
+    start = (
+      start_smem[0] if static_start is None else _static_start(static_start)
+    )
+    src, dst = _windows(side, start, x_hbm, o_hbm)
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, num)
+    copy = pltpu.make_async_remote_copy(
+      src, dst, send, recv, device_id={"x": right}
+    )
+    copy.start()
+    copy.wait()
+
+  def per_device(start, x):
+    return mpmd.mpmd_map(
+      [(CORE, oob_copy)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[pltpu.SMEM((1,), jnp.int32)]
+      + [pltpu.SemaphoreType.DMA(())] * 2,
+      name=NAME,
+      debug=debug,
+    )(start, x)
+
+  mesh = jax.make_mesh((num,), ("x",), devices=jax.devices()[:num])
+  return mesh, jax.jit(
+    jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=(P(), P("x")),
+      out_specs=P("x"),
+      check_vma=False,
+    )
+  )
+
+
+def _sharded_rows(mesh):
+  x = jnp.arange(NUM_DEVICES * ROWS * COLS, dtype=jnp.float32)
+  return jax.device_put(
+    x.reshape(NUM_DEVICES * ROWS, COLS), NamedSharding(mesh, P("x"))
+  )
+
+
+@pytest.mark.parametrize("start", DYNAMIC_STARTS)
+@pytest.mark.parametrize("side", ["source", "destination"])
+def test_lockstep_remote_dma_dynamic_window_fails_at_run_time(side, start):
+  mesh, f = _lockstep(side)
+  x = _sharded_rows(mesh)
+  with _fails_at_run_time(
+    f"kernel {NAME} at ",
+    "device (x=0)",
+    f"a DMA's {side} window {_window(start)}",
+    f"out of bounds of {_ref(side)}",
+  ):
+    jax.block_until_ready(f(_start(start), x))
+  _still_healthy(functools.partial(_lockstep_in_bounds, side))
+
+
+def _lockstep_in_bounds(side: str) -> None:
+  mesh, f = _lockstep(side)
+  x = _sharded_rows(mesh)
+  out = np.asarray(f(_start(0), x)).reshape(NUM_DEVICES, ROWS, COLS)
+  blocks = np.asarray(x).reshape(NUM_DEVICES, ROWS, COLS)
+  np.testing.assert_array_equal(
+    out[:, :WINDOW], np.roll(blocks, 1, axis=0)[:, :WINDOW]
+  )
+
+
+def test_remote_dmas_take_the_lockstep_path(capsys):
+  mesh, f = _lockstep.__wrapped__("source", debug=True)
+  f(_start(0), _sharded_rows(mesh))
+  assert "lockstep path" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("start, window", STATIC_STARTS)
+@pytest.mark.parametrize("side", ["source", "destination"])
+def test_lockstep_remote_dma_static_window_fails_when_lowered(
+  side, start, window
+):
+  mesh, f = _lockstep(side, start)
+  with pytest.raises(ValueError) as info:
+    f(_start(0), _sharded_rows(mesh))
+  message = str(info.value)
+  for part in (
+    f"kernel {NAME} at ",
+    f"a DMA's {side} window .at[{window}, 0:{COLS}]",
+    f"out of bounds of {_ref(side)}",
+  ):
+    assert part in message, (part, message)
+
+
+def test_static_windows_fail_on_the_simulator_path_too():
+  """The check before the path is chosen covers the simulator as well."""
+  f = mpmd.mpmd_map(
+    [(CORE, lambda x_hbm, o_hbm: pltpu.sync_copy(x_hbm.at[ROWS], o_hbm))],
+    jax.ShapeDtypeStruct((COLS,), jnp.float32),
+    interpret=pltpu.InterpretParams(),
+    name=NAME,
+  )
+  with pytest.raises(ValueError, match=rf"window \.at\[{ROWS}, 0:{COLS}\]"):
+    f(_rows())
+
+
+# -- semaphores ---------------------------------------------------------------
+
+
+def test_fast_path_semaphores_count_int32_bytes():
+  """Two 64 KiB DMAs pending on one semaphore: 131072 bytes, past int16
+  (Pallas' discharge rules counted int16 elements), and no false deadlock."""
+  rows = 128
+
+  def kernel(x_hbm, o_hbm, count_hbm, sem, count_smem):
+    copies = [
+      pltpu.make_async_copy(
+        x_hbm.at[pl.ds(i * rows, rows)], o_hbm.at[pl.ds(i * rows, rows)], sem
+      )
+      for i in range(2)
+    ]
+    for copy in copies:
+      copy.start()
+    count_smem[0] = pl.semaphore_read(sem)
+    for copy in copies:
+      copy.wait()
+    pltpu.sync_copy(count_smem, count_hbm)
+
+  x = jnp.arange(2 * rows * COLS, dtype=jnp.float32).reshape(2 * rows, COLS)
+  out, count = mpmd.mpmd_map(
+    [(CORE, kernel)],
+    (
+      jax.ShapeDtypeStruct(x.shape, x.dtype),
+      jax.ShapeDtypeStruct((1,), jnp.int32),
+    ),
+    scratch_types=[pltpu.SemaphoreType.DMA(()), pltpu.SMEM((1,), jnp.int32)],
+    debug=True,
+  )(x)
+  np.testing.assert_array_equal(out, x)
+  assert int(count[0]) == 2 * x.nbytes // 2
+
+
+def _scoped_wait_before_signal(kind: str):
+  """A pl.run_scoped semaphore waited on before its own signal (DMA start)
+  in program order: on hardware the wait never returns."""
+
+  def kernel(x_hbm, o_hbm):
+    def scoped(sem):
+      if kind == "regular":
+        pl.semaphore_wait(sem, 1)
+        pl.semaphore_signal(sem, 1)
+      else:
+        copy = pltpu.make_async_copy(x_hbm, o_hbm, sem)
+        copy.wait()
+        copy.start()
+
+    sem = (
+      pltpu.SemaphoreType.REGULAR
+      if kind == "regular"
+      else (pltpu.SemaphoreType.DMA)
+    )
+    pl.run_scoped(scoped, sem(()))
+
+  return kernel
+
+
+@pytest.mark.parametrize("kind", ["regular", "dma"])
+def test_fast_path_scoped_wait_before_its_signal_is_a_deadlock(kind, capsys):
+  mesh = mpmd.tensorcore_mesh("core", num_cores=2)
+  f = mpmd.mpmd_map(
+    [(mesh, _scoped_wait_before_signal(kind))],
+    jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+    name="early_wait",
+    debug=True,
+  )
+  with pytest.raises(Exception) as info:
+    jax.block_until_ready(f(_rows()))
+  assert "fast path" in capsys.readouterr().out
+  message = str(info.value)
+  assert isinstance(info.value, mpmd.DeadlockError) or (
+    "DeadlockError" in message
+  )
+  for part in (
+    "mpmd_map deadlock: on the CPU fast path",
+    "kernel early_wait at ",
+    "mesh 0 program 0 (core=0)",
+    "waited on pl.run_scoped allocation 0",
+  ):
+    assert part in message, (part, message)
+  _still_healthy(test_fast_path_scoped_signal_then_wait_runs)
+
+
+def test_fast_path_wait_before_signal_on_a_kernel_semaphore():
+  """The count is back at zero by the end, yet the wait came first: the
+  semaphore stays poisoned (Pallas' discharge let the count go negative and
+  recover)."""
+
+  def kernel(x_hbm, o_hbm, sem):
+    pl.semaphore_wait(sem, 1)
+    pl.semaphore_signal(sem, 1)
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  f = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=2), kernel)],
+    jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR(())],
+  )
+  with pytest.raises(Exception, match="fast path") as info:
+    jax.block_until_ready(f(_rows()))
+  message = str(info.value)
+  assert "['mesh 0 program 0 (core=0)', 'mesh 0 program 1 (core=1)']" in (
+    message
+  )
+
+
+def test_fast_path_scoped_signal_then_wait_runs():
+  def kernel(x_hbm, o_hbm):
+    def scoped(sem):
+      pl.semaphore_signal(sem, 2)
+      pl.semaphore_wait(sem, 2)
+      pltpu.sync_copy(x_hbm, o_hbm)
+
+    pl.run_scoped(scoped, pltpu.SemaphoreType.REGULAR(()))
+
+  f = mpmd.mpmd_map(
+    [(CORE, kernel)], jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32)
+  )
+  np.testing.assert_array_equal(f(_rows()), _rows())
+
+
+def test_lockstep_scoped_wait_before_its_signal_is_a_deadlock(capsys):
+  num = NUM_DEVICES
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, num)
+    copy = pltpu.make_async_remote_copy(
+      x_hbm, o_hbm, send, recv, device_id={"x": right}
+    )
+    copy.start()
+    copy.wait()
+    _scoped_wait_before_signal("regular")(x_hbm, o_hbm)
+
+  def per_device(x):
+    return mpmd.mpmd_map(
+      [(CORE, kernel)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
+      name="early_wait",
+      debug=True,
+    )(x)
+
+  mesh = jax.make_mesh((num,), ("x",), devices=jax.devices()[:num])
+  f = jax.jit(
+    jax.shard_map(
+      per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
+    )
+  )
+  with pytest.raises(Exception) as info:
+    jax.block_until_ready(f(_sharded_rows(mesh)))
+  assert "lockstep path" in capsys.readouterr().out
+  message = str(info.value)
+  assert isinstance(info.value, mpmd.DeadlockError) or (
+    "DeadlockError" in message
+  )
+  for part in (
+    "mpmd_map deadlock: on the CPU lockstep path",
+    "kernel early_wait at ",
+    "device (x=0)",
+    "waited on pl.run_scoped allocation 0",
+  ):
+    assert part in message, (part, message)
+  _still_healthy(functools.partial(_lockstep_in_bounds, "source"))
