@@ -33,7 +33,29 @@ def _cuda(ctx, *in_nodes, **params):
 def _cpu(ctx, *in_nodes, **params):
   from mpmd.lowering import cpu
 
-  return cpu.lower(ctx, *in_nodes, **params)
+  module = ctx.module_context
+  callbacks_before = len(module.host_callbacks) + len(module.keepalives)
+  outs = cpu.lower(ctx, *in_nodes, **params)
+  callbacks = len(module.host_callbacks) + len(module.keepalives)
+  if module.lowering_parameters.for_export and callbacks > callbacks_before:
+    _refuse_export(ctx, params)
+  return outs
+
+
+def _refuse_export(ctx, params):
+  from mpmd.lowering import lockstep, paths
+
+  axes = lockstep.manual_axes(ctx.module_context.axis_context)
+  path = paths.choose(
+    params["jaxprs"], params["meshes"], params["interpret"], axes
+  )
+  raise NotImplementedError(
+    f"mpmd_map: cannot export the CPU lowering of kernel {params['name']!r}: "
+    f"it takes the CPU fallback's {path.kind} path ({path.reason}), which "
+    "runs Python host callbacks, and jax.export cannot serialize those. "
+    "Export for the hardware only (platforms=('tpu',) or ('cuda',)); on CPU, "
+    "call the function itself instead of an export of it."
+  )
 
 
 def _rocm(ctx, *in_nodes, **params):

@@ -1,4 +1,6 @@
-"""Trap 3: simulator callbacks hang with many simulated devices.
+"""The CPU fallback's host callbacks: numpy in, typed errors out.
+
+Trap 3: simulator callbacks hang with many simulated devices.
 
 ``jax.io_callback`` places its numpy arguments on a CPU device
 (``device_put``) before calling the Python function. The Pallas simulators
@@ -7,6 +9,11 @@ buffers past a few KB, converting those device arrays back to numpy needs
 the very CPU threads that are blocked in callbacks, and the launch hangs.
 The simulators only want numpy, so their callbacks (and ours) get the
 numpy arguments as XLA hands them over. Every other callback is untouched.
+
+Errors: a callback of a simulator that fails ends its device thread's part
+of the launch (``watchdog.finish``), and raises the launch's own error
+(``errors.LaunchError``) rather than the simulator's wrapping of it, from
+here: XLA quotes the traceback, which is then a few lines long.
 """
 
 import functools
@@ -14,20 +21,35 @@ import functools
 import numpy as np
 
 from mpmd._jax import callback, tree_util
+from mpmd.lowering import errors, watchdog
 
 _SIMULATOR_MODULES = (
   "jax._src.pallas.mosaic.interpret.",
   "jax._src.pallas.mosaic_gpu.interpret.",
-  "mpmd.lowering.",
 )
+_OUR_MODULES = ("mpmd.lowering.",)
 
 
-def _is_simulator(flat_callback) -> bool:
+def _module(flat_callback) -> str:
   fn = getattr(flat_callback, "callback_func", None)
   while isinstance(fn, functools.partial):
     fn = fn.func
-  module = getattr(fn, "__module__", "") or ""
-  return module.startswith(_SIMULATOR_MODULES)
+  return getattr(fn, "__module__", "") or ""
+
+
+def _call(callback, args):
+  """Runs an ``_OUR_MODULES`` or ``_SIMULATOR_MODULES`` callback."""
+  simulator = _module(callback).startswith(_SIMULATOR_MODULES)
+  try:
+    return tree_util.tree_map(np.asarray, callback(*args))
+  except Exception as e:
+    failure = watchdog.finish(e) if simulator else None
+    if failure is None and isinstance(e, errors.LaunchError):
+      failure = e
+    if failure is None:
+      raise
+    # A copy: several device threads may raise one launch's failure at once.
+    raise errors.remember(type(failure)(*failure.args)) from None
 
 
 @functools.cache
@@ -36,8 +58,8 @@ def install() -> None:
 
   @functools.wraps(original)
   def io_callback_impl(*args, callback, **params):
-    if _is_simulator(callback):
-      return tree_util.tree_map(np.asarray, callback(*args))
+    if _module(callback).startswith(_SIMULATOR_MODULES + _OUR_MODULES):
+      return _call(callback, args)
     return original(*args, callback=callback, **params)
 
   callback.io_callback_impl = io_callback_impl

@@ -19,13 +19,21 @@ from mpmd._jax import (
   tpu,
   tree_util,
 )
-from mpmd.lowering import bounds, jaxpr_util, lockstep, paths, watchdog
+from mpmd.lowering import (
+  bounds,
+  callbacks,
+  jaxpr_util,
+  lockstep,
+  paths,
+  watchdog,
+)
 from mpmd.primitives import mpmd_map as prim
 
 
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   jaxprs, meshes = params["jaxprs"], params["meshes"]
   paths.check_simulable(jaxprs)
+  callbacks.install()  # our callbacks' errors reach the caller typed
   if not any(paths.is_gpu_mesh(m) for m in meshes):
     for kernel in jaxprs:
       bounds.check_static(

@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from mpmd import _jax
-from mpmd._jax import core, gpu, mlir, source_info_util
+from mpmd._jax import core, gpu, mlir, pallas_core, source_info_util
 from mpmd.lowering import callbacks, common, watchdog
 from mpmd.lowering.gpu import scoped_scratch
 
@@ -110,7 +110,9 @@ def lower(
     ranges=ranges,
     run=run,
     reset=_reset_if_failed,
+    original_failure=lambda: None,  # this simulator keeps none
     races_found=_races_found,
     detect_races=interpret.detect_races and races_are_errors,
     orders="barriers",
+    simulator_effects=pallas_core.get_interpret_effects(interpret),
   )

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from mpmd import _jax
 from mpmd._jax import core
 from mpmd.lowering import jaxpr_util
+from mpmd.primitives import mpmd_map as prim
 
 FAST = "fast"
 LOCKSTEP = "lockstep"
@@ -166,15 +167,12 @@ def simulator_effects(
   the native lowerings simply pass the effect tokens on.
   """
   path = choose(jaxprs, meshes, interpret, traced_manual_axes())
-  # The fast and lockstep paths check semaphore counts after the run (an
-  # unordered callback: an ordered one's token would carry a failed launch's
-  # error into every later launch on several devices). Their checks of DMA
-  # windows declare no effect: a launch whose results go unused may be
-  # dropped, checks and all, as it would be on hardware.
-  if path.kind == LOCKSTEP:
-    return {_jax.callback._IOEffect}
-  if path.kind == FAST:
-    if any(is_semaphore(v.aval) for v in jaxprs[0].invars):
-      return {_jax.callback._IOEffect}
+  # The lockstep path reports deadlocks, and the fast path short semaphores,
+  # from a callback after the run. The fast path's checks of DMA windows
+  # declare no effect: a launch whose results go unused may be dropped,
+  # checks and all, as it would be on hardware.
+  if path.kind == FAST and not any(
+    is_semaphore(v.aval) for v in jaxprs[0].invars
+  ):
     return set()
-  return set(_jax.pallas_core.get_interpret_effects(path.params))
+  return {prim.host_callback_effect}

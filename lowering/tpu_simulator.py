@@ -102,6 +102,11 @@ def _reset_if_failed() -> None:
     simulator.reset_tpu_interpret_mode_state()
 
 
+def _original_failure() -> BaseException | None:
+  memory = tpu().simulator._shared_memory
+  return None if memory is None else memory._failure
+
+
 def _races_found() -> bool:
   races = tpu().simulator.races
   return races is not None and races.races_found
@@ -155,7 +160,9 @@ def lower(
     ranges=ranges,
     run=run,
     reset=_reset_if_failed,
+    original_failure=_original_failure,
     races_found=_races_found,
     detect_races=interpret.detect_races and races_are_errors,
     orders="semaphores or DMA waits",
+    simulator_effects=pallas_core.get_interpret_effects(interpret),
   )

@@ -4,17 +4,25 @@ The Pallas simulators wait on semaphores (TPU) and barriers (GPU) forever
 when nobody signals them. We record every wait (which program, on what,
 where in the kernel) and a watchdog thread aborts a launch in which a wait
 has lasted longer than the deadlock timeout, with an error naming every
-program that is still waiting.
+program of that launch that is still waiting.
+
+The simulators keep one global state per process, so their launches take
+turns: a launch holds the simulator from its first device's entry until
+every device has left or failed (``_Launch``). Launches from several
+threads queue there; only the launch that hangs fails.
 """
 
 import contextlib
 import ctypes
 import dataclasses
+import functools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
 
-from mpmd._jax import callback, config, mlir
+from mpmd._jax import callback, config, core, mlir
+from mpmd.lowering import errors
 
 DEFAULT_DEADLOCK_TIMEOUT_S = 60.0
 _POLL_S = 0.05
@@ -22,19 +30,9 @@ _POLL_S = 0.05
 _timeout_s = DEFAULT_DEADLOCK_TIMEOUT_S
 
 
-class DeadlockError(RuntimeError):
-  """A simulated program waited longer than the deadlock timeout."""
-
-
-class RaceError(RuntimeError):
-  """A simulator's race detector saw two programs race on a buffer."""
-
-
-class OutOfBoundsError(IndexError):
-  """A DMA's window reached past its buffer (hardware would fault).
-
-  An ``IndexError``, as the simulators' own out-of-bounds reports are.
-  """
+DeadlockError = errors.DeadlockError
+RaceError = errors.RaceError
+OutOfBoundsError = errors.OutOfBoundsError
 
 
 def set_deadlock_timeout(seconds: float) -> None:
@@ -92,23 +90,94 @@ class MeshRange:
 
 
 _launches: dict[int, tuple[MeshRange, ...]] = {}
-_current_launch: list[int] = [0]
 
 
 def register_launch(ranges: tuple[MeshRange, ...]) -> int:
-  """Remembers a launch's meshes; returns a key for ``enter_launch``."""
+  """Remembers a launch's meshes; returns a key for ``enter``."""
   key = len(_launches) + 1
   _launches[key] = ranges
   return key
 
 
-def enter_launch(key: int) -> None:
-  _current_launch[0] = int(key)
+@dataclasses.dataclass(eq=False)
+class _Launch:
+  """One run of a lowered launch, on ``num_devices`` device threads."""
+
+  key: int
+  num_devices: int
+  original_failure: Callable[[], BaseException | None]
+  entered: int = 0
+  done: int = 0
+  failure: errors.LaunchError | None = None
+
+
+_turn = threading.Condition()
+_running: list[_Launch] = []  # the launch holding the simulator, if any
+
+
+def enter(
+  key: int,
+  num_devices: int,
+  reset: Callable[[], None],
+  original_failure: Callable[[], BaseException | None],
+) -> None:
+  """A device thread starts launch ``key``: it waits for the simulator.
+
+  A new launch starts from a clean simulator (``reset``: a failed one
+  leaves its state behind for post-mortem inspection).
+  """
+  with _turn:
+    while True:
+      if not _running:
+        reset()
+        _running.append(_Launch(key, num_devices, original_failure))
+      launch = _running[0]
+      if launch.key == key and launch.entered < launch.num_devices:
+        launch.entered += 1
+        return
+      _turn.wait(_POLL_S)
+
+
+def finish(failure: BaseException | None = None) -> errors.LaunchError | None:
+  """A device thread of the running launch leaves it, or fails.
+
+  Returns the launch's failure (the first one, or the watchdog's), which
+  the failing callback raises instead of the simulator's wrapping of it.
+  """
+  with _turn:
+    if not _running:
+      return None
+    launch = _running[0]
+    if failure is not None and launch.failure is None:
+      # The simulator wraps its first failure into every device's error.
+      launch.failure = _as_launch_error(launch.original_failure() or failure)
+    launch.done += 1
+    if launch.done >= launch.num_devices:
+      _running.clear()
+      _turn.notify_all()
+    return launch.failure
+
+
+def _as_launch_error(error: BaseException) -> errors.LaunchError | None:
+  if isinstance(error, errors.LaunchError):
+    return error
+  if isinstance(error, IndexError):  # the simulators' out-of-bounds reports
+    return errors.OutOfBoundsError(
+      f"mpmd_map: a simulated access out of bounds (hardware faults): {error}"
+    )
+  return None
+
+
+def _fail_running(error: errors.LaunchError) -> None:
+  with _turn:
+    if _running and _running[0].failure is None:
+      _running[0].failure = error
 
 
 def describe_program(program: int) -> str:
   """``"mesh 1 program 0 (core=0)"`` for a flat program index."""
-  for r in _launches.get(_current_launch[0], ()):
+  key = _running[0].key if _running else 0
+  for r in _launches.get(key, ()):
     if r.offset <= program < r.offset + r.size:
       local, coords = program - r.offset, []
       for name, size in reversed(r.shape.items()):
@@ -176,6 +245,7 @@ def _watch() -> None:
       f"{_timeout_s:g} s and nothing can wake it. Still waiting:\n{lines}\n"
       "(set the limit with mpmd.set_deadlock_timeout)"
     )
+    _fail_running(errors.remember(DeadlockError(message)))
     for w in waits:
       w.abort(message)
 
@@ -213,30 +283,48 @@ def reraise_with_message() -> Iterator[None]:
 
 
 def lower_supervised(
-  ctx, in_nodes, *, ranges, run, reset, races_found, detect_races, orders
+  ctx,
+  in_nodes,
+  *,
+  ranges,
+  run,
+  reset,
+  original_failure,
+  races_found,
+  detect_races,
+  orders,
+  simulator_effects,
 ):
   """Lowers a simulator ``run`` between two ordered bookkeeping callbacks.
 
-  Before: ``reset()`` (a launch that failed leaves the simulator's state
-  behind for post-mortem inspection; the next one starts clean) and naming
-  the launch's programs for deadlock messages. After: the race detector's
-  verdict as a ``RaceError``, when ``detect_races``.
+  Before: waiting for the simulator (``enter``), and naming the launch's
+  programs for deadlock messages. After: the race detector's verdict as a
+  ``RaceError``, when ``detect_races``, and leaving the simulator to the
+  next launch. A device thread that fails in between leaves through
+  ``callbacks.supervised``.
   """
   key = register_launch(ranges)
 
-  def enter():
-    reset()
-    enter_launch(key)
-
   def leave():
+    failure = None
     if detect_races and races_found():
-      raise RaceError(
+      failure = RaceError(
         "mpmd_map: the simulator's race detector found programs racing on "
         f"a buffer (accesses not ordered by {orders})"
       )
+    failure = finish(failure)
+    if failure is not None:
+      raise failure
 
   def launch(*args):
-    callback.io_callback(enter, None, ordered=True)
+    # As the simulators count them: one device thread per device of the
+    # enclosing shard_map.
+    num_devices = math.prod(core.get_axis_env().axis_sizes.values())
+    callback.io_callback(
+      functools.partial(enter, key, num_devices, reset, original_failure),
+      None,
+      ordered=True,
+    )
     # The simulators evaluate the kernel as ordinary JAX code; inside a
     # shard_map(check_vma=True) its device-index arithmetic would mix varying
     # and invariant values, which kernels (traced without vma) may do.
@@ -245,4 +333,11 @@ def lower_supervised(
     callback.io_callback(leave, None, ordered=True)
     return results
 
-  return mlir.lower_fun(launch, multiple_results=True)(ctx, *in_nodes)
+  # The launch's ordered callbacks (ours and the simulator's) run on a token
+  # chain of their own, started here. Were they on JAX's runtime token, a
+  # failed launch would leave that token failed, and every later launch
+  # and ordered callback of the process would re-raise its error.
+  ordered = {callback._OrderedIOEffect, *simulator_effects}
+  own = mlir.TokenSet({e: mlir.create_token() for e in ordered})
+  inner = ctx.replace(tokens_in=own, tokens_out=None)
+  return mlir.lower_fun(launch, multiple_results=True)(inner, *in_nodes)

@@ -9,9 +9,11 @@ fallback on CPU.
 from mpmd import _jax as _jax  # checks the jax pin before anything else
 from mpmd import lowering as _lowering  # registers the per-platform rules
 from mpmd.api import mpmd_map as mpmd_map
-from mpmd.lowering.watchdog import DeadlockError as DeadlockError
-from mpmd.lowering.watchdog import OutOfBoundsError as OutOfBoundsError
-from mpmd.lowering.watchdog import RaceError as RaceError
+from mpmd.lowering.errors import DeadlockError as DeadlockError
+from mpmd.lowering.errors import LaunchError as LaunchError
+from mpmd.lowering.errors import OutOfBoundsError as OutOfBoundsError
+from mpmd.lowering.errors import RaceError as RaceError
+from mpmd.lowering.errors import typed_errors as typed_errors
 from mpmd.lowering.watchdog import deadlock_timeout as deadlock_timeout
 from mpmd.lowering.watchdog import set_deadlock_timeout as set_deadlock_timeout
 from mpmd.meshes import tensorcore_mesh as tensorcore_mesh
@@ -25,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
   "DeadlockError",
   "GPUInterpretParams",
+  "LaunchError",
   "OutOfBoundsError",
   "RaceError",
   "TPU_TARGETS",
@@ -34,6 +37,7 @@ __all__ = [
   "set_deadlock_timeout",
   "tensorcore_mesh",
   "tpu_target",
+  "typed_errors",
 ]
 
 _install_tpu_targets()

@@ -44,6 +44,32 @@ mpmd_map_p = core.Primitive("mpmd_map")
 mpmd_map_p.multiple_results = True
 
 
+class HostCallbackEffect(effects.Effect):
+  """A launch whose CPU fallback runs host callbacks (a simulator, checks).
+
+  Unordered: each launch orders its own callbacks on a token chain of its
+  own, so a failed launch leaves nothing behind for later ones. Equal to
+  every instance of its class and built without arguments, as
+  ``jax.export`` needs to serialize it.
+  """
+
+  def __eq__(self, other):
+    return type(other) is type(self)
+
+  def __hash__(self):
+    return hash(type(self))
+
+  def __str__(self):
+    return "mpmd.HostCallback"
+
+
+host_callback_effect = HostCallbackEffect()
+effects.lowerable_effects.add_type(HostCallbackEffect)
+effects.control_flow_allowed_effects.add_type(HostCallbackEffect)
+effects.custom_derivatives_allowed_effects.add_type(HostCallbackEffect)
+effects.remat_allowed_effects.add_type(HostCallbackEffect)
+
+
 def _short(aval) -> str:
   return aval.str_short(short_dtypes=True)
 
@@ -113,9 +139,12 @@ def _jitted_launch(params: tuple[tuple[str, Any], ...]):
 @mpmd_map_p.def_impl
 def _mpmd_map_impl(*args, **params):
   # Cached per params, so eager calls with the same kernel compile once.
+  # Waited for, so that a failed launch raises its own error type here.
+  from mpmd.lowering import errors
+
   jitted = _jitted_launch(tuple(sorted(params.items())))
-  with config.disable_jit(False):
-    return jitted(*args)
+  with config.disable_jit(False), errors.typed_errors():
+    return jax.block_until_ready(jitted(*args))
 
 
 # -- abstract eval ------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""The CPU fallback's errors, and how they reach the caller typed.
+
+A kernel fails inside a host callback of an XLA execution; XLA hands the
+caller a ``JaxRuntimeError`` whose message carries the error's text. Every
+error we raise there is remembered, so ``typed_errors`` (and an eager
+``mpmd_map`` call, which uses it) can raise it again as itself:
+``except mpmd.DeadlockError`` matches. Each is a ``JaxRuntimeError`` too,
+so code that catches JAX's runtime errors keeps working.
+"""
+
+import collections
+import contextlib
+import threading
+
+import jax
+
+
+class LaunchError(jax.errors.JaxRuntimeError):
+  """A launch failed on the CPU fallback the way it would fail on hardware."""
+
+
+class DeadlockError(LaunchError):
+  """A simulated program waited longer than the deadlock timeout."""
+
+
+class RaceError(LaunchError):
+  """A simulator's race detector saw two programs race on a buffer."""
+
+
+class OutOfBoundsError(LaunchError, IndexError):
+  """A DMA's window reached past its buffer (hardware would fault).
+
+  Also an ``IndexError``, as the simulators' own out-of-bounds reports are.
+  """
+
+
+_recent: collections.deque[LaunchError] = collections.deque(maxlen=64)
+_lock = threading.Lock()
+
+
+def remember(error: LaunchError) -> LaunchError:
+  """Keeps ``error`` for ``typed_errors``; returns it, ready to raise."""
+  with _lock:
+    _recent.append(error)
+  return error
+
+
+def _typed(error: BaseException) -> LaunchError | None:
+  """The launch error whose report ``error`` (from XLA) carries, if any."""
+  if isinstance(error, LaunchError):
+    return error
+  if not isinstance(error, jax.errors.JaxRuntimeError):
+    return None
+  text = str(error)
+  with _lock:
+    for known in reversed(_recent):
+      if str(known) and str(known) in text:
+        return type(known)(*known.args)
+  return None
+
+
+class typed_errors(contextlib.ContextDecorator):  # noqa: N801 (reads as a function)
+  """Re-raises a failed launch's error as its own type.
+
+  A kernel fails inside XLA, which reports a ``JaxRuntimeError`` carrying
+  the error's text. Around a call (or as a decorator), this raises the
+  original ``mpmd.DeadlockError``, ``mpmd.RaceError`` or
+  ``mpmd.OutOfBoundsError`` instead, with a short message. Eager
+  ``mpmd_map`` calls do it by themselves; under ``jax.jit`` the error
+  surfaces where the results are waited for, so wrap that.
+
+  Example::
+
+    with mpmd.typed_errors():
+      jax.block_until_ready(f(x))   # raises mpmd.DeadlockError, not
+                                    # JaxRuntimeError, if a program hangs
+  """
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, error, traceback):
+    typed = None if error is None else _typed(error)
+    if typed is None or typed is error:
+      return False
+    _forget_reported()
+    raise typed.with_traceback(None) from None
+
+
+def _forget_reported() -> None:
+  """Drops JAX's copies of launch errors raised here already.
+
+  JAX keeps each device's last failed execution for ``effects_barrier``
+  (which it also runs at exit); reported once here, they need not be again.
+  """
+  try:
+    jax.effects_barrier()
+  except Exception as e:  # noqa: BLE001 (sorted below)
+    others = [x for x in getattr(e, "exceptions", (e,)) if _typed(x) is None]
+    if others:
+      raise others[0] from None

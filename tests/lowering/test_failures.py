@@ -1,0 +1,217 @@
+"""A failed launch: a typed, short error, and a healthy process after it.
+
+Failures happen inside XLA host callbacks. They must not poison JAX's
+runtime token (every later ordered callback would re-raise them), must reach
+the caller as ``mpmd.DeadlockError`` / ``OutOfBoundsError`` / ``RaceError``
+(eagerly, or under ``mpmd.typed_errors``), and launches from several
+threads must not disturb each other: only the launch that hangs fails.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import io_callback
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+import mpmd
+
+ROWS, COLS = 8, 128
+NUM_DEVICES = 2
+SIMULATOR = pltpu.InterpretParams()
+
+
+def _hang(x_hbm, o_hbm, sem):
+  del x_hbm, o_hbm
+  pl.semaphore_wait(sem, 1)  # nobody signals
+
+
+def _copy(x_hbm, o_hbm, sem):
+  del sem
+  pltpu.sync_copy(x_hbm, o_hbm)
+
+
+def _oob(x_hbm, o_hbm, sem):
+  del sem
+  start = jax.lax.axis_index("core") + ROWS // 2  # known at run time only
+  pltpu.sync_copy(x_hbm.at[pl.ds(start, ROWS)], o_hbm)  # rows 4..11 of 8
+
+
+def _launch(body, name=None):
+  return mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), body)],
+    jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR(())],
+    interpret=SIMULATOR,
+    name=name or body.__name__,
+  )
+
+
+def _per_device(body):
+  """``body`` on every device of a shard_map, in the simulator."""
+  mesh = jax.make_mesh(
+    (NUM_DEVICES,), ("x",), devices=jax.devices()[:NUM_DEVICES]
+  )
+  f = jax.jit(
+    jax.shard_map(
+      _launch(body),
+      mesh=mesh,
+      in_specs=P("x"),
+      out_specs=P("x"),
+      check_vma=False,
+    )
+  )
+  x = jax.device_put(
+    jnp.arange(NUM_DEVICES * ROWS * COLS, dtype=jnp.float32).reshape(-1, COLS),
+    jax.NamedSharding(mesh, P("x")),
+  )
+  return f, x
+
+
+def _healthy() -> None:
+  """Later launches, and unrelated ordered callbacks, still work."""
+  f, x = _per_device(_copy)
+  np.testing.assert_array_equal(f(x), x)
+  g = jax.jit(
+    lambda x: (io_callback(lambda v: None, None, x, ordered=True), x + 1)[1]
+  )
+  np.testing.assert_array_equal(g(jnp.ones(3)), np.full(3, 2.0))
+  jax.effects_barrier()  # no error left behind
+
+
+@pytest.mark.parametrize(
+  "body, error, words",
+  [
+    (_hang, mpmd.DeadlockError, "waits on a semaphore for 1"),
+    (
+      _oob,
+      mpmd.OutOfBoundsError,
+      r"out of bounds \(hardware faults\): "
+      r"Out-of-bounds read .* buffer has shape \(8, 128\)",
+    ),
+  ],
+)
+def test_a_failed_launch_under_shard_map_leaves_the_process_healthy(
+  body, error, words
+):
+  f, x = _per_device(body)
+  with mpmd.deadlock_timeout(1.0), pytest.raises(error, match=words):
+    with mpmd.typed_errors():
+      jax.block_until_ready(f(x))
+  _healthy()
+
+
+def test_an_eager_launch_raises_its_own_error_short():
+  with mpmd.deadlock_timeout(1.0):
+    with pytest.raises(mpmd.DeadlockError) as caught:
+      _launch(_hang)(jnp.ones((ROWS, COLS), jnp.float32))
+  message = str(caught.value)
+  assert message.startswith("mpmd_map deadlock: a simulated program waited")
+  assert "device 0 mesh 0 program 0 (core=0) waits on a semaphore" in message
+  assert "Traceback" not in message
+  # Still JAX's runtime error, for code that catches that.
+  assert isinstance(caught.value, jax.errors.JaxRuntimeError)
+  _healthy()
+
+
+def test_under_jit_the_error_is_typed_inside_typed_errors_only():
+  f, x = _per_device(_hang)
+  with mpmd.deadlock_timeout(1.0):
+    with pytest.raises(jax.errors.JaxRuntimeError) as caught:
+      jax.block_until_ready(f(x))
+    assert not isinstance(caught.value, mpmd.LaunchError)
+    # XLA quotes the callback's traceback: a few lines, not the simulator's.
+    assert "DeadlockError: mpmd_map deadlock" in str(caught.value)
+    assert str(caught.value).count("\n  File ") <= 6
+
+    @mpmd.typed_errors()
+    def run():
+      return jax.block_until_ready(f(x))
+
+    with pytest.raises(mpmd.DeadlockError, match="^mpmd_map deadlock"):
+      run()
+  _healthy()
+
+
+def test_typed_errors_leaves_other_errors_alone():
+  with pytest.raises(ValueError, match="unrelated"):
+    with mpmd.typed_errors():
+      raise ValueError("unrelated")
+  with mpmd.typed_errors():
+    pass
+
+
+def test_fast_path_out_of_bounds_is_typed():
+  def dynamic_oob(start_hbm, x_hbm, o_hbm, start_smem):
+    pltpu.sync_copy(start_hbm, start_smem)
+    pltpu.sync_copy(x_hbm.at[pl.ds(start_smem[0], ROWS)], o_hbm)
+
+  f = jax.jit(
+    mpmd.mpmd_map(
+      [(mpmd.tensorcore_mesh("core", num_cores=1), dynamic_oob)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[pltpu.SMEM((1,), jnp.int32)],
+    )
+  )
+  x = jnp.arange(2 * ROWS * COLS, dtype=jnp.float32).reshape(-1, COLS)
+  with pytest.raises(mpmd.OutOfBoundsError, match="out of bounds of 'x_hbm'"):
+    with mpmd.typed_errors():
+      jax.block_until_ready(f(jnp.array([12], jnp.int32), x))
+  np.testing.assert_array_equal(f(jnp.array([8], jnp.int32), x), x[ROWS:])
+
+
+def test_a_deadlock_in_one_thread_spares_another_threads_launch():
+  """Launches from two threads take turns in the simulator; the watchdog
+  fails only the launch that hangs, naming only its programs."""
+  x = jnp.arange(ROWS * COLS, dtype=jnp.float32).reshape(ROWS, COLS)
+  hang, copy = jax.jit(_launch(_hang)), jax.jit(_launch(_copy))
+  results = {}
+
+  def run(name, f):
+    try:
+      results[name] = jax.block_until_ready(f(x))
+    except Exception as e:  # noqa: BLE001 (checked below)
+      results[name] = e
+
+  with mpmd.deadlock_timeout(2.0), mpmd.typed_errors():
+    threads = [
+      threading.Thread(target=run, args=("hang", hang)),
+      threading.Thread(target=run, args=("copy", copy)),
+    ]
+    threads[0].start()
+    threads[1].start()
+    for t in threads:
+      t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+  np.testing.assert_array_equal(results["copy"], x)
+  assert isinstance(results["hang"], jax.errors.JaxRuntimeError)
+  assert "mpmd_map deadlock" in str(results["hang"])
+  assert str(results["hang"]).count("waits on a semaphore") == 1
+  _healthy()
+
+
+def test_concurrent_correct_launches_from_threads():
+  x = jnp.arange(ROWS * COLS, dtype=jnp.float32).reshape(ROWS, COLS)
+  f, (g, y) = jax.jit(_launch(_copy)), _per_device(_copy)
+  results = {}
+
+  def run(name, fn, arg):
+    results[name] = [np.asarray(fn(arg)) for _ in range(3)]
+
+  threads = [
+    threading.Thread(target=run, args=("one", f, x)),
+    threading.Thread(target=run, args=("shard_map", g, y)),
+  ]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=120)
+  assert not any(t.is_alive() for t in threads)
+  for out in results["one"]:
+    np.testing.assert_array_equal(out, x)
+  for out in results["shard_map"]:
+    np.testing.assert_array_equal(out, y)
