@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mpmd._jax import core, pallas_core, state, tree_util
+from mpmd.lowering import paths
 
 
 def _block_spec(aval, mesh):
@@ -69,3 +70,15 @@ def pallas_params(mesh, jaxpr, ctx, params) -> dict[str, Any]:
     metadata=params["metadata"],
     name=params["name"],
   )
+
+
+def plain_avals(avals: Sequence[Any]) -> list[Any]:
+  """The avals a CPU path's launch function takes: semaphores as their
+  int32 counts in device memory (what their IR values are), without
+  varying-axes types (kernels are traced without them)."""
+  plain = []
+  for a in avals:
+    if paths.is_semaphore_array(a):
+      a = core.physical_aval(a).update(memory_space=core.MemorySpace.Device)
+    plain.append(a.update(manual_axis_type=core.ManualAxisType()))
+  return plain

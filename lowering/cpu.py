@@ -22,6 +22,7 @@ from mpmd._jax import (
 from mpmd.lowering import (
   bounds,
   callbacks,
+  common,
   jaxpr_util,
   lockstep,
   paths,
@@ -34,6 +35,8 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   jaxprs, meshes = params["jaxprs"], params["meshes"]
   paths.check_simulable(jaxprs)
   callbacks.install()  # our callbacks' errors reach the caller typed
+  num_operands = len(in_nodes) + len(params["out_avals"])
+  paths.check_semaphore_operands(jaxprs, meshes, num_operands)
   if not any(paths.is_gpu_mesh(m) for m in meshes):
     for kernel in jaxprs:
       bounds.check_static(
@@ -61,12 +64,9 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     # Kernels are traced without varying-axes types: under a
     # shard_map(check_vma=True) their index arithmetic mixes varying and
     # invariant values, and checkify's conditionals would tell them apart.
-    plain = [
-      a.update(manual_axis_type=core.ManualAxisType()) for a in ctx.avals_in
-    ]
     with config._check_vma(False):
       return mlir.lower_fun(run, multiple_results=True)(
-        ctx.replace(avals_in=plain), *in_nodes
+        ctx.replace(avals_in=common.plain_avals(ctx.avals_in)), *in_nodes
       )
   ranges = None
   if len(meshes) == 1 and getattr(meshes[0], "num_threads", 0) is None:
@@ -122,9 +122,7 @@ def _buffers(num_in: int, params, program):
     ),
     is_ref=tuple(isinstance(v.aval, state.AbstractRef) for v in kernel.invars),
     semaphores=tuple(
-      k
-      for k, v in enumerate(kernel.invars[num_in + num_out :])
-      if paths.is_semaphore(v.aval)
+      k for k, v in enumerate(kernel.invars) if paths.is_semaphore(v.aval)
     ),
   )
 
@@ -213,15 +211,17 @@ def _run_unrolled(
 ):
   num_out = len(out_avals)
 
-  def scratch_value(k, aval):
-    # Semaphores start at zero (uninitialised int32 would be a sentinel).
+  def fresh(k, aval):
+    # ``k`` counts operands. Semaphores start at zero (uninitialised int32
+    # would be a sentinel); semaphore inputs bring the count their launch
+    # left.
     if k in semaphores:
       return jnp.zeros(aval.shape, aval.dtype)
     return _uninitialized(aval)
 
   def launch(*args):
     outs = [
-      args[out_sources[o]] if o in out_sources else _uninitialized(aval)
+      args[out_sources[o]] if o in out_sources else fresh(num_in + o, aval)
       for o, aval in enumerate(out_avals)
     ]
     shared = {
@@ -235,7 +235,7 @@ def _run_unrolled(
         *args,
         *outs,
         *(
-          shared[k] if k in shared else scratch_value(k, aval)
+          shared[k] if k in shared else fresh(num_in + num_out + k, aval)
           for k, (aval, _) in enumerate(scratch)
         ),
       ]
@@ -251,7 +251,7 @@ def _run_unrolled(
       stuck.append(
         functools.reduce(
           jnp.logical_or,
-          [jnp.any(operands[num_in + num_out + k] < 0) for k in semaphores],
+          [jnp.any(operands[k] < 0) for k in semaphores],
           jnp.bool_(False),
         )
       )

@@ -46,7 +46,7 @@ from mpmd._jax import (
   tpu,
   tree_util,
 )
-from mpmd.lowering import bounds, jaxpr_util, paths, watchdog
+from mpmd.lowering import bounds, common, jaxpr_util, paths, watchdog
 from mpmd.primitives import mpmd_map as prim
 
 # Far below any count a kernel reaches, and far from wrapping around.
@@ -557,17 +557,11 @@ def lower(
       finish=devices.forget,
     )
     program = _jax.discharge_state(_jax.closed_jaxpr(jaxpr))
-  kernel_invars = [*traced.invars]
-  scratch_avals = [v.aval for v in kernel_invars[num_in + num_out :]]
+  kernel_avals = [v.aval for v in traced.invars] + barrier_avals
+  semaphores = [k for k, a in enumerate(kernel_avals) if paths.is_semaphore(a)]
   names = [
-    f"scratch {k} ({_describe(a)})"
-    for k, a in enumerate(scratch_avals)
-    if paths.is_semaphore(a)
-  ] + ["the barrier semaphore"] * len(barrier_avals)
-  semaphores = [
-    num_in + num_out + k
-    for k, a in enumerate(scratch_avals + barrier_avals)
-    if paths.is_semaphore(a)
+    _operand_name(k, num_in, num_out, len(traced.invars), kernel_avals[k])
+    for k in semaphores
   ]
   run = functools.partial(
     _run,
@@ -582,16 +576,25 @@ def lower(
     num_checks=checks.count,
   )
   # The kernel's values carry no varying-axes types: check none here.
-  plain = [
-    a.update(manual_axis_type=core.ManualAxisType()) for a in ctx.avals_in
-  ]
   with config._check_vma(False):
     outs = mlir.lower_fun(run, multiple_results=True)(
-      ctx.replace(avals_in=plain), *in_nodes
+      ctx.replace(avals_in=common.plain_avals(ctx.avals_in)), *in_nodes
     )
   if ctx.tokens_out is None and ctx.tokens_in is not None:
     ctx.set_tokens_out(ctx.tokens_in)
   return outs
+
+
+def _operand_name(k, num_in, num_out, num_operands, aval) -> str:
+  """How a deadlock report names semaphore ``k`` of the launch (its
+  operands, then the barrier semaphore)."""
+  if k >= num_operands:
+    return "the barrier semaphore"
+  if k < num_in:
+    return f"input {k} ({_describe(aval)})"
+  if k < num_in + num_out:
+    return f"output {k - num_in} ({_describe(aval)})"
+  return f"scratch {k - num_in - num_out} ({_describe(aval)})"
 
 
 def _where(axes, args: list[Any]) -> str:

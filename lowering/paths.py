@@ -13,6 +13,7 @@
 """
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,50 @@ def is_semaphore(aval: Any) -> bool:
   return dtype is not None and jnp.issubdtype(
     dtype, _jax.pallas_core.semaphore_dtype
   )
+
+
+def is_semaphore_array(aval: Any) -> bool:
+  """A launch's semaphore input or output (a value, not a Ref)."""
+  dtype = getattr(aval, "dtype", None)
+  return dtype is not None and jnp.issubdtype(
+    dtype, _jax.pallas_core.semaphore_dtype
+  )
+
+
+def semaphore_operands(jaxpr: core.Jaxpr, num_operands: int) -> tuple[int, ...]:
+  """The positions of the semaphores among a kernel's first
+  ``num_operands`` operands (its inputs and outputs)."""
+  return tuple(
+    k for k, v in enumerate(jaxpr.invars[:num_operands]) if is_semaphore(v.aval)
+  )
+
+
+def check_semaphore_operands(
+  jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any], num_operands: int
+) -> None:
+  """Raises for semaphore inputs / outputs no CPU path can carry.
+
+  A semaphore that crosses launches holds the count its launch left (bytes
+  of in-flight DMAs, or signals not yet waited), which the next launch
+  takes over. The CPU paths carry that count for a launch of one program
+  per device: with several, each core has its own semaphores, and whose
+  count the operand holds is not defined.
+  """
+  if not semaphore_operands(jaxprs[0], num_operands):
+    return
+  if any(is_gpu_mesh(m) for m in meshes):
+    raise NotImplementedError(
+      "mpmd_map: TPU semaphores as inputs or outputs of a launch on GPU "
+      "meshes (GPU programs synchronise through barriers)"
+    )
+  programs = sum(math.prod(dict(m.shape).values()) for m in meshes)
+  if programs != 1:
+    raise NotImplementedError(
+      "mpmd_map: semaphores as inputs or outputs of a launch of several "
+      f"programs (this one runs {programs}) on the CPU fallback: each core "
+      "holds its own semaphores, so whose count crosses the launch is not "
+      "defined; pass counts between launches of one program"
+    )
 
 
 def is_gpu_mesh(mesh: Any) -> bool:

@@ -26,7 +26,7 @@ from mpmd._jax import (
   tree_util,
   util,
 )
-from mpmd.lowering import callbacks, common, jaxpr_util, watchdog
+from mpmd.lowering import callbacks, common, jaxpr_util, paths, watchdog
 from mpmd.primitives import mpmd_map as prim
 
 
@@ -126,10 +126,19 @@ def lower(
   ``ranges`` says which programs belong to which of the user's meshes (for
   error messages); by default, all to mesh 0.
   """
+  num_in, num_out = len(in_nodes), len(params["out_avals"])
+  if paths.semaphore_operands(jaxpr, num_in + num_out):
+    # Pallas' simulator gives every semaphore operand a fresh semaphore and
+    # cannot read a count back out of a kernel (no semaphore_read).
+    raise NotImplementedError(
+      "mpmd_map: semaphores as inputs or outputs of a launch in the TPU "
+      "simulator (interpret=pltpu.InterpretParams()): it cannot carry a "
+      "semaphore's count from one launch to the next. The CPU fallback's "
+      "default paths can: pass interpret=None."
+    )
   _install_wait_hook()
   callbacks.install()
   _jax.cache_tpu_simulator_programs()
-  num_in, num_out = len(in_nodes), len(params["out_avals"])
   [core_axis] = mesh.shape
   with prim.tracing_context(mesh, params["meshes"]):
     jaxpr = jaxpr_util.rewrite(jaxpr, _signal_own_core(core_axis))

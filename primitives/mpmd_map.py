@@ -138,6 +138,15 @@ def _jitted_launch(params: tuple[tuple[str, Any], ...]):
 
 @mpmd_map_p.def_impl
 def _mpmd_map_impl(*args, **params):
+  if any(
+    jnp.issubdtype(a.dtype, pallas_core.semaphore_dtype)
+    for a in params["out_avals"]
+  ):
+    # JAX has no arrays of semaphores outside a jit (no result handler).
+    raise NotImplementedError(
+      "mpmd_map: semaphore outputs outside jax.jit; call the launch that "
+      "returns a semaphore and the launch that takes it inside one jax.jit"
+    )
   # Cached per params, so eager calls with the same kernel compile once.
   # Waited for, so that a failed launch raises its own error type here.
   from mpmd.lowering import errors
