@@ -18,6 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import tpu_sc as plsc
 
 import mpmd
+from mpmd import _jax
 
 TARGET = "v6e"  # a generation with SparseCores
 LANES = 8
@@ -80,6 +81,24 @@ def lower_for_tpu(f, *args) -> str:
   return jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
 
+# Mosaic of jax 0.10.2 cannot serialize a scalar subcore's signal to a
+# vector subcore; we say so (the CPU fallback runs such programs anyway).
+OLD_MOSAIC = _jax.JAX_VERSION < (0, 11)
+
+
+def assert_lowers_to_one_kernel(f, *args):
+  if OLD_MOSAIC:
+    with pytest.raises(
+      NotImplementedError,
+      match=r"Mosaic on jax 0.10.2 cannot lower a semaphore_signal from a "
+      r"ScalarSubcoreMesh program to a VectorSubcoreMesh program",
+    ):
+      lower_for_tpu(f, *args)
+    return
+  # Mosaic's own MPMD takes the same program: one custom call.
+  assert lower_for_tpu(f, *args).count("tpu_custom_call") == 1
+
+
 @pytest.mark.parametrize("full_core_spec", [False, True])
 @pytest.mark.parametrize("cores", [1, 2])
 def test_meshes_sharing_the_core_axis_signal_each_other(cores, full_core_spec):
@@ -87,8 +106,7 @@ def test_meshes_sharing_the_core_axis_signal_each_other(cores, full_core_spec):
   f = functools.partial(handshake, cores=cores, full_core_spec=full_core_spec)
   with mpmd.tpu_target(TARGET):
     np.testing.assert_array_equal(f(x), handshake_reference(x))
-    # Mosaic's own MPMD takes the same program: one custom call.
-    assert lower_for_tpu(f, x).count("tpu_custom_call") == 1
+    assert_lowers_to_one_kernel(f, x)
 
 
 def test_the_issue_reproducer_runs_and_lowers():
@@ -108,7 +126,7 @@ def test_the_issue_reproducer_runs_and_lowers():
       scratch_types=[pltpu.SemaphoreType.REGULAR(()) @ vector],
     )
     assert f().shape == (8,)  # no deadlock: every vector subcore signalled
-    assert lower_for_tpu(f).count("tpu_custom_call") == 1
+    assert_lowers_to_one_kernel(f)
 
 
 def test_a_signal_to_the_wrong_subcore_leaves_a_waiter_stuck():
@@ -237,7 +255,7 @@ def test_vmem_shared_scratch_needs_no_owner(cores):
   f = functools.partial(vmem_shared_exchange, cores=cores)
   with mpmd.tpu_target(TARGET):
     np.testing.assert_array_equal(f(x), handshake_reference(x))
-    assert lower_for_tpu(f, x).count("tpu_custom_call") == 1
+    assert_lowers_to_one_kernel(f, x)
 
 
 def test_vmem_shared_is_per_sparsecore_on_the_fast_path(capsys):
