@@ -25,6 +25,7 @@ from mpmd.lowering import (
   common,
   jaxpr_util,
   lockstep,
+  merge,
   paths,
   watchdog,
 )
@@ -53,12 +54,15 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     kernel = _alias_refs(jaxprs[0], len(in_nodes), aliases, meshes[0], meshes)
     return lockstep.lower(ctx, *in_nodes, kernel=kernel, axes=axes, **params)
   if path.kind == paths.FAST:
-    programs, labels, num_checks = _fast_programs(len(in_nodes), params)
+    programs, labels, num_checks, sparsecores = _fast_programs(
+      len(in_nodes), params
+    )
     run = functools.partial(
       _run_unrolled,
       programs=programs,
       labels=labels,
       num_checks=num_checks,
+      sparsecores=sparsecores,
       **_buffers(len(in_nodes), params, programs[0]),
     )
     # Kernels are traced without varying-axes types: under a
@@ -75,8 +79,6 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   else:
     # Even one mesh goes through the merge: it resolves programs named by
     # mesh axes (device_id={"core": 1}) and shares GPU scratch collectively.
-    from mpmd.lowering import merge
-
     mesh, jaxpr, params, ranges = merge.merge_for_simulator(params, path)
   if path.kind == paths.TPU_SIMULATOR:
     from mpmd.lowering import tpu_simulator as simulator
@@ -96,11 +98,19 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
 # -- the fast path ------------------------------------------------------------
 
 
-def _is_shared(aval) -> bool:
-  """Scratch every program sees (HBM / ANY); the rest is per program."""
+# Who shares a scratch buffer on the fast path: every program of the device
+# (HBM / ANY), the programs of one SparseCore (VMEM_SHARED), or nobody.
+_DEVICE, _SPARSECORE = "device", "sparsecore"
+
+
+def _sharing(aval) -> str | None:
   space = getattr(aval, "memory_space", None)
   tpu_spaces = tpu().core.MemorySpace
-  return space in (pallas_core.MemorySpace.ANY, tpu_spaces.HBM, None)
+  if space in (pallas_core.MemorySpace.ANY, tpu_spaces.HBM, None):
+    return _DEVICE
+  if space is tpu_spaces.VMEM_SHARED:
+    return _SPARSECORE
+  return None
 
 
 def _buffers(num_in: int, params, program):
@@ -113,7 +123,7 @@ def _buffers(num_in: int, params, program):
     out_avals=tuple(physical[num_in : num_in + num_out]),
     out_sources={o: i for i, o in params["input_output_aliases"].items()},
     scratch=tuple(
-      (aval, _is_shared(v.aval))
+      (aval, _sharing(v.aval))
       for v, aval in zip(
         kernel.invars[num_in + num_out :],
         physical[num_in + num_out :],
@@ -145,7 +155,8 @@ def _alias_refs(jaxpr, num_in, aliases, mesh, meshes):
 def _fast_programs(num_in: int, params):
   """One pure jaxpr per program, in launch order, axis indices literal; a
   label for each (``mesh 1 program 0 (core=0)``); how many run-time checks
-  they make (``bounds.Checks``).
+  they make (``bounds.Checks``); the SparseCore each runs on (0 for other
+  programs), whose VMEM_SHARED it sees.
 
   DMAs and semaphores go through the lockstep path's rewrite: semaphores
   count bytes in int32 (Pallas' discharge rules count elements in int16,
@@ -154,7 +165,7 @@ def _fast_programs(num_in: int, params):
   meshes = params["meshes"]
   aliases = dict(params["input_output_aliases"])
   num_out = len(params["out_avals"])
-  programs, labels, num_checks = [], [], 0
+  programs, labels, num_checks, sparsecores = [], [], 0, []
   # Meshes by position, never `meshes.index(mesh)`: upstream meshes compare
   # with `==`, which is elementwise (and ambiguous) for a multi-core
   # TensorCoreMesh on jax 0.10.2, and a mesh may appear twice.
@@ -171,8 +182,12 @@ def _fast_programs(num_in: int, params):
       jaxpr, bounds.operand_names(traced, num_in, num_out)
     )
     proven = bounds.prove(jaxpr, sizes)
+    sparsecore_axis = merge.sparsecore_axis(mesh)
     for program in range(math.prod(sizes.values())):
       values = jaxpr_util.literal_axis_values(sizes, program)
+      sparsecores.append(
+        0 if sparsecore_axis is None else int(values[sparsecore_axis])
+      )
       coords = ", ".join(f"{a}={int(v)}" for a, v in values.items())
       label = f"mesh {i} program {program} ({coords})"
       checks = bounds.Checks(
@@ -190,7 +205,7 @@ def _fast_programs(num_in: int, params):
         programs.append(_jax.discharge_state(_jax.closed_jaxpr(unrolled)))
       labels.append(label)
       num_checks += checks.count
-  return programs, labels, num_checks
+  return programs, labels, num_checks, tuple(sparsecores)
 
 
 def _uninitialized(aval):
@@ -202,6 +217,7 @@ def _run_unrolled(
   programs,
   labels,
   num_checks,
+  sparsecores,
   num_in,
   out_avals,
   out_sources,
@@ -224,19 +240,28 @@ def _run_unrolled(
       args[out_sources[o]] if o in out_sources else fresh(num_in + o, aval)
       for o, aval in enumerate(out_avals)
     ]
+
+    def shared_key(k, program):
+      sharing = scratch[k][1]
+      if sharing == _DEVICE:
+        return k
+      return (k, sparsecores[program]) if sharing == _SPARSECORE else None
+
     shared = {
-      k: _uninitialized(aval)
-      for k, (aval, is_shared) in enumerate(scratch)
-      if is_shared
+      shared_key(k, p): _uninitialized(aval)
+      for p in range(len(programs))
+      for k, (aval, sharing) in enumerate(scratch)
+      if sharing is not None
     }
     stuck = []
-    for program in programs:
+    for p, program in enumerate(programs):
+      keys = [shared_key(k, p) for k in range(len(scratch))]
       operands = [
         *args,
         *outs,
         *(
-          shared[k] if k in shared else fresh(num_in + num_out + k, aval)
-          for k, (aval, _) in enumerate(scratch)
+          fresh(num_in + num_out + k, aval) if key is None else shared[key]
+          for k, ((aval, _), key) in enumerate(zip(scratch, keys, strict=True))
         ),
       ]
       # The discharged program returns the final value of each Ref operand.
@@ -245,7 +270,9 @@ def _run_unrolled(
         next(updated) if r else x for x, r in zip(operands, is_ref, strict=True)
       ]
       outs = operands[num_in : num_in + num_out]
-      shared = {k: operands[num_in + num_out + k] for k in shared}
+      for k, key in enumerate(keys):
+        if key is not None:
+          shared[key] = operands[num_in + num_out + k]
       # A wait that found its semaphore short poisoned it (negative): on
       # hardware that program would wait forever.
       stuck.append(

@@ -6,16 +6,19 @@ range ``[offset_i, offset_i + size_i)`` holds it, and runs that mesh's
 kernel with the mesh's axis indices computed from ``g - offset_i``
 (row-major), everywhere in the kernel: loops, conds and scopes included.
 
-Programs name each other by mesh axes: ``pl.semaphore_signal(sem, 1,
-device_id={"consumer": 1})`` becomes a signal to the program of the
-consumer mesh at that index (``core_index`` on TPU); device-mesh axes under
-``shard_map`` stay in ``device_id``. Scratch written ``type @ mesh`` is
-private to each program like any kernel scratch (the owner is who uses
-it); unowned HBM scratch is shared by all programs of a device. On GPU,
+Programs name each other by upstream's rules (``mpmd.lowering.addressing``):
+``pl.semaphore_signal(sem, 1, device_id={"subcore": 1})`` with ``sem`` owned
+by (``@``) a mesh becomes a signal to that mesh's program at those axes, the
+axes left out taking the caller's own index (``core_index`` of the merged
+kernel on TPU); device-mesh axes under ``shard_map`` stay in ``device_id``.
+Scratch written ``type @ mesh`` is private to each program like any kernel
+scratch; unowned HBM scratch is shared by all programs of a device, and
+VMEM_SHARED by the programs of one SparseCore (one HBM buffer each). On GPU,
 meshes own consecutive warpgroup ranges of one block and all scratch (SMEM,
 barriers) is one collective allocation of the block.
 """
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -32,7 +35,7 @@ from mpmd._jax import (
   state,
   tree_util,
 )
-from mpmd.lowering import jaxpr_util, watchdog
+from mpmd.lowering import addressing, jaxpr_util, watchdog
 from mpmd.primitives import mpmd_map as prim
 
 SUPER_AXIS = "_mpmd_programs"
@@ -68,13 +71,11 @@ class Layout:
     )
 
   def owner(self, axis: Any) -> int | None:
-    owners = [i for i, axes in enumerate(self.local_axes) if axis in axes]
-    if len(owners) > 1:
-      raise ValueError(
-        f"mpmd_map: axis {axis!r} belongs to meshes {owners}, so naming a "
-        "program by it is ambiguous; give the meshes distinct axis names"
-      )
-    return owners[0] if owners else None
+    """The first mesh with ``axis`` among its own (merged) axes."""
+    for j, axes in enumerate(self.local_axes):
+      if axis in axes:
+        return j
+    return None
 
 
 def _local_index(layout: Layout, i: int, axis: Any):
@@ -86,41 +87,25 @@ def _local_index(layout: Layout, i: int, axis: Any):
   return (local // np.int32(stride)) % np.int32(axes[axis])
 
 
-def _program_of(layout: Layout, j: int, coords: dict[Any, Any], caller: str):
-  """The super-axis index of mesh ``j``'s program at ``coords``."""
-  axes = layout.local_axes[j]
-  missing = [a for a in axes if a not in coords]
-  if missing:
-    raise ValueError(
-      f"mpmd_map: {caller} names mesh {j} by axes {sorted(map(str, coords))}"
-      f" but not {missing}; name every axis of the target mesh"
-    )
+def _program_of(layout: Layout, i: int, target: addressing.Target):
+  """The super-axis index of the program ``target`` names; axes it leaves
+  out take caller ``i``'s own index (``addressing`` checked they can)."""
+  axes = layout.local_axes[target.mesh]
   sizes = list(axes.values())
-  flat = jax.numpy.int32(layout.offsets[j])
+  flat = jax.numpy.int32(layout.offsets[target.mesh])
   for k, axis in enumerate(axes):
+    coord = target.coords[axis]
+    if coord is None:
+      coord = _local_index(layout, i, axis)
     stride = np.int32(math.prod(sizes[k + 1 :]))
-    flat = flat + jax.numpy.asarray(coords[axis], np.int32) * stride
+    flat = flat + jax.numpy.asarray(coord, np.int32) * stride
   return flat
 
 
-def _split_device_id(layout: Layout, device_id: Any, caller: str):
-  """Splits a ``device_id`` dict into (target program, device-mesh part)."""
-  if not isinstance(device_id, dict):
-    return None, device_id
-  kernel_axes = {
-    a: v for a, v in device_id.items() if layout.owner(a) is not None
-  }
-  if not kernel_axes:
-    return None, device_id
-  owners = {layout.owner(a) for a in kernel_axes}
-  if len(owners) > 1:
-    raise ValueError(
-      f"mpmd_map: {caller} names axes {sorted(map(str, kernel_axes))} of "
-      f"several meshes {sorted(owners)}; a program belongs to one mesh"
-    )
-  [j] = owners
-  rest = {a: v for a, v in device_id.items() if a not in kernel_axes}
-  return _program_of(layout, j, kernel_axes, caller), (rest or None)
+def _names_kernel_axes(layout: Layout, device_id: Any) -> bool:
+  return isinstance(device_id, dict) and any(
+    layout.owner(a) is not None for a in device_id
+  )
 
 
 def _rule(layout: Layout, i: int, platform: str):
@@ -135,15 +120,24 @@ def _rule(layout: Layout, i: int, platform: str):
     if eqn.primitive is pallas_primitives.semaphore_signal_p:
       tree = eqn.params["args_tree"]
       ref, transforms, inc, device_id, core_index = tree.unflatten(invals)
-      target, device_id = _split_device_id(
-        layout, device_id, "semaphore_signal(device_id=...)"
+      sem_var = tree.unflatten(eqn.invars)[0]
+      what = "mpmd_map: semaphore_signal(device_id=...)"
+      target = addressing.resolve(
+        layout.meshes, i, sem_var.aval, device_id, what
       )
-      if target is None:
+      names_axes = _names_kernel_axes(layout, device_id)
+      if (
+        target is None
+        or (platform == "gpu" and not names_axes)
+        # The caller's own mesh, its program given by core_index.
+        or (core_index is not None and not names_axes and target.mesh == i)
+      ):
         return axis_rule(eqn, invals)
       if core_index is not None:
         raise ValueError(
           "mpmd_map: semaphore_signal names its target program both by "
-          "device_id mesh axes and by core_index; use one"
+          "device_id (mesh axes, or the semaphore's owner) and by "
+          "core_index; use one"
         )
       if platform == "gpu":
         raise NotImplementedError(
@@ -151,7 +145,7 @@ def _rule(layout: Layout, i: int, platform: str):
           "semaphore_signal to another mesh's program is TPU-only"
         )
       flat, new_tree = tree_util.tree_flatten(
-        [ref, transforms, inc, device_id, target]
+        [ref, transforms, inc, target.device_id, _program_of(layout, i, target)]
       )
       pallas_primitives.semaphore_signal_p.bind(
         *flat,
@@ -175,9 +169,7 @@ def _rule(layout: Layout, i: int, platform: str):
         )
     if eqn.primitive.name in ("dma_start", "dma_wait"):
       *_, device_id = eqn.params["tree"].unflatten(invals)
-      if isinstance(device_id, dict) and any(
-        layout.owner(a) is not None for a in device_id
-      ):
+      if _names_kernel_axes(layout, device_id):
         raise NotImplementedError(
           "mpmd_map: a DMA cannot target another program of the launch "
           "(DMAs land on the same core of the destination device); stage "
@@ -186,6 +178,25 @@ def _rule(layout: Layout, i: int, platform: str):
     return axis_rule(eqn, invals)
 
   return rule
+
+
+@contextlib.contextmanager
+def _in_user_terms(layout: Layout):
+  """Errors raised while merging name the user's meshes, never the merged
+  kernel's internal axis (``SUPER_AXIS``)."""
+  try:
+    yield
+  except (ValueError, TypeError, NotImplementedError, NameError) as e:
+    message = str(e)
+    if SUPER_AXIS not in message:
+      raise
+    meshes = ", ".join(
+      addressing.describe_mesh(layout.meshes, j)
+      for j in range(len(layout.meshes))
+    )
+    for name in (repr(SUPER_AXIS), SUPER_AXIS):
+      message = message.replace(name, f"<the programs of {meshes}>")
+    raise type(e)(message) from None
 
 
 def _strip_owner(aval):
@@ -197,16 +208,88 @@ def _strip_owner(aval):
   return aval
 
 
+def _is_vmem_shared(aval) -> bool:
+  return getattr(aval, "memory_space", None) is (
+    _jax.tpu().core.MemorySpace.VMEM_SHARED
+  )
+
+
+def _merged_aval(aval):
+  """A Ref as the merged kernel sees it: no owner, VMEM_SHARED as HBM (the
+  simulator keeps HBM per device, which the merge splits per SparseCore)."""
+  aval = _strip_owner(aval)
+  if _is_vmem_shared(aval):
+    return state.AbstractRef(aval.inner_aval, _jax.tpu().core.MemorySpace.HBM)
+  return aval
+
+
+def sparsecore_axis(mesh) -> Any:
+  """The core axis of a SparseCore mesh (None for other meshes)."""
+  return getattr(mesh, "core_axis_name", None) or (
+    mesh.axis_name if type(mesh).__name__ == "ScalarSubcoreMesh" else None
+  )
+
+
+def num_sparsecores(meshes) -> int:
+  """How many SparseCores the launch's SparseCore meshes span."""
+  axes = [sparsecore_axis(m) for m in meshes]
+  return max(
+    [m.shape[a] for m, a in zip(meshes, axes, strict=True) if a is not None],
+    default=1,
+  )
+
+
 def _merge(layout: Layout, merged_mesh, jaxprs, platform, avals=None):
-  """One kernel jaxpr that switches each program to its mesh's kernel."""
+  """One kernel jaxpr that switches each program to its mesh's kernel.
+
+  VMEM_SHARED scratch (a SparseCore's memory, shared by its subcores)
+  becomes one HBM buffer per SparseCore: every program of the merged kernel
+  sees HBM, and each SparseCore program is handed its core's buffer.
+  """
+  with _in_user_terms(layout):
+    return _merge_unchecked(layout, merged_mesh, jaxprs, platform, avals)
+
+
+def _merge_unchecked(layout: Layout, merged_mesh, jaxprs, platform, avals):
   meshes = layout.meshes
   rewritten = []
   for i, (mesh, jaxpr) in enumerate(zip(meshes, jaxprs, strict=True)):
-    jaxpr = jaxpr_util.map_avals(jaxpr, _strip_owner)
+    # Owners (`sem @ mesh`) say whom a signal targets: strip them after.
     with prim.tracing_context(merged_mesh, (*meshes, merged_mesh)):
       with mesh.tracing_context():
-        rewritten.append(jaxpr_util.rewrite(jaxpr, _rule(layout, i, platform)))
+        jaxpr = jaxpr_util.rewrite(jaxpr, _rule(layout, i, platform))
+    rewritten.append(jaxpr_util.map_avals(jaxpr, _merged_aval))
   offsets = layout.offsets
+  kernel_avals = avals or [_strip_owner(v.aval) for v in jaxprs[0].invars]
+  shared = [_is_vmem_shared(a) for a in kernel_avals]
+  copies = num_sparsecores(meshes) if any(shared) else 1
+  merged_avals = []
+  for aval, is_shared in zip(kernel_avals, shared, strict=True):
+    merged_avals += [_merged_aval(aval)] * (copies if is_shared else 1)
+
+  def operands(refs, copy: int):
+    """The kernel's operands, with SparseCore ``copy``'s VMEM_SHARED."""
+    refs, out = list(refs), []
+    for is_shared in shared:
+      if is_shared:
+        out.append(refs[copy])
+        del refs[:copies]
+      else:
+        out.append(refs.pop(0))
+    return out
+
+  def run(i, j, refs):
+    axis = sparsecore_axis(meshes[i])
+    if copies == 1 or axis is None:
+      core.eval_jaxpr(j, (), *operands(refs, 0))
+      return
+    jax.lax.switch(
+      _local_index(layout, i, axis),
+      [
+        lambda c=c: (core.eval_jaxpr(j, (), *operands(refs, c)), None)[1]
+        for c in range(copies)
+      ],
+    )
 
   def body(*refs):
     program = jax.lax.axis_index(SUPER_AXIS)
@@ -215,13 +298,14 @@ def _merge(layout: Layout, merged_mesh, jaxprs, platform, avals=None):
       if len(offsets) > 1
       else np.int32(0)
     )
-    branches = [(lambda j=j: core.eval_jaxpr(j, (), *refs)) for j in rewritten]
+    branches = [
+      (lambda i=i, j=j: run(i, j, refs)) for i, j in enumerate(rewritten)
+    ]
     jax.lax.switch(which, [lambda b=b: (b(), None)[1] for b in branches])
     return ()
 
-  avals = avals or [_strip_owner(v.aval) for v in jaxprs[0].invars]
   return prim.retrace(
-    jaxprs[0], merged_mesh, (*meshes, merged_mesh), body, avals
+    jaxprs[0], merged_mesh, (*meshes, merged_mesh), body, merged_avals
   )
 
 

@@ -1,7 +1,36 @@
 """TPU: Mosaic, natively MPMD where Mosaic is, merged where it is not."""
 
-from mpmd._jax import mlir, tpu
+from mpmd import _jax
+from mpmd._jax import mlir, pallas_core, tpu
+from mpmd.lowering import jaxpr_util
 from mpmd.primitives import mpmd_map as prim
+
+
+def _check_subcore_signals(meshes, jaxprs) -> None:
+  """Mosaic of jax 0.10.2 cannot serialize a scalar subcore's signal to a
+  vector subcore ("subcore_id linearization requested for non-SC vector
+  subcore type"); newer Mosaic can. Say so instead of failing inside it."""
+  if _jax.JAX_VERSION >= (0, 11):
+    return
+  scalar = tpu().core.CoreType.SC_SCALAR_SUBCORE
+  vector = tpu().core.CoreType.SC_VECTOR_SUBCORE
+  for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
+    if mesh.core_type != scalar:
+      continue
+    for eqn in jaxpr_util.iter_eqns(jaxpr):
+      if eqn.primitive.name != "semaphore_signal":
+        continue
+      sem = eqn.params["args_tree"].unflatten(eqn.invars)[0]
+      space = getattr(sem.aval, "memory_space", None)
+      if (
+        isinstance(space, pallas_core.CoreMemorySpace)
+        and space.mesh.core_type == vector
+      ):
+        raise NotImplementedError(
+          "mpmd_map: Mosaic on jax 0.10.2 cannot lower a semaphore_signal "
+          "from a ScalarSubcoreMesh program to a VectorSubcoreMesh program "
+          "(jax >= 0.12 can); the CPU fallback runs it"
+        )
 
 
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
@@ -25,6 +54,7 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
       "next to SparseCore kernels; got meshes of core types "
       f"{sorted(str(t) for t in core_types)}"
     )
+  _check_subcore_signals(meshes, jaxprs)
   return tpu().registration.mpmd_map_tpu_lowering_rule(
     ctx,
     *in_nodes,

@@ -21,7 +21,7 @@ from mpmd._jax import (
   state_types,
   tree_util,
 )
-from mpmd.lowering import jaxpr_util, paths
+from mpmd.lowering import addressing, jaxpr_util, paths
 from mpmd.primitives import mpmd_map as prim
 
 MeshAndFn = tuple[Any, Callable[..., None]]
@@ -53,6 +53,16 @@ def mpmd_map(
   ``jax.lax.axis_index(axis)`` of the mesh's axes gives the program's index.
   There is no automatic pipelining: kernels move their own data.
 
+  Programs name each other as upstream's ``mpmd_map`` does: a
+  ``pl.semaphore_signal(sem, device_id={...})`` targets the mesh that owns
+  ``sem`` (``sem_type @ mesh``; an unowned semaphore is the caller's own
+  mesh's), and axes ``device_id`` leaves out take the caller's own index
+  where the caller's mesh has them too (a ``VectorSubcoreMesh`` and a
+  ``ScalarSubcoreMesh`` share their core axis; a remote signal naming only
+  device axes lands on the caller's own core). Where upstream has no rule
+  (several TensorCore meshes), an unowned semaphore may also target the one
+  mesh whose axes ``device_id`` names.
+
   Args:
     meshes_and_fns: non-empty sequence of ``(mesh, fn)``; meshes are Pallas
       meshes (``mpmd.tensorcore_mesh``, SparseCore meshes,
@@ -63,7 +73,10 @@ def mpmd_map(
       annotated types such as ``pltpu.HBM(shape, dtype)``.
     scratch_types: a pytree of scratch types (``pltpu.VMEM(shape, dtype)``,
       ``pltpu.SemaphoreType.DMA(())``, ``plgpu.SMEM(...)``, ...); with several
-      meshes, ``type @ mesh`` says which mesh's memory holds it.
+      TPU meshes, ``type @ mesh`` says which mesh's memory holds it, except
+      where the memory space says so: ``pltpu.HBM`` (or ``pl.ANY``) is
+      shared by all programs, ``pltpu.VMEM_SHARED`` by a SparseCore's
+      subcores. A semaphore's owner is also the mesh its signals target.
     input_output_aliases: ``{input index: output index}``: the output starts
       as (and on hardware is the buffer of) that input.
     compiler_params: ``pltpu.CompilerParams`` / ``plgpu.CompilerParams``.
@@ -87,7 +100,11 @@ def mpmd_map(
     ValueError: a bad value, found when the kernels are traced at the
       latest (before lowering): negative shapes, scratch in another
       platform's memory, a DMA between windows of different shapes or
-      dtypes, a ``device_id`` or ``axis_index`` of an axis no mesh has.
+      dtypes, a ``device_id`` or ``axis_index`` of an axis no mesh has, a
+      ``device_id`` that leaves out an axis of another mesh (one the
+      caller's mesh does not share) or names an axis its target lacks.
+    NotImplementedError: with several TPU meshes, scratch without an owner
+      outside HBM / ANY / VMEM_SHARED (as upstream).
 
   Example::
 
@@ -462,20 +479,21 @@ def _canonical_owner(aval: Any) -> Any:
   return aval
 
 
-def _same_mesh(a: Any, b: Any) -> bool:
-  # Not `==`: TensorCoreMesh compares its device arrays elementwise and
-  # crashes on meshes of different sizes (jax 0.10.2).
-  return a is b or (
-    type(a) is type(b) and hash(a) == hash(b) and dict(a.shape) == dict(b.shape)
-  )
-
-
 def _check_scratch_owners(scratch_avals, meshes) -> None:
-  shared = (pallas_core.MemorySpace.ANY, _jax.tpu().core.MemorySpace.HBM)
+  """With several TPU meshes, scratch says whose memory holds it (``type @
+  mesh``) unless its memory space says so: HBM (and ANY) is the device's,
+  shared by all programs; VMEM_SHARED is a SparseCore's, shared by its
+  subcores. Upstream raises NotImplementedError for the rest, and so do we."""
+  tpu_spaces = _jax.tpu().core.MemorySpace
+  shared = (
+    pallas_core.MemorySpace.ANY,
+    tpu_spaces.HBM,
+    tpu_spaces.VMEM_SHARED,
+  )
   for i, aval in enumerate(scratch_avals):
     space = getattr(aval, "memory_space", None)
     if isinstance(space, pallas_core.CoreMemorySpace):
-      if not any(_same_mesh(space.mesh, m) for m in meshes):
+      if not any(addressing.same_mesh(space.mesh, m) for m in meshes):
         raise ValueError(
           f"mpmd_map: scratch_types leaf {i} is owned (`@ mesh`) by a mesh "
           f"of core type {space.mesh.core_type} that is not in this launch"
@@ -483,11 +501,12 @@ def _check_scratch_owners(scratch_avals, meshes) -> None:
       continue
     tpu_launch = not any(paths.is_gpu_mesh(m) for m in meshes)
     if len(meshes) > 1 and tpu_launch and space not in shared:
-      raise ValueError(
-        f"mpmd_map: scratch_types leaf {i} is in {space} with no owner; "
-        "with several meshes, per-program scratch names its mesh "
-        "(`pltpu.VMEM @ mesh`, `pltpu.SemaphoreType.REGULAR @ mesh`) and "
-        "scratch shared by all programs is pltpu.HBM"
+      raise NotImplementedError(
+        f"mpmd_map: scratch_types leaf {i} in {space} without an owner in a "
+        "launch of several meshes: per-program scratch names its mesh "
+        "(`pltpu.VMEM @ mesh`, `pltpu.SemaphoreType.REGULAR @ mesh`); "
+        "scratch shared by all programs is pltpu.HBM, and by a SparseCore's "
+        "subcores pltpu.VMEM_SHARED"
       )
 
 
@@ -608,7 +627,7 @@ class _Roles(NamedTuple):
     return f"{name}({role}, {_short(aval)})"
 
 
-def _check_kernel(jaxpr: core.Jaxpr, mesh, meshes, roles: _Roles) -> None:
+def _check_kernel(jaxpr: core.Jaxpr, caller: int, meshes, roles: _Roles):
   """What the kernel asks of DMAs, signals and scoped allocations, checked
   where it is written (trace time) instead of by a lowering or a simulator
   after the kernel is merged."""
@@ -616,12 +635,25 @@ def _check_kernel(jaxpr: core.Jaxpr, mesh, meshes, roles: _Roles) -> None:
   outer = jax.sharding.get_abstract_mesh()
   axis_sizes = {} if outer.empty else dict(outer.shape)
   axis_sizes.update(prim.axis_env(meshes))
-  _check_eqns(jaxpr, jaxpr, {}, mesh, axis_sizes, roles, kernel)
+  where = _Where(caller, meshes, axis_sizes, roles, kernel)
+  _check_eqns(jaxpr, jaxpr, {}, where)
 
 
-def _check_eqns(top, jaxpr, outer, mesh, axis_sizes, roles, kernel) -> None:
+class _Where(NamedTuple):
+  """The kernel being checked: its mesh (by position) among the launch's."""
+
+  caller: int
+  meshes: tuple[Any, ...]
+  axis_sizes: dict[Any, int]
+  roles: _Roles
+  kernel: str
+
+
+def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
   """``outer`` maps a variable of a nested jaxpr to the kernel operand it
   stands for (so that messages can name it)."""
+  mesh = where.meshes[where.caller]
+  axis_sizes, roles, kernel = where.axis_sizes, where.roles, where.kernel
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name == "dma_start":
@@ -629,8 +661,10 @@ def _check_eqns(top, jaxpr, outer, mesh, axis_sizes, roles, kernel) -> None:
       *_, device_id = eqn.params["tree"].unflatten(eqn.invars)
       _check_device_id(device_id, axis_sizes, f"{kernel}: a DMA")
     elif name == "semaphore_signal":
-      *_, device_id, _ = eqn.params["args_tree"].unflatten(eqn.invars)
-      _check_device_id(device_id, axis_sizes, f"{kernel}: semaphore_signal")
+      sem, *_, device_id, _ = eqn.params["args_tree"].unflatten(eqn.invars)
+      what = f"{kernel}: semaphore_signal"
+      _check_device_id(device_id, axis_sizes, what)
+      addressing.resolve(where.meshes, where.caller, sem.aval, device_id, what)
     elif name == "run_scoped":
       _check_collective_axes(eqn.params.get("collective_axes"), mesh, kernel)
     for sub in jaxpr_util.sub_jaxprs(eqn.params):
@@ -638,7 +672,7 @@ def _check_eqns(top, jaxpr, outer, mesh, axis_sizes, roles, kernel) -> None:
       for v, x in _operands_of(eqn, sub):
         if isinstance(x, core.Var) and v.aval == x.aval:
           inner[v] = outer.get(x, x)
-      _check_eqns(top, sub, inner, mesh, axis_sizes, roles, kernel)
+      _check_eqns(top, sub, inner, where)
 
 
 def _check_collective_axes(axes, mesh, kernel: str) -> None:
@@ -785,7 +819,7 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
     for v in flat_views
   ]
   traced = []
-  for mesh, fn in zip(meshes, spec.fns, strict=True):
+  for caller, (mesh, fn) in enumerate(zip(meshes, spec.fns, strict=True)):
     debug_info = api_util.debug_info("mpmd_map", fn, flat_kernel_avals, {})
     if spec.name is not None:
       debug_info = debug_info.replace_func_name(spec.name)
@@ -819,7 +853,7 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
     _check_consts(consts, debug_info)
     _check_kernel(
       jaxpr,
-      mesh,
+      caller,
       meshes,
       _Roles(debug_info, len(flat_in_avals), len(spec.out_avals)),
     )
