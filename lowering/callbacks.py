@@ -11,12 +11,13 @@ The simulators only want numpy, so their callbacks (and ours) get the
 numpy arguments as XLA hands them over. Every other callback is untouched.
 
 Errors: a callback of a simulator that fails ends its device thread's part
-of the launch (``watchdog.finish``), and raises the launch's own error
+of the launch (``watchdog.failed``), and raises the launch's own error
 (``errors.LaunchError``) rather than the simulator's wrapping of it, from
 here: XLA quotes the traceback, which is then a few lines long.
 """
 
 import functools
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -40,10 +41,12 @@ def _module(flat_callback) -> str:
 def _call(callback, args):
   """Runs an ``_OUR_MODULES`` or ``_SIMULATOR_MODULES`` callback."""
   simulator = _module(callback).startswith(_SIMULATOR_MODULES)
+  running = watchdog.callback_running() if simulator else nullcontext()
   try:
-    return tree_util.tree_map(np.asarray, callback(*args))
+    with running:
+      return tree_util.tree_map(np.asarray, callback(*args))
   except Exception as e:
-    failure = watchdog.finish(e) if simulator else None
+    failure = watchdog.failed(e) if simulator else None
     if failure is None and isinstance(e, errors.LaunchError):
       failure = e
     if failure is None:

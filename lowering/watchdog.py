@@ -107,12 +107,28 @@ class _Launch:
   num_devices: int
   original_failure: Callable[[], BaseException | None]
   entered: int = 0
-  done: int = 0
+  left: int = 0
+  active: int = 0  # simulator callbacks running now
+  idle_since: float = dataclasses.field(default_factory=time.monotonic)
   failure: errors.LaunchError | None = None
 
+  def over(self) -> bool:
+    """Every device left; or it failed and no callback of it ran lately
+    (a failure ends each device's part in some callback of the simulator,
+    and the device threads of several simulated cores may fail at once)."""
+    if self.left >= self.num_devices:
+      return True
+    return (
+      self.failure is not None
+      and self.active == 0
+      and time.monotonic() - self.idle_since > _SETTLE_S
+    )
 
+
+_SETTLE_S = 0.2
 _turn = threading.Condition()
 _running: list[_Launch] = []  # the launch holding the simulator, if any
+_last_failure: list[errors.LaunchError] = []
 
 
 def enter(
@@ -128,8 +144,11 @@ def enter(
   """
   with _turn:
     while True:
+      if _running and _running[0].over():
+        _running.clear()
       if not _running:
         reset()
+        _last_failure.clear()
         _running.append(_Launch(key, num_devices, original_failure))
       launch = _running[0]
       if launch.key == key and launch.entered < launch.num_devices:
@@ -138,23 +157,53 @@ def enter(
       _turn.wait(_POLL_S)
 
 
-def finish(failure: BaseException | None = None) -> errors.LaunchError | None:
-  """A device thread of the running launch leaves it, or fails.
+def leave(key: int, failure: errors.LaunchError | None):
+  """A device thread finished its part of launch ``key``; returns the
+  launch's failure (``failure``, or an earlier one), if any."""
+  with _turn:
+    if not _running or _running[0].key != key:
+      return failure
+    launch = _running[0]
+    launch.failure = launch.failure or failure
+    launch.left += 1
+    if launch.over():
+      _running.clear()
+      _turn.notify_all()
+    return launch.failure
 
-  Returns the launch's failure (the first one, or the watchdog's), which
-  the failing callback raises instead of the simulator's wrapping of it.
+
+@contextlib.contextmanager
+def callback_running() -> Iterator[None]:
+  """Marks a simulator callback of the running launch as running."""
+  with _turn:
+    launch = _running[0] if _running else None
+    if launch is not None:
+      launch.active += 1
+  try:
+    yield
+  finally:
+    if launch is not None:
+      with _turn:
+        launch.active -= 1
+        launch.idle_since = time.monotonic()
+
+
+def failed(error: BaseException) -> errors.LaunchError | None:
+  """A simulator callback of the running launch raised ``error``.
+
+  Returns the launch's failure as a ``LaunchError`` (the first one, or the
+  watchdog's), which the callback raises instead of the simulator's
+  wrapping of it; None if it is none of ours.
   """
   with _turn:
     if not _running:
-      return None
+      return _last_failure[0] if _last_failure else _as_launch_error(error)
     launch = _running[0]
-    if failure is not None and launch.failure is None:
+    if launch.failure is None:
       # The simulator wraps its first failure into every device's error.
-      launch.failure = _as_launch_error(launch.original_failure() or failure)
-    launch.done += 1
-    if launch.done >= launch.num_devices:
-      _running.clear()
-      _turn.notify_all()
+      launch.failure = _as_launch_error(launch.original_failure() or error)
+      if launch.failure is not None:
+        _last_failure[:] = [launch.failure]
     return launch.failure
 
 
@@ -172,6 +221,7 @@ def _fail_running(error: errors.LaunchError) -> None:
   with _turn:
     if _running and _running[0].failure is None:
       _running[0].failure = error
+      _last_failure[:] = [error]
 
 
 def describe_program(program: int) -> str:
@@ -305,14 +355,14 @@ def lower_supervised(
   """
   key = register_launch(ranges)
 
-  def leave():
+  def finish():
     failure = None
     if detect_races and races_found():
       failure = RaceError(
         "mpmd_map: the simulator's race detector found programs racing on "
         f"a buffer (accesses not ordered by {orders})"
       )
-    failure = finish(failure)
+    failure = leave(key, failure)
     if failure is not None:
       raise failure
 
@@ -330,7 +380,7 @@ def lower_supervised(
     # and invariant values, which kernels (traced without vma) may do.
     with config._check_vma(False):
       results = run(*args)
-    callback.io_callback(leave, None, ordered=True)
+    callback.io_callback(finish, None, ordered=True)
     return results
 
   # The launch's ordered callbacks (ours and the simulator's) run on a token
