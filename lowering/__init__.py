@@ -18,15 +18,31 @@ def _pass_tokens(ctx, outs):
   return outs
 
 
+def _refuse_interpret_export(ctx, params):
+  # interpret= runs the CPU fallback on any platform: host callbacks.
+  if (
+    ctx.module_context.lowering_parameters.for_export
+    and params["interpret"] is not None
+  ):
+    raise NotImplementedError(
+      f"mpmd_map: cannot export kernel {_kernel_name(params)!r} with "
+      f"interpret={params['interpret']!r}: interpretation runs Python host "
+      "callbacks, and jax.export cannot serialize those. Export with "
+      "interpret=None (the default) for the hardware."
+    )
+
+
 def _tpu(ctx, *in_nodes, **params):
   from mpmd.lowering import tpu
 
+  _refuse_interpret_export(ctx, params)
   return _pass_tokens(ctx, tpu.lower(ctx, *in_nodes, **params))
 
 
 def _cuda(ctx, *in_nodes, **params):
   from mpmd.lowering import gpu
 
+  _refuse_interpret_export(ctx, params)
   return _pass_tokens(ctx, gpu.lower(ctx, *in_nodes, **params))
 
 
@@ -42,6 +58,12 @@ def _cpu(ctx, *in_nodes, **params):
   return outs
 
 
+def _kernel_name(params) -> str:
+  if params["name"]:
+    return params["name"]
+  return "+".join(j.debug_info.func_name for j in params["jaxprs"])
+
+
 def _refuse_export(ctx, params):
   from mpmd.lowering import lockstep, paths
 
@@ -49,12 +71,22 @@ def _refuse_export(ctx, params):
   path = paths.choose(
     params["jaxprs"], params["meshes"], params["interpret"], axes
   )
+  if path.kind == paths.FAST:
+    why = (
+      "it takes the CPU fallback's fast path, whose run-time checks (DMA "
+      "windows that depend on run-time values, semaphore counts) are "
+      "Python host callbacks"
+    )
+  else:
+    why = (
+      f"it takes the CPU fallback's {path.kind} path ({path.reason}), which "
+      "runs Python host callbacks"
+    )
   raise NotImplementedError(
-    f"mpmd_map: cannot export the CPU lowering of kernel {params['name']!r}: "
-    f"it takes the CPU fallback's {path.kind} path ({path.reason}), which "
-    "runs Python host callbacks, and jax.export cannot serialize those. "
-    "Export for the hardware only (platforms=('tpu',) or ('cuda',)); on CPU, "
-    "call the function itself instead of an export of it."
+    f"mpmd_map: cannot export the CPU lowering of kernel "
+    f"{_kernel_name(params)!r}: {why}, and jax.export cannot serialize "
+    "those. Export for the hardware only (platforms=('tpu',) or "
+    "('cuda',)); on CPU, call the function itself instead of an export of it."
   )
 
 
