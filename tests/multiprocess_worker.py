@@ -156,12 +156,29 @@ def main(process_id: int, num_processes: int, port: int, out_dir: Path):
       scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
     )(x)
 
+  def error_of(launch):
+    try:
+      launch()
+    except NotImplementedError as e:
+      return {"type": type(e).__name__, "message": str(e)}
+    return None
+
   block = np.arange(ring * 8 * 128, dtype=np.float32).reshape(ring * 8, 128)
-  try:
-    run(send_right, (P("x"),), P("x"), block)
-    error = None
-  except NotImplementedError as e:
-    error = {"type": type(e).__name__, "message": str(e)}
+  errors = {
+    "mesh": error_of(lambda: run(send_right, (P("x"),), P("x"), block)),
+    # Over an abstract mesh the lowering does not know the devices.
+    "abstract_mesh": error_of(
+      lambda: jax.jit(
+        jax.shard_map(
+          send_right,
+          mesh=mesh.abstract_mesh,
+          in_specs=P("x"),
+          out_specs=P("x"),
+          check_vma=False,
+        )
+      )(place(block, P("x")))
+    ),
+  }
 
   # The simulator still runs launches on this process's own devices.
   def signal_then_copy(x_hbm, o_hbm, sem):
@@ -183,7 +200,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: Path):
     "process_count": jax.process_count(),
     "device_count": jax.device_count(),
     "local_device_count": jax.local_device_count(),
-    "simulator_error": error,
+    "simulator_errors": errors,
   }
   (out_dir / f"process{process_id}.json").write_text(json.dumps(report))
   jax.distributed.shutdown()

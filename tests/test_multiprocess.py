@@ -14,6 +14,7 @@ and both processes are killed on failure.
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -139,18 +140,33 @@ def test_collective_kernel_across_processes_matches_xla(job, kernel):
   assert len(blocks) == DEVICES, blocks  # together: the whole output
 
 
-def test_a_simulator_kernel_across_processes_is_a_clear_error(job):
+@pytest.mark.parametrize(
+  "mesh,spans",
+  [
+    ("mesh", r"this launch spans processes \[0, 1\]\."),
+    (
+      "abstract_mesh",
+      r"this launch may span processes \(jax\.process_count\(\) is 2 and "
+      r"the lowering does not know the launch's devices\)\.",
+    ),
+  ],
+)
+def test_a_simulator_kernel_across_processes_is_a_clear_error(job, mesh, spans):
   reports, _ = job
   for report in reports:
-    error = report["simulator_error"]
+    error = report["simulator_errors"][mesh]
     assert error is not None, "the launch ran instead of raising"
     assert error["type"] == "NotImplementedError"
     message = error["message"]
-    assert "kernel conditional_send at " in message
-    assert "needs the CPU fallback's tpu-simulator path" in message
-    assert "it issues a remote dma_start inside cond" in message
-    assert "this launch spans processes [0, 1]" in message
-    assert "lockstep path" in message and "in one process" in message
+    assert re.match(
+      r"mpmd_map: kernel conditional_send at \S+multiprocess_worker\.py:\d+ "
+      r"needs the CPU fallback's tpu-simulator path \(.*it issues a remote "
+      r"dma_start inside cond\)",
+      message,
+    ), message
+    assert re.search(spans, message), message
+    assert "runs kernels on the lockstep path" in message, message
+    assert "or run it in one process" in message, message
 
 
 def test_the_simulator_still_runs_on_one_process_devices(job):
