@@ -2,7 +2,9 @@
 
 import functools
 import math
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -15,6 +17,7 @@ from mpmd._jax import (
   mlir,
   pallas_core,
   pallas_primitives,
+  sharding_impls,
   state,
   tpu,
   tree_util,
@@ -49,6 +52,8 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   path = paths.choose(jaxprs, meshes, params["interpret"], axes)
   if params["debug"]:
     print(f"mpmd_map: CPU fallback takes the {path.kind} path: {path.reason}")
+  if path.kind in (paths.TPU_SIMULATOR, paths.GPU_SIMULATOR):
+    _check_one_process(jaxprs, path, ctx.module_context.axis_context)
   if path.kind == paths.LOCKSTEP:
     aliases = dict(params["input_output_aliases"])
     kernel = _alias_refs(jaxprs[0], len(in_nodes), aliases, meshes[0], meshes)
@@ -92,6 +97,52 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     interpret=path.params,
     params=params,
     ranges=ranges,
+  )
+
+
+def _launch_processes(axis_context: Any) -> set[int] | None:
+  """The processes whose devices a launch is lowered for (None when the
+  lowering does not know its devices: a shard_map over an abstract mesh)."""
+  devices = None
+  if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    if isinstance(axis_context.mesh, jax.sharding.Mesh):
+      devices = axis_context.mesh.devices.flat
+  elif isinstance(axis_context, sharding_impls.ShardingContext):
+    if axis_context.num_devices == 1:
+      return {jax.process_index()}
+    devices = axis_context.device_assignment
+  return None if devices is None else {d.process_index for d in devices}
+
+
+def _check_one_process(jaxprs, path: paths.Path, axis_context: Any) -> None:
+  """The simulators keep all simulated memory (buffers, semaphores, DMAs in
+  flight) inside one Python process: across processes the programs would
+  wait forever for data and signals that never arrive. A launch whose
+  devices all live in this process (one process's devices of a
+  multi-process job) is fine."""
+  count = jax.process_count()
+  if count == 1:
+    return
+  processes = _launch_processes(axis_context)
+  if processes is None:
+    spans = (
+      f"may span processes (jax.process_count() is {count} and the "
+      "lowering does not know the launch's devices)"
+    )
+  elif len(processes) == 1:
+    return
+  else:
+    spans = f"spans processes {sorted(processes)}"
+  kernels = ", ".join(str(j.debug_info.func_src_info) for j in jaxprs)
+  raise NotImplementedError(
+    f"mpmd_map: kernel {kernels} needs the CPU fallback's {path.kind} "
+    f"path ({path.reason}), which simulates memory, DMAs and semaphores "
+    f"within one process only, and this launch {spans}. Across processes "
+    "the CPU fallback runs kernels on the lockstep path (remote DMAs and "
+    "signals that every device issues in step, outside conditions) and "
+    "single-device kernels on the fast path: rewrite the kernel that way, "
+    "or run it in one process (simulated devices: "
+    'jax.config.update("jax_num_cpu_devices", n)).'
   )
 
 
