@@ -26,13 +26,6 @@ from mpmd.primitives import mpmd_map as prim
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   jaxprs, meshes = params["jaxprs"], params["meshes"]
   paths.check_simulable(jaxprs)
-  if not any(paths.is_gpu_mesh(m) for m in meshes):
-    for kernel in jaxprs:
-      bounds.check_static(
-        kernel,
-        bounds.operand_names(kernel, len(in_nodes), len(params["out_avals"])),
-        kernel.debug_info.func_src_info,
-      )
   axes = lockstep.manual_axes(ctx.module_context.axis_context)
   path = paths.choose(jaxprs, meshes, params["interpret"], axes)
   if params["debug"]:

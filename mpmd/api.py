@@ -21,7 +21,7 @@ from mpmd._jax import (
   state_types,
   tree_util,
 )
-from mpmd.lowering import jaxpr_util, paths
+from mpmd.lowering import bounds, jaxpr_util, paths
 from mpmd.primitives import mpmd_map as prim
 
 MeshAndFn = tuple[Any, Callable[..., None]]
@@ -591,12 +591,22 @@ class _Roles(NamedTuple):
   debug_info: Any
   num_in: int
   num_out: int
+  # Closed-over values that lead the traced jaxpr's inputs (jax 0.11+; up
+  # to 0.10 they are its constvars).
+  num_consts: int = 0
 
   def describe(self, jaxpr: core.Jaxpr, var: Any, aval: Any) -> str:
+    if isinstance(var, str):  # named by _check_eqns
+      return f"{var} ({_short(aval)})"
+    if var in jaxpr.constvars:
+      return f"a closed-over Ref ({_short(aval)})"
     try:
       k = jaxpr.invars.index(var)
     except ValueError:
       return _short(aval)  # not traced back to a kernel operand
+    if k < self.num_consts:
+      return f"a closed-over Ref ({_short(aval)})"
+    k -= self.num_consts
     if k < self.num_in:
       role = f"input {k}"
     elif k < self.num_in + self.num_out:
@@ -619,6 +629,21 @@ def _check_kernel(jaxpr: core.Jaxpr, mesh, meshes, roles: _Roles) -> None:
   _check_eqns(jaxpr, jaxpr, {}, mesh, axis_sizes, roles, kernel)
 
 
+def _check_static_windows(jaxprs, meshes, num_in: int, num_out: int) -> None:
+  """A DMA window fixed in a TPU kernel that leaves its buffer faults on
+  the hardware: an error at trace time, whichever platform the launch is
+  then lowered for. ``jaxprs`` are the kernels as bound (closed-over values
+  hoisted to inputs ``num_in`` on), which ``bounds`` knows how to name."""
+  for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
+    if paths.is_gpu_mesh(mesh):
+      continue
+    bounds.check_static(
+      jaxpr,
+      bounds.operand_names(jaxpr, num_in, num_out),
+      jaxpr.debug_info.func_src_info,
+    )
+
+
 def _check_eqns(top, jaxpr, outer, mesh, axis_sizes, roles, kernel) -> None:
   """``outer`` maps a variable of a nested jaxpr to the kernel operand it
   stands for (so that messages can name it)."""
@@ -633,12 +658,63 @@ def _check_eqns(top, jaxpr, outer, mesh, axis_sizes, roles, kernel) -> None:
       _check_device_id(device_id, axis_sizes, f"{kernel}: semaphore_signal")
     elif name == "run_scoped":
       _check_collective_axes(eqn.params.get("collective_axes"), mesh, kernel)
+    elif name in _REF_ACCESS and not paths.is_gpu_mesh(mesh):
+      _check_direct_access(top, eqn, outer, mesh, roles, kernel)
     for sub in jaxpr_util.sub_jaxprs(eqn.params):
       inner = dict(outer)
       for v, x in _operands_of(eqn, sub):
         if isinstance(x, core.Var) and v.aval == x.aval:
           inner[v] = outer.get(x, x)
+      if name == "run_scoped":
+        for k, v in enumerate(sub.invars):
+          inner[v] = f"pl.run_scoped allocation {k}"
       _check_eqns(top, sub, inner, mesh, axis_sizes, roles, kernel)
+
+
+# Primitives that read or write a Ref's elements in place (``x_ref[...]``,
+# ``x_ref[...] = v``, ``x_ref[...] += v``, ``pl.load``, ``pl.store``), by
+# what they do to it.
+_REF_ACCESS = {
+  "get": "reads",
+  "masked_load": "reads",
+  "swap": "writes",
+  "masked_swap": "writes",
+  "addupdate": "updates",
+}
+
+
+def _tpu_memory_space(aval, mesh) -> Any:
+  """Where a Ref lives on a TPU: a Ref without a memory space (a kernel
+  operand) is in its mesh's default one (ANY for TensorCores, HBM for
+  SparseCores), as Mosaic places it."""
+  space = getattr(aval, "memory_space", None)
+  if isinstance(space, pallas_core.CoreMemorySpace):
+    space = space.memory_space
+  return mesh.default_memory_space if space is None else space
+
+
+def _check_direct_access(top, eqn, outer, mesh, roles, kernel: str) -> None:
+  """Mosaic TPU reads and writes only VMEM and SMEM Refs in place; data in
+  HBM (or ANY, or shared VMEM) moves by DMA. The CPU fallback would run
+  such a kernel, so it is rejected here, the same on every path."""
+  ref = eqn.invars[0]
+  aval = ref.aval
+  space = _tpu_memory_space(aval, mesh)
+  tpu_spaces = _jax.tpu().core.MemorySpace
+  if space not in (
+    pallas_core.MemorySpace.ANY,
+    tpu_spaces.HBM,
+    tpu_spaces.VMEM_SHARED,
+  ):
+    return
+  ref = outer.get(ref, ref)
+  raise ValueError(
+    f"{kernel}: {_REF_ACCESS[eqn.primitive.name]} "
+    f"{roles.describe(top, ref, aval)} in place, but it is in "
+    f"{getattr(space, 'name', space)} memory: on TPU only VMEM and SMEM "
+    "Refs can be read or written directly; copy the data to or from VMEM "
+    "scratch with pltpu.sync_copy / pltpu.async_copy"
+  )
 
 
 def _check_collective_axes(axes, mesh, kernel: str) -> None:
@@ -821,10 +897,21 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
       jaxpr,
       mesh,
       meshes,
-      _Roles(debug_info, len(flat_in_avals), len(spec.out_avals)),
+      _Roles(
+        debug_info,
+        len(flat_in_avals),
+        len(spec.out_avals),
+        num_consts=len(jaxpr.invars) - len(flat_kernel_avals),
+      ),
     )
     traced.append((jaxpr, consts))
-  return _unify_consts(traced, meshes, len(flat_in_avals), flat_kernel_avals)
+  jaxprs, all_consts = _unify_consts(
+    traced, meshes, len(flat_in_avals), flat_kernel_avals
+  )
+  _check_static_windows(
+    jaxprs, meshes, len(flat_in_avals) + len(all_consts), len(spec.out_avals)
+  )
+  return jaxprs, all_consts
 
 
 def _unify_consts(traced, meshes, num_in, flat_kernel_avals):
