@@ -104,7 +104,9 @@ def mpmd_map(
       window fixed in a TPU kernel that leaves its buffer, SparseCore meshes
       that upstream does not combine.
     NotImplementedError: as upstream, one Ref passed twice, or closed over
-      and passed.
+      and passed; upstream features we do not support: hijax types, Pallas
+      fuser dtypes (``fuser.physicalize``), and on the CPU fallback
+      ``pl.select_ref`` (at trace time when ``interpret`` is given).
 
   Example::
 
@@ -162,12 +164,17 @@ def mpmd_map(
     flat_args, in_tree = tree_util.tree_flatten(args)
     _check_refs_passed_once(flat_args)
     flat_avals = tuple(core.typeof(x) for x in flat_args)
+    for i, aval in enumerate(flat_avals):
+      _check_lojax(aval, f"input {i}")
     out_avals = _out_avals(flat_out_types, flat_avals)
     _check_aliases(aliases, flat_avals, out_avals)
     kernels = _KernelSpec(out_avals=out_avals, **spec)
     jaxprs, consts = _trace(kernels, flat_avals, in_tree)
     _check_consts_not_passed(consts, flat_args)
     _check_inferred_vma(flat_out_types, flat_avals, jaxprs, meshes)
+    if interpret is not None:
+      # Interpreted on every platform: what no CPU path runs fails now.
+      paths.check_simulable(jaxprs)
     if debug:
       for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
         print(f"mpmd_map: kernel jaxpr for mesh {dict(mesh.shape)}:\n{jaxpr}")
@@ -346,6 +353,24 @@ def _check_interpret(interpret: Any, meshes: Sequence[Any]) -> None:
   )
 
 
+def _check_lojax(aval: Any, what: str) -> None:
+  """Upstream features we do not support, named: hijax types (upstream
+  lowers them to their parts) and Pallas fuser dtypes (which
+  ``fuser.physicalize`` resolves through upstream's own mpmd_map)."""
+  if getattr(aval, "is_high", False):
+    raise NotImplementedError(
+      f"mpmd_map: hijax types (jax.experimental.hijax.HiType) are not "
+      f"supported: {what} is a {type(aval).__name__}: {aval!r}; pass its "
+      "parts (arrays or Refs) instead"
+    )
+  inner = getattr(aval, "inner_aval", aval)
+  if _jax.is_fusion_dtype(getattr(inner, "dtype", None)):
+    raise NotImplementedError(
+      "mpmd_map: Pallas fuser dtypes (fuser.physicalize) are not supported: "
+      f"{what} has dtype {inner.dtype}; pass its physical parts instead"
+    )
+
+
 def _as_out_type(out_type: Any, i: int) -> Any:
   """An ``out_types`` leaf as a ShapeDtypeStruct or memory-space type.
 
@@ -356,6 +381,7 @@ def _as_out_type(out_type: Any, i: int) -> Any:
   """
   if isinstance(out_type, (jax.Array, np.ndarray, np.generic)):
     out_type = core.typeof(out_type)
+  _check_lojax(out_type, f"out_types leaf {i}")
   if isinstance(out_type, core.ShapedArray):
     out_type = jax.ShapeDtypeStruct(
       out_type.shape,

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import hijax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import tpu_sc as plsc
 from jax.sharding import PartitionSpec as P
@@ -284,3 +286,113 @@ def test_check_vma_inferred_from_varying_inputs_is_our_extension():
   out = in_shard_map(adds_device_index(OUT), P("x"), in_specs=P("x"))
   want = np.repeat(np.arange(NUM_DEVICES, dtype=np.float32), ROWS[0])
   np.testing.assert_array_equal(out[:, 0], want)
+
+
+# -- upstream features we do not support -------------------------------------
+
+
+class Opaque(hijax.HiType):
+  """A hijax type (upstream lowers such types to their parts)."""
+
+  def __hash__(self):
+    return hash(Opaque)
+
+  def __eq__(self, other):
+    return isinstance(other, Opaque)
+
+  def __repr__(self):
+    return "Opaque()"
+
+
+def test_hijax_out_types_are_not_supported():
+  with pytest.raises(
+    NotImplementedError,
+    match=r"hijax types \(jax.experimental.hijax.HiType\) are not supported: "
+    r"out_types leaf 0 is a Opaque",
+  ):
+    mpmd.mpmd_map([(tc(), idle)], Opaque())
+
+
+def test_fuser_dtypes_are_not_supported():
+  """``fuser.physicalize`` of a program that hands mpmd_map an array of a
+  fuser dtype: upstream physicalizes the kernels; we say we do not."""
+  from jax._src.pallas.fuser import fusible_dtype
+
+  class Pair(fusible_dtype.FusionDType):
+    def abstract_unpack(self, x):
+      return (jax.core.ShapedArray(x.shape, jnp.float32),) * 2
+
+    def abstract_pack(self, a, b):
+      del b
+      return jax.core.ShapedArray(a.shape, self)
+
+    def pull_block_spec_one_step(self, *args, **kwargs):
+      raise NotImplementedError
+
+    def unpack_push_block_spec(self, *args, **kwargs):
+      raise NotImplementedError
+
+    def unpack_pull_block_spec(self, *args, **kwargs):
+      raise NotImplementedError
+
+    def __hash__(self):
+      return hash(Pair)
+
+    def __eq__(self, other):
+      return isinstance(other, Pair)
+
+    def __repr__(self):
+      return "Pair"
+
+  def f(a, b):
+    pair = fusible_dtype.pack(a, b, dtype=Pair())
+    return mpmd.mpmd_map([(tc(), idle)], OUT)(pair)
+
+  x = jnp.ones(ROWS, jnp.float32)
+  with pytest.raises(
+    NotImplementedError,
+    match=r"Pallas fuser dtypes \(fuser.physicalize\) are not supported: "
+    r"input 0 has dtype Pair",
+  ):
+    fusible_dtype.physicalize(f)(x, x)
+
+
+def selects(x_hbm, index_hbm, o_hbm, index, sem):
+  """Copies block ``index`` of ``x_hbm``, a Ref chosen at run time."""
+  pltpu.sync_copy(index_hbm, index)
+  src = pl.select_ref(index[0], x_hbm.at[0], x_hbm.at[1])
+  copy = pltpu.make_async_copy(src, o_hbm, sem)
+  copy.start()
+  copy.wait()
+
+
+def select_launch(interpret):
+  return mpmd.mpmd_map(
+    [(tc(), selects)],
+    OUT,
+    scratch_types=[pltpu.SMEM((1,), jnp.int32), pltpu.SemaphoreType.DMA(())],
+    interpret=interpret,
+  )
+
+
+SELECT_ARGS = (jnp.ones((2, *ROWS), jnp.float32), jnp.ones((1,), jnp.int32))
+SELECT_ERROR = (
+  r"the CPU fallback cannot run pl.select_ref \(a Ref chosen at run time, "
+  r"here by 'dma_start'\).* The kernel still lowers for TPU"
+)
+
+
+@pytest.mark.parametrize(
+  "interpret", [True, pltpu.InterpretParams()], ids=["hlo", "simulator"]
+)
+def test_select_ref_when_interpreted_fails_at_trace_time(interpret):
+  with pytest.raises(NotImplementedError, match=SELECT_ERROR):
+    jax.jit(select_launch(interpret)).trace(*SELECT_ARGS)
+
+
+def test_select_ref_on_cpu_fails_when_lowered_and_lowers_for_tpu():
+  traced = jax.jit(select_launch(None)).trace(*SELECT_ARGS)
+  text = traced.lower(lowering_platforms=("tpu",)).as_text()
+  assert "tpu_custom_call" in text
+  with pytest.raises(NotImplementedError, match=SELECT_ERROR):
+    traced.lower(lowering_platforms=("cpu",))
