@@ -5,8 +5,9 @@ The fast and lockstep paths copy with ``lax.dynamic_slice`` and
 [12, 20) of a 16-row buffer would quietly be rows [8, 16). Mosaic and the
 simulators fault instead, and so does the CPU fallback:
 
-* a window fixed in the kernel (literal indices) fails when the launch is
-  lowered, with a ``ValueError`` (``check_static``, every CPU path);
+* a window fixed in the kernel (literal indices) fails when the kernel is
+  traced, with a ``ValueError`` (``check_static``, called by ``mpmd_map``'s
+  checks for TPU meshes: every CPU path, and lowerings for TPU);
 * any other window is checked where its DMA starts (``Checks``), unless an
   interval analysis proves it in bounds (``prove``: loop counters, program
   indices). The check is a ``checkify`` check: the launch threads one error

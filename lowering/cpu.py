@@ -41,13 +41,6 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   callbacks.install()  # our callbacks' errors reach the caller typed
   num_operands = len(in_nodes) + len(params["out_avals"])
   paths.check_semaphore_operands(jaxprs, meshes, num_operands)
-  if not any(paths.is_gpu_mesh(m) for m in meshes):
-    for kernel in jaxprs:
-      bounds.check_static(
-        kernel,
-        bounds.operand_names(kernel, len(in_nodes), len(params["out_avals"])),
-        kernel.debug_info.func_src_info,
-      )
   axes = lockstep.manual_axes(ctx.module_context.axis_context)
   path = paths.choose(jaxprs, meshes, params["interpret"], axes)
   if params["debug"]:

@@ -135,6 +135,40 @@ def check_simulable(jaxprs: Sequence[core.Jaxpr]) -> None:
           "(SparseCore synchronisation across subcores): no simulator on "
           "jax 0.10.2 implements it. The kernel still lowers for TPU."
         )
+      if _selects_ref(eqn):
+        raise NotImplementedError(
+          "mpmd_map: the CPU fallback cannot run pl.select_ref (a Ref "
+          f"chosen at run time, here by {eqn.primitive.name!r}): neither "
+          "the HLO interpreter nor the simulators implement it. The kernel "
+          "still lowers for TPU; on CPU, branch with lax.cond / pl.when "
+          "between the Refs instead."
+        )
+
+
+def _selects_ref(eqn: core.JaxprEqn) -> bool:
+  """Whether an equation's operands include a ``pl.select_ref`` view (a
+  ``SelectTransform`` in their pytree)."""
+  select = _jax.state_types.SelectTransform
+  for value in eqn.params.values():
+    if not isinstance(value, _jax.tree_util.PyTreeDef):
+      continue
+    if value.num_leaves != len(eqn.invars):
+      continue
+    if _has(value.unflatten(eqn.invars), select):
+      return True
+  return False
+
+
+def _has(x: Any, kind: type) -> bool:
+  """Whether ``x`` (operands: tuples of Refs and transformed views) holds
+  an instance of ``kind``."""
+  if isinstance(x, kind):
+    return True
+  if isinstance(x, (tuple, list)):
+    return any(_has(y, kind) for y in x)
+  if isinstance(x, _jax.state_types.TransformedRef):
+    return _has(x.ref, kind) or _has(x.transforms, kind)
+  return False
 
 
 def choose(

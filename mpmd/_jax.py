@@ -10,6 +10,7 @@ instead of deep inside a lowering.
 import dataclasses
 import functools
 import types
+from typing import Any
 
 import jax
 import jaxlib
@@ -111,6 +112,16 @@ def tpu():
     simulator=interpret_pallas_call,
     simulator_memory=shared_memory,
   )
+
+
+def is_fusion_dtype(dtype: Any) -> bool:
+  """A Pallas fuser dtype (``FusionDType``, what ``fuser.physicalize``
+  resolves); the fuser is imported only for extended dtypes."""
+  if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return False
+  from jax._src.pallas.fuser import fusible_dtype
+
+  return isinstance(dtype, fusible_dtype.FusionDType)
 
 
 @functools.cache

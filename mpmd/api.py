@@ -21,7 +21,7 @@ from mpmd._jax import (
   state_types,
   tree_util,
 )
-from mpmd.lowering import addressing, jaxpr_util, paths
+from mpmd.lowering import addressing, bounds, jaxpr_util, paths
 from mpmd.primitives import mpmd_map as prim
 
 MeshAndFn = tuple[Any, Callable[..., None]]
@@ -67,10 +67,20 @@ def mpmd_map(
     meshes_and_fns: non-empty sequence of ``(mesh, fn)``; meshes are Pallas
       meshes (``mpmd.tensorcore_mesh``, SparseCore meshes,
       ``plgpu.Mesh``). Meshes may share an axis name only with equal sizes.
+      As upstream: at most one scalar-subcore and one vector-subcore
+      SparseCore mesh, sharing their core axis (name and size), with axis
+      names of their own next to a TensorCore mesh. Beyond upstream:
+      several TensorCore meshes (upstream accepts one), and several GPU
+      meshes, in one launch.
     out_types: a pytree of ``jax.ShapeDtypeStruct``, JAX types
       (``jax.typeof(x)``; under ``shard_map`` the output varies like the
       type says) or arrays (standing for their type), or memory-space
-      annotated types such as ``pltpu.HBM(shape, dtype)``.
+      annotated types such as ``pltpu.HBM(shape, dtype)``. Beyond upstream,
+      which requires ``manual_axis_type`` on every output under
+      ``shard_map(check_vma=True)``: an output without it varies like the
+      inputs together, unless the kernels name a ``shard_map`` axis the
+      inputs do not vary over (``axis_index``, ``device_id``), which is
+      the error upstream raises.
     scratch_types: a pytree of scratch types (``pltpu.VMEM(shape, dtype)``,
       ``pltpu.SemaphoreType.DMA(())``, ``plgpu.SMEM(...)``, ...); with several
       TPU meshes, ``type @ mesh`` says which mesh's memory holds it, except
@@ -91,7 +101,9 @@ def mpmd_map(
 
   Returns:
     A function of the inputs (a pytree of arrays or Refs) returning outputs
-    with the structure of ``out_types``.
+    with the structure of ``out_types``. Kernels may close over Refs and
+    scalars; beyond upstream, ``vmap`` may batch a closed-over scalar (each
+    batch element gets its own launch).
 
   Raises:
     TypeError: an argument of the wrong kind (a ``name`` that is not a str,
@@ -102,9 +114,16 @@ def mpmd_map(
       platform's memory, a DMA between windows of different shapes or
       dtypes, a ``device_id`` or ``axis_index`` of an axis no mesh has, a
       ``device_id`` that leaves out an axis of another mesh (one the
-      caller's mesh does not share) or names an axis its target lacks.
-    NotImplementedError: with several TPU meshes, scratch without an owner
-      outside HBM / ANY / VMEM_SHARED (as upstream).
+      caller's mesh does not share) or names an axis its target lacks,
+      a TPU kernel that reads or writes an HBM / ANY Ref in place, a DMA
+      window fixed in a TPU kernel that leaves its buffer, SparseCore meshes
+      that upstream does not combine.
+    NotImplementedError: as upstream, with several TPU meshes, scratch
+      without an owner outside HBM / ANY / VMEM_SHARED; one Ref passed
+      twice, or closed over and passed; upstream features we do not
+      support: hijax types, Pallas fuser dtypes (``fuser.physicalize``), and
+      on the CPU fallback ``pl.select_ref`` (at trace time when
+      ``interpret`` is given).
 
   Example::
 
@@ -160,11 +179,19 @@ def mpmd_map(
 
   def wrapper(*args):
     flat_args, in_tree = tree_util.tree_flatten(args)
+    _check_refs_passed_once(flat_args)
     flat_avals = tuple(core.typeof(x) for x in flat_args)
+    for i, aval in enumerate(flat_avals):
+      _check_lojax(aval, f"input {i}")
     out_avals = _out_avals(flat_out_types, flat_avals)
     _check_aliases(aliases, flat_avals, out_avals)
     kernels = _KernelSpec(out_avals=out_avals, **spec)
     jaxprs, consts = _trace(kernels, flat_avals, in_tree)
+    _check_consts_not_passed(consts, flat_args)
+    _check_inferred_vma(flat_out_types, flat_avals, jaxprs, meshes)
+    if interpret is not None:
+      # Interpreted on every platform: what no CPU path runs fails now.
+      paths.check_simulable(jaxprs)
     if debug:
       for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
         print(f"mpmd_map: kernel jaxpr for mesh {dict(mesh.shape)}:\n{jaxpr}")
@@ -243,6 +270,7 @@ def _check_meshes_and_fns(meshes_and_fns) -> tuple[tuple[Any, ...], list]:
       )
     meshes.append(_canonical_mesh(mesh))
     fns.append(fn)
+  _check_sparsecore_meshes(meshes)
   sizes: dict[Any, tuple[int, int]] = {}
   for i, mesh in enumerate(meshes):
     for axis, size in mesh.shape.items():
@@ -261,6 +289,65 @@ def _check_meshes_and_fns(meshes_and_fns) -> tuple[tuple[Any, ...], list]:
       f"launch, got {[type(m).__name__ for m in meshes]}"
     )
   return tuple(meshes), fns
+
+
+def _check_sparsecore_meshes(meshes: Sequence[Any]) -> None:
+  """Upstream's rules for SparseCore meshes in one launch (its meshes'
+  ``check_is_compatible_with``): one scalar-subcore and one vector-subcore
+  mesh at most, which share the core axis (same name, same number of
+  cores), and whose axes are not named like a TensorCore mesh's axis.
+
+  Upstream accepts no second TensorCore mesh, and no TensorCore mesh before
+  a SparseCore one; we do (our extension: several TensorCore meshes are
+  merged into one kernel, and the CPU fallback runs a TensorCore mesh next
+  to SparseCore ones).
+  """
+  try:
+    from jax.experimental.pallas import tpu_sc as plsc
+  except ImportError:  # no SparseCore support in this jaxlib: no such meshes
+    return
+  scalar = [
+    (i, m)
+    for i, m in enumerate(meshes)
+    if isinstance(m, plsc.ScalarSubcoreMesh)
+  ]
+  vector = [
+    (i, m)
+    for i, m in enumerate(meshes)
+    if isinstance(m, plsc.VectorSubcoreMesh)
+  ]
+  for kind, found in (
+    ("ScalarSubcoreMesh", scalar),
+    ("VectorSubcoreMesh", vector),
+  ):
+    if len(found) > 1:
+      raise ValueError(
+        f"mpmd_map: expected at most one {kind} in 'meshes_and_fns' (they "
+        f"would run on the same subcores), got meshes "
+        f"{[i for i, _ in found]}"
+      )
+  if scalar and vector:
+    (i, s), (j, v) = scalar[0], vector[0]
+    if (s.axis_name, s.num_cores) != (v.core_axis_name, v.num_cores):
+      raise ValueError(
+        f"mpmd_map: the ScalarSubcoreMesh meshes_and_fns[{i}][0] should "
+        "have the same core axis name and number of cores as the "
+        f"VectorSubcoreMesh meshes_and_fns[{j}][0]: got {s.axis_name!r} "
+        f"with {s.num_cores} cores and {v.core_axis_name!r} with "
+        f"{v.num_cores} cores"
+      )
+  tensorcore = _jax.tpu().core.TensorCoreMesh
+  for j, tc in enumerate(meshes):
+    if not isinstance(tc, tensorcore):
+      continue
+    for i, sc in (*scalar, *vector):
+      shared = set(sc.shape) & set(tc.shape)
+      if shared:
+        raise ValueError(
+          f"mpmd_map: the {type(sc).__name__} meshes_and_fns[{i}][0] should "
+          "have axis names different from the TensorCoreMesh "
+          f"meshes_and_fns[{j}][0]: both name {sorted(shared)}"
+        )
 
 
 def _check_interpret(interpret: Any, meshes: Sequence[Any]) -> None:
@@ -283,6 +370,24 @@ def _check_interpret(interpret: Any, meshes: Sequence[Any]) -> None:
   )
 
 
+def _check_lojax(aval: Any, what: str) -> None:
+  """Upstream features we do not support, named: hijax types (upstream
+  lowers them to their parts) and Pallas fuser dtypes (which
+  ``fuser.physicalize`` resolves through upstream's own mpmd_map)."""
+  if getattr(aval, "is_high", False):
+    raise NotImplementedError(
+      f"mpmd_map: hijax types (jax.experimental.hijax.HiType) are not "
+      f"supported: {what} is a {type(aval).__name__}: {aval!r}; pass its "
+      "parts (arrays or Refs) instead"
+    )
+  inner = getattr(aval, "inner_aval", aval)
+  if _jax.is_fusion_dtype(getattr(inner, "dtype", None)):
+    raise NotImplementedError(
+      "mpmd_map: Pallas fuser dtypes (fuser.physicalize) are not supported: "
+      f"{what} has dtype {inner.dtype}; pass its physical parts instead"
+    )
+
+
 def _as_out_type(out_type: Any, i: int) -> Any:
   """An ``out_types`` leaf as a ShapeDtypeStruct or memory-space type.
 
@@ -293,6 +398,7 @@ def _as_out_type(out_type: Any, i: int) -> Any:
   """
   if isinstance(out_type, (jax.Array, np.ndarray, np.generic)):
     out_type = core.typeof(out_type)
+  _check_lojax(out_type, f"out_types leaf {i}")
   if isinstance(out_type, core.ShapedArray):
     out_type = jax.ShapeDtypeStruct(
       out_type.shape,
@@ -357,6 +463,67 @@ def _out_avals(out_types, in_avals) -> tuple[core.AbstractValue, ...]:
       for t in out_types
     ]
   return tuple(pallas_core._convert_out_shape_to_aval(t) for t in out_types)
+
+
+def _check_inferred_vma(out_types, in_avals, jaxprs, meshes) -> None:
+  """An output inferred to vary like the inputs (``_out_avals``) must not
+  hide a dependence on the device: a kernel that names a ``shard_map`` axis
+  the inputs do not vary over (its ``axis_index``, a ``device_id``) may
+  write different values on each device. Upstream requires every output
+  type to say how it varies under ``check_vma``; we ask for it there."""
+  if not config._check_vma.value:
+    return
+  inferred = [
+    i
+    for i, t in enumerate(out_types)
+    if isinstance(t, jax.ShapeDtypeStruct) and t.manual_axis_type is None
+  ]
+  outer = jax.sharding.get_abstract_mesh()
+  if not inferred or outer.empty:
+    return
+  kernel_axes = set(prim.axis_env(meshes))
+  outer_axes = set(outer.axis_names) - kernel_axes
+  varying = frozenset().union(
+    *(
+      a.manual_axis_type.varying
+      for a in in_avals
+      if getattr(a, "manual_axis_type", None) is not None
+    )
+  )
+  named = _named_axes(jaxprs, outer_axes) - varying
+  if named:
+    raise ValueError(
+      f"mpmd_map: under shard_map(check_vma=True), out_types leaf "
+      f"{inferred[0]} must say how it varies across mesh axes "
+      "(jax.ShapeDtypeStruct(..., manual_axis_type=...)): the kernels name "
+      f"shard_map axes {sorted(named)} (axis_index, device_id), over which "
+      "the inputs do not vary, so the output cannot be inferred to vary like "
+      "the inputs; or set check_vma=False on jax.shard_map"
+    )
+
+
+def _named_axes(jaxprs, outer_axes: set[Any]) -> set[Any]:
+  """The axes of ``outer_axes`` the kernels name; a ``device_id`` that is
+  not a dict of axes names the device along all of them."""
+  named: set[Any] = set()
+  for jaxpr in jaxprs:
+    for eqn in jaxpr_util.iter_eqns(jaxpr):
+      name = eqn.primitive.name
+      if name == "axis_index":
+        axes = eqn.params["axis_name"]
+        named.update(axes if isinstance(axes, tuple) else (axes,))
+        continue
+      if name == "dma_start":
+        *_, device_id = eqn.params["tree"].unflatten(eqn.invars)
+      elif name == "semaphore_signal":
+        *_, device_id, _ = eqn.params["args_tree"].unflatten(eqn.invars)
+      else:
+        continue
+      if isinstance(device_id, Mapping):
+        named.update(device_id)
+      elif device_id is not None:
+        named.update(outer_axes)
+  return named & outer_axes
 
 
 def _scratch_aval(scratch_type: Any, i: int) -> Any:
@@ -535,6 +702,31 @@ def _kernel_aval(aval: Any, meshes: Sequence[Any]) -> Any:
   raise TypeError(f"mpmd_map: unsupported operand type {aval}")
 
 
+def _check_refs_passed_once(flat_args: Sequence[Any]) -> None:
+  """As upstream: one Ref is one operand (kernels would otherwise see two
+  operands that alias, which neither Mosaic nor the CPU fallback models)."""
+  seen: dict[int, int] = {}
+  for i, x in enumerate(flat_args):
+    if isinstance(core.typeof(x), state.AbstractRef):
+      if id(x) in seen:
+        raise NotImplementedError(
+          "mpmd_map: cannot pass the same Ref into a mpmd_map more than "
+          f"once: inputs {seen[id(x)]} and {i} are one Ref"
+        )
+      seen[id(x)] = i
+
+
+def _check_consts_not_passed(consts: Sequence[Any], flat_args) -> None:
+  passed = {id(x): i for i, x in enumerate(flat_args)}
+  for c in consts:
+    if id(c) in passed and isinstance(core.typeof(c), state.AbstractRef):
+      raise NotImplementedError(
+        "mpmd_map: a kernel closes over the Ref it is also passed as input "
+        f"{passed[id(c)]}; closed-over Refs that alias a passed-in Ref are "
+        "not supported: use the Ref the kernel is passed"
+      )
+
+
 def _check_consts(consts: Sequence[Any], debug_info) -> None:
   bad = [
     aval
@@ -610,12 +802,22 @@ class _Roles(NamedTuple):
   debug_info: Any
   num_in: int
   num_out: int
+  # Closed-over values that lead the traced jaxpr's inputs (jax 0.11+; up
+  # to 0.10 they are its constvars).
+  num_consts: int = 0
 
   def describe(self, jaxpr: core.Jaxpr, var: Any, aval: Any) -> str:
+    if isinstance(var, str):  # named by _check_eqns
+      return f"{var} ({_short(aval)})"
+    if var in jaxpr.constvars:
+      return f"a closed-over Ref ({_short(aval)})"
     try:
       k = jaxpr.invars.index(var)
     except ValueError:
       return _short(aval)  # not traced back to a kernel operand
+    if k < self.num_consts:
+      return f"a closed-over Ref ({_short(aval)})"
+    k -= self.num_consts
     if k < self.num_in:
       role = f"input {k}"
     elif k < self.num_in + self.num_out:
@@ -649,6 +851,21 @@ class _Where(NamedTuple):
   kernel: str
 
 
+def _check_static_windows(jaxprs, meshes, num_in: int, num_out: int) -> None:
+  """A DMA window fixed in a TPU kernel that leaves its buffer faults on
+  the hardware: an error at trace time, whichever platform the launch is
+  then lowered for. ``jaxprs`` are the kernels as bound (closed-over values
+  hoisted to inputs ``num_in`` on), which ``bounds`` knows how to name."""
+  for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
+    if paths.is_gpu_mesh(mesh):
+      continue
+    bounds.check_static(
+      jaxpr,
+      bounds.operand_names(jaxpr, num_in, num_out),
+      jaxpr.debug_info.func_src_info,
+    )
+
+
 def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
   """``outer`` maps a variable of a nested jaxpr to the kernel operand it
   stands for (so that messages can name it)."""
@@ -667,12 +884,63 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
       addressing.resolve(where.meshes, where.caller, sem.aval, device_id, what)
     elif name == "run_scoped":
       _check_collective_axes(eqn.params.get("collective_axes"), mesh, kernel)
+    elif name in _REF_ACCESS and not paths.is_gpu_mesh(mesh):
+      _check_direct_access(top, eqn, outer, mesh, roles, kernel)
     for sub in jaxpr_util.sub_jaxprs(eqn.params):
       inner = dict(outer)
       for v, x in _operands_of(eqn, sub):
         if isinstance(x, core.Var) and v.aval == x.aval:
           inner[v] = outer.get(x, x)
+      if name == "run_scoped":
+        for k, v in enumerate(sub.invars):
+          inner[v] = f"pl.run_scoped allocation {k}"
       _check_eqns(top, sub, inner, where)
+
+
+# Primitives that read or write a Ref's elements in place (``x_ref[...]``,
+# ``x_ref[...] = v``, ``x_ref[...] += v``, ``pl.load``, ``pl.store``), by
+# what they do to it.
+_REF_ACCESS = {
+  "get": "reads",
+  "masked_load": "reads",
+  "swap": "writes",
+  "masked_swap": "writes",
+  "addupdate": "updates",
+}
+
+
+def _tpu_memory_space(aval, mesh) -> Any:
+  """Where a Ref lives on a TPU: a Ref without a memory space (a kernel
+  operand) is in its mesh's default one (ANY for TensorCores, HBM for
+  SparseCores), as Mosaic places it."""
+  space = getattr(aval, "memory_space", None)
+  if isinstance(space, pallas_core.CoreMemorySpace):
+    space = space.memory_space
+  return mesh.default_memory_space if space is None else space
+
+
+def _check_direct_access(top, eqn, outer, mesh, roles, kernel: str) -> None:
+  """Mosaic TPU reads and writes only VMEM and SMEM Refs in place; data in
+  HBM (or ANY, or shared VMEM) moves by DMA. The CPU fallback would run
+  such a kernel, so it is rejected here, the same on every path."""
+  ref = eqn.invars[0]
+  aval = ref.aval
+  space = _tpu_memory_space(aval, mesh)
+  tpu_spaces = _jax.tpu().core.MemorySpace
+  if space not in (
+    pallas_core.MemorySpace.ANY,
+    tpu_spaces.HBM,
+    tpu_spaces.VMEM_SHARED,
+  ):
+    return
+  ref = outer.get(ref, ref)
+  raise ValueError(
+    f"{kernel}: {_REF_ACCESS[eqn.primitive.name]} "
+    f"{roles.describe(top, ref, aval)} in place, but it is in "
+    f"{getattr(space, 'name', space)} memory: on TPU only VMEM and SMEM "
+    "Refs can be read or written directly; copy the data to or from VMEM "
+    "scratch with pltpu.sync_copy / pltpu.async_copy"
+  )
 
 
 def _check_collective_axes(axes, mesh, kernel: str) -> None:
@@ -855,10 +1123,21 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
       jaxpr,
       caller,
       meshes,
-      _Roles(debug_info, len(flat_in_avals), len(spec.out_avals)),
+      _Roles(
+        debug_info,
+        len(flat_in_avals),
+        len(spec.out_avals),
+        num_consts=len(jaxpr.invars) - len(flat_kernel_avals),
+      ),
     )
     traced.append((jaxpr, consts))
-  return _unify_consts(traced, meshes, len(flat_in_avals), flat_kernel_avals)
+  jaxprs, all_consts = _unify_consts(
+    traced, meshes, len(flat_in_avals), flat_kernel_avals
+  )
+  _check_static_windows(
+    jaxprs, meshes, len(flat_in_avals) + len(all_consts), len(spec.out_avals)
+  )
+  return jaxprs, all_consts
 
 
 def _unify_consts(traced, meshes, num_in, flat_kernel_avals):

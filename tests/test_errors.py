@@ -97,6 +97,52 @@ def reads_axis(axis):
 SEM = [pltpu.SemaphoreType.REGULAR(())]
 VMEM = [pltpu.VMEM(ROWS, jnp.float32)]
 
+
+# Kernels that touch HBM / ANY Refs in place, which Mosaic TPU rejects
+# ("Loads are only allowed on VMEM and SMEM references").
+def load_input(x_hbm, o_hbm):
+  o_hbm[...] = x_hbm[...]
+
+
+def load_scalar(x_hbm, o_hbm, s):
+  s[0] = x_hbm[0, 0]
+
+
+def store_output(x_hbm, o_hbm, buf):
+  pltpu.sync_copy(x_hbm, buf)
+  o_hbm[...] = buf[...]
+
+
+def load_in_loop(x_hbm, o_hbm, scratch):
+  def body(i, carry):
+    return carry + scratch[i, 0]
+
+  jax.lax.fori_loop(0, 8, body, jnp.float32(0))
+
+
+def load_scoped_hbm(x_hbm, o_hbm):
+  def body(buf):
+    pltpu.sync_copy(x_hbm, buf)
+    buf[0, 0] += 1
+
+  pl.run_scoped(body, pltpu.HBM(ROWS, jnp.float32))
+
+
+def pass_ref(x):
+  x_ref, o_ref = jax.new_ref(x), jax.empty_ref(jax.typeof(x))
+  mpmd.mpmd_map([(tc(), load_input)])(x_ref, o_ref)
+  return jax.freeze(o_ref)
+
+
+def close_over_ref(x):
+  x_ref = jax.new_ref(x)
+
+  def kernel(o_hbm):
+    o_hbm[...] = x_ref[...]
+
+  return mpmd.mpmd_map([(tc(), kernel)], OUT)()
+
+
 MPMD_MAP_CASES = [
   Case(
     "empty",
@@ -284,6 +330,64 @@ MPMD_MAP_CASES = [
     r"f32\[8,128\]",
   ),
   Case(
+    "load_from_an_any_input",
+    lambda: launch([(tc(), load_input)]),
+    ValueError,
+    r"kernel load_input at .*: reads 'x_hbm' \(input 0, .*\) in place, but "
+    r"it is in ANY memory: on TPU only VMEM and SMEM Refs can be read or "
+    r"written directly; copy .* pltpu.sync_copy",
+  ),
+  Case(
+    "scalar_load_from_an_any_input",
+    lambda: launch(
+      [(tc(), load_scalar)], scratch_types=[pltpu.SMEM((1,), jnp.float32)]
+    ),
+    ValueError,
+    r"reads 'x_hbm' \(input 0, .*\) in place, but it is in ANY memory",
+  ),
+  Case(
+    "store_into_an_any_output",
+    lambda: launch([(tc(), store_output)], scratch_types=VMEM),
+    ValueError,
+    r"writes 'o_hbm' \(out_types leaf 0, .*\) in place, but it is in ANY "
+    r"memory",
+  ),
+  Case(
+    "load_from_hbm_scratch_in_a_loop",
+    lambda: launch(
+      [(tc(), load_in_loop)], scratch_types=[pltpu.HBM(ROWS, jnp.float32)]
+    ),
+    ValueError,
+    r"reads 'scratch' \(scratch_types leaf 0, .*\) in place, but it is in "
+    r"HBM memory",
+  ),
+  Case(
+    "load_from_a_scoped_hbm_allocation",
+    lambda: launch([(tc(), load_scoped_hbm)]),
+    ValueError,
+    r"kernel load_scoped_hbm at .*: reads pl.run_scoped allocation 0 "
+    r"\(Ref<hbm>\{f32\[8,128\]\}\) in place, but it is "
+    r"in HBM memory",
+  ),
+  Case(
+    "load_from_a_passed_ref",
+    lambda: jax.jit(pass_ref).trace(X),
+    ValueError,
+    r"reads 'x_hbm' \(input 0, .*\) in place, but it is in ANY memory",
+  ),
+  Case(
+    "load_from_a_closed_over_ref",
+    lambda: jax.jit(close_over_ref).trace(X),
+    ValueError,
+    r"reads a closed-over Ref \(.*\) in place, but it is in ANY memory",
+  ),
+  Case(
+    "load_from_any_on_the_simulator_path",
+    lambda: launch([(tc(), load_input)], interpret=pltpu.InterpretParams()),
+    ValueError,
+    r"reads 'x_hbm' \(input 0, .*\) in place, but it is in ANY memory",
+  ),
+  Case(
     "gpu_collective_scratch_over_an_unknown_axis",
     lambda: launch(
       [
@@ -313,6 +417,42 @@ def test_mpmd_map_bad_input(case):
 
 def test_mpmd_map_table_is_large_enough():
   assert len(MPMD_MAP_CASES) >= 10
+
+
+def test_in_place_access_where_the_hardware_allows_it():
+  """VMEM and SMEM Refs (scratch, scoped allocations) are read and written
+  in place on TPU meshes; GPU kernels read and write GMEM in place (Mosaic
+  GPU lowers it)."""
+
+  def tpu_kernel(x_hbm, o_hbm, buf, count):
+    pltpu.sync_copy(x_hbm, buf)
+    count[0] = buf[0, 0] + 1
+
+    def scoped(tmp):
+      tmp[...] = buf[...] + count[0]
+      pltpu.sync_copy(tmp, o_hbm)
+
+    pl.run_scoped(scoped, pltpu.VMEM(ROWS, jnp.float32))
+
+  f = mpmd.mpmd_map(
+    [(tc(), tpu_kernel)],
+    OUT,
+    scratch_types=[*VMEM, pltpu.SMEM((1,), jnp.float32)],
+  )
+  np.testing.assert_array_equal(
+    f(jnp.ones(ROWS, jnp.float32)), np.full(ROWS, 3.0)
+  )
+  jax.jit(f).trace(X).lower(lowering_platforms=("tpu",))
+
+  def gpu_kernel(x_gmem, o_gmem):
+    o_gmem[...] = x_gmem[...] + 1
+
+  square = jnp.ones((128, 128), jnp.float32)
+  out = mpmd.mpmd_map(
+    [(plgpu.Mesh(num_threads=1, thread_name="wg"), gpu_kernel)],
+    jax.ShapeDtypeStruct(square.shape, square.dtype),
+  )(square)
+  np.testing.assert_array_equal(out, np.full(square.shape, 2.0))
 
 
 def test_collective_axes_beyond_the_warpgroups_name_the_user_axes():

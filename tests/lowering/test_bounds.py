@@ -2,8 +2,9 @@
 
 Pallas' discharge rules slice with ``lax.dynamic_slice``, which clamps: a
 DMA of rows [12, 20) of a 16-row buffer used to copy rows [8, 16). A window
-fixed in the kernel now fails when the launch is lowered (``ValueError``),
-one the kernel computes when the launch runs (``mpmd.OutOfBoundsError``);
+fixed in the kernel now fails when the kernel is traced (``ValueError``, for
+TPU meshes, whatever the platform the launch is then lowered for), one the
+kernel computes when the launch runs (``mpmd.OutOfBoundsError``);
 both name the kernel, the Ref, the window and the shape, on the fast path
 (local DMAs: ``sync_copy``, ``make_async_copy``) and on the lockstep path
 (remote DMAs), for sources and destinations. The next launch still works.
@@ -161,10 +162,10 @@ def test_fast_path_dynamic_window_fails_at_run_time(kind, side, start):
 
 @pytest.mark.parametrize("start, window", STATIC_STARTS)
 @pytest.mark.parametrize("kind, side", FAST_CASES)
-def test_fast_path_static_window_fails_when_lowered(kind, side, start, window):
+def test_fast_path_static_window_fails_when_traced(kind, side, start, window):
   f = _fast(kind, side, start)
   with pytest.raises(ValueError) as info:
-    f(_start(0), _rows())
+    f.trace(_start(0), _rows())
   message = str(info.value)
   for part in (
     f"kernel {NAME} at ",
@@ -241,7 +242,7 @@ def test_indexers_and_chains_static(case):
     return index(x, start if "integer" in case else jnp.int32(start))
 
   with pytest.raises(ValueError, match=r"window .*out of bounds") as info:
-    _indexed(at_literal)(_start(0), _rows())
+    jax.eval_shape(_indexed(at_literal), _start(0), _rows())
   assert f"window {window}" in str(info.value)
   assert shapes in str(info.value)
 
@@ -404,12 +405,12 @@ def test_remote_dmas_take_the_lockstep_path(capsys):
 
 @pytest.mark.parametrize("start, window", STATIC_STARTS)
 @pytest.mark.parametrize("side", ["source", "destination"])
-def test_lockstep_remote_dma_static_window_fails_when_lowered(
+def test_lockstep_remote_dma_static_window_fails_when_traced(
   side, start, window
 ):
   mesh, f = _lockstep(side, start)
   with pytest.raises(ValueError) as info:
-    f(_start(0), _sharded_rows(mesh))
+    f.trace(_start(0), _sharded_rows(mesh))
   message = str(info.value)
   for part in (
     f"kernel {NAME} at ",
@@ -419,16 +420,36 @@ def test_lockstep_remote_dma_static_window_fails_when_lowered(
     assert part in message, (part, message)
 
 
-def test_static_windows_fail_on_the_simulator_path_too():
-  """The check before the path is chosen covers the simulator as well."""
-  f = mpmd.mpmd_map(
-    [(CORE, lambda x_hbm, o_hbm: pltpu.sync_copy(x_hbm.at[ROWS], o_hbm))],
+def _copies_row(row: int, **kw):
+  return mpmd.mpmd_map(
+    [(CORE, lambda x_hbm, o_hbm: pltpu.sync_copy(x_hbm.at[row], o_hbm))],
     jax.ShapeDtypeStruct((COLS,), jnp.float32),
-    interpret=pltpu.InterpretParams(),
     name=NAME,
+    **kw,
   )
+
+
+def test_static_windows_fail_on_the_simulator_path_too():
+  """The check at trace time, before a path is chosen, covers the
+  simulator as well."""
+  f = _copies_row(ROWS, interpret=pltpu.InterpretParams())
   with pytest.raises(ValueError, match=rf"window \.at\[{ROWS}, 0:{COLS}\]"):
-    f(_rows())
+    jax.jit(f).trace(_rows())
+
+
+def test_static_windows_fail_when_lowering_for_tpu_only():
+  """A launch lowered for a TPU only (no CPU lowering at all) fails too,
+  before Mosaic sees it: the window is the kernel's, whatever the target."""
+  with pytest.raises(ValueError, match=rf"window \.at\[{ROWS}, 0:{COLS}\]"):
+    jax.jit(_copies_row(ROWS)).trace(_rows()).lower(lowering_platforms=("tpu",))
+  # The last row is in bounds, and lowers for a TPU.
+  text = (
+    jax.jit(_copies_row(ROWS - 1))
+    .trace(_rows())
+    .lower(lowering_platforms=("tpu",))
+    .as_text()
+  )
+  assert "tpu_custom_call" in text
 
 
 # -- semaphores ---------------------------------------------------------------

@@ -1,0 +1,398 @@
+"""Checks upstream's ``mpmd_map`` makes, made the same way here.
+
+Each test is a program written against upstream's semantics: where upstream
+raises, so do we (same error type, the same gist); where we deliberately
+accept more, the test shows what the program then means.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import hijax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import tpu_sc as plsc
+from jax.sharding import PartitionSpec as P
+
+import mpmd
+
+ROWS = (8, 128)
+OUT = jax.ShapeDtypeStruct(ROWS, jnp.float32)
+VMEM = [pltpu.VMEM(ROWS, jnp.float32)]
+
+
+def tc(name="core", num_cores=1):
+  return mpmd.tensorcore_mesh(name, num_cores=num_cores)
+
+
+def copy(x_hbm, o_hbm):
+  pltpu.sync_copy(x_hbm, o_hbm)
+
+
+def idle(*refs):
+  del refs
+
+
+# -- meshes -------------------------------------------------------------------
+
+
+@pytest.fixture
+def sparsecores():
+  """A TPU generation with SparseCores (meshes ask for its facts)."""
+  with mpmd.tpu_target("v7x"):
+    yield
+
+
+def scalar_mesh(axis="sc", num_cores=2):
+  return plsc.ScalarSubcoreMesh(axis_name=axis, num_cores=num_cores)
+
+
+def vector_mesh(core_axis="sc", num_cores=2, subcore_axis="subcore"):
+  return plsc.VectorSubcoreMesh(
+    core_axis_name=core_axis,
+    subcore_axis_name=subcore_axis,
+    num_cores=num_cores,
+    num_subcores=16,
+  )
+
+
+@pytest.mark.parametrize(
+  "meshes",
+  [
+    lambda: (scalar_mesh("sc"), vector_mesh("core")),
+    lambda: (scalar_mesh(num_cores=1), vector_mesh(num_cores=2)),
+  ],
+  ids=["core_axis_names", "numbers_of_cores"],
+)
+def test_sparsecore_meshes_must_share_the_core_axis(sparsecores, meshes):
+  scalar, vector = meshes()
+  with pytest.raises(
+    ValueError,
+    match=r"the ScalarSubcoreMesh meshes_and_fns\[0\]\[0\] should have the "
+    r"same core axis name and number of cores as the VectorSubcoreMesh "
+    r"meshes_and_fns\[1\]\[0\]",
+  ):
+    mpmd.mpmd_map([(scalar, idle), (vector, idle)], OUT)
+
+
+@pytest.mark.parametrize(
+  "meshes, kind",
+  [
+    (lambda: (scalar_mesh(), scalar_mesh("other")), "ScalarSubcoreMesh"),
+    (
+      lambda: (vector_mesh(), vector_mesh(subcore_axis="s2")),
+      "VectorSubcoreMesh",
+    ),
+  ],
+  ids=["scalar", "vector"],
+)
+def test_one_sparsecore_mesh_of_each_kind(sparsecores, meshes, kind):
+  with pytest.raises(
+    ValueError, match=rf"expected at most one {kind} in 'meshes_and_fns'"
+  ):
+    mpmd.mpmd_map([(m, idle) for m in meshes()], OUT)
+
+
+@pytest.mark.parametrize("first_tensorcore", [True, False])
+def test_sparsecore_axes_are_not_named_like_the_tensorcore_axis(
+  sparsecores, first_tensorcore
+):
+  meshes = [tc("sc", 2), scalar_mesh("sc", 2)]
+  if not first_tensorcore:
+    meshes.reverse()
+  with pytest.raises(
+    ValueError,
+    match=r"the ScalarSubcoreMesh meshes_and_fns\[\d\]\[0\] should have axis "
+    r"names different from the TensorCoreMesh meshes_and_fns\[\d\]\[0\]: "
+    r"both name \['sc'\]",
+  ):
+    mpmd.mpmd_map([(m, idle) for m in meshes], OUT)
+
+
+def test_several_tensorcore_meshes_are_our_extension():
+  """Upstream: "You can't use two different TensorCoreMeshes". Here each
+  mesh runs its own function, with its own axis names."""
+
+  def first(x_hbm, o_hbm, buf):
+    del buf  # the other mesh's
+    pltpu.sync_copy(x_hbm.at[0], o_hbm.at[0])
+
+  def second(x_hbm, o_hbm, buf):
+    pltpu.sync_copy(x_hbm.at[1], buf)
+    buf[...] = buf[...] * 2.0 + jax.lax.axis_index("b").astype(jnp.float32)
+    pltpu.sync_copy(buf, o_hbm.at[1])
+
+  x = jnp.ones((2, *ROWS), jnp.float32)
+  b = tc("b")
+  out = mpmd.mpmd_map(
+    [(tc("a"), first), (b, second)],
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+    scratch_types=[(pltpu.VMEM @ b)(ROWS, jnp.float32)],
+  )(x)
+  np.testing.assert_array_equal(out[0], np.ones(ROWS))
+  np.testing.assert_array_equal(out[1], np.full(ROWS, 2.0))
+
+
+# -- Refs ---------------------------------------------------------------------
+
+
+def test_the_same_ref_passed_twice():
+  @jax.jit
+  def f(x):
+    ref = jax.new_ref(x)
+    mpmd.mpmd_map([(tc(), copy)])(ref, ref)
+    return jax.freeze(ref)
+
+  with pytest.raises(
+    NotImplementedError,
+    match=r"cannot pass the same Ref into a mpmd_map more than once: inputs "
+    r"0 and 1 are one Ref",
+  ):
+    f.trace(jnp.ones(ROWS, jnp.float32))
+
+
+def test_a_ref_closed_over_and_passed():
+  @jax.jit
+  def f(x):
+    ref, out = jax.new_ref(x), jax.empty_ref(jax.typeof(x))
+
+    def kernel(x_hbm, o_hbm):
+      del x_hbm
+      pltpu.sync_copy(ref, o_hbm)
+
+    mpmd.mpmd_map([(tc(), kernel)])(ref, out)
+    return jax.freeze(out)
+
+  with pytest.raises(
+    NotImplementedError,
+    match=r"closes over the Ref it is also passed as input 0; closed-over "
+    r"Refs that alias a passed-in Ref are not supported",
+  ):
+    f.trace(jnp.ones(ROWS, jnp.float32))
+
+
+def test_distinct_refs_passed_and_closed_over_run():
+  @jax.jit
+  def f(x):
+    src, out, extra = (
+      jax.new_ref(x),
+      jax.empty_ref(jax.typeof(x)),
+      jax.new_ref(x + 1),
+    )
+
+    def kernel(x_hbm, o_hbm, buf, more):
+      pltpu.sync_copy(x_hbm, buf)
+      pltpu.sync_copy(extra, more)
+      buf[...] += more[...]
+      pltpu.sync_copy(buf, o_hbm)
+
+    mpmd.mpmd_map([(tc(), kernel)], scratch_types=VMEM * 2)(src, out)
+    return jax.freeze(out)
+
+  np.testing.assert_array_equal(
+    f(jnp.ones(ROWS, jnp.float32)), np.full(ROWS, 3.0)
+  )
+
+
+# -- vmap ---------------------------------------------------------------------
+
+
+def scaled(s, x):
+  def kernel(x_hbm, o_hbm, buf):
+    pltpu.sync_copy(x_hbm, buf)
+    buf[...] = buf[...] * s
+    pltpu.sync_copy(buf, o_hbm)
+
+  return mpmd.mpmd_map([(tc(), kernel)], OUT, scratch_types=VMEM)(x)
+
+
+def test_vmap_over_a_closed_over_scalar_is_our_extension():
+  """Upstream: "Closed-over scalar constants cannot be batched". Here each
+  batch element is its own launch with its own scalar."""
+  scales = jnp.arange(3, dtype=jnp.float32)
+  x = jnp.ones(ROWS, jnp.float32)
+  out = jax.jit(jax.vmap(scaled, in_axes=(0, None)))(scales, x)
+  np.testing.assert_array_equal(
+    out, np.arange(3, dtype=np.float32)[:, None, None] * np.ones(ROWS)
+  )
+
+
+# -- check_vma ----------------------------------------------------------------
+
+NUM_DEVICES = 2
+VARYING = jax.ShapeDtypeStruct(
+  ROWS,
+  jnp.float32,
+  manual_axis_type=jax.sharding.ManualAxisType(varying=frozenset({"x"})),
+)
+
+
+def adds_device_index(out_type):
+  def kernel(x_hbm, o_hbm, buf):
+    pltpu.sync_copy(x_hbm, buf)
+    buf[...] += jax.lax.axis_index("x").astype(jnp.float32)
+    pltpu.sync_copy(buf, o_hbm)
+
+  return lambda x: mpmd.mpmd_map(
+    [(tc(), kernel)], out_type, scratch_types=VMEM
+  )(x)
+
+
+REPLICATED = P()
+
+
+def in_shard_map(fn, out_specs, in_specs=REPLICATED):
+  mesh = jax.make_mesh(
+    (NUM_DEVICES,), ("x",), devices=jax.devices()[:NUM_DEVICES]
+  )
+  x = jnp.zeros((NUM_DEVICES * ROWS[0] if in_specs else ROWS[0], ROWS[1]))
+  x = jax.device_put(x, jax.NamedSharding(mesh, in_specs))
+  return jax.jit(
+    jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  )(x)
+
+
+@pytest.mark.parametrize("out_specs", [P(), P("x")])
+def test_check_vma_an_output_that_cannot_be_inferred(out_specs):
+  """Upstream requires manual_axis_type under check_vma; we infer it from
+  the inputs, except where the kernel names an axis the inputs do not vary
+  over: it used to be inferred replicated and came out wrong with P()."""
+  with pytest.raises(
+    ValueError,
+    match=r"under shard_map\(check_vma=True\), out_types leaf 0 must say how "
+    r"it varies across mesh axes .*manual_axis_type.* the kernels name "
+    r"shard_map axes \['x'\]",
+  ):
+    in_shard_map(adds_device_index(OUT), out_specs)
+
+
+def test_check_vma_a_declared_type_that_out_specs_contradicts():
+  """The kernel says its output varies over x; out_specs says replicated:
+  shard_map's own check_vma error, as upstream."""
+  with pytest.raises(ValueError, match=r"out_specs which require replication"):
+    in_shard_map(adds_device_index(VARYING), P())
+
+
+def test_check_vma_a_declared_type_runs():
+  out = in_shard_map(adds_device_index(VARYING), P("x"))
+  want = np.repeat(np.arange(NUM_DEVICES, dtype=np.float32), ROWS[0])
+  np.testing.assert_array_equal(out[:, 0], want)
+
+
+def test_check_vma_inferred_from_varying_inputs_is_our_extension():
+  """No manual_axis_type, inputs varying over x: the output varies over x
+  too (upstream would ask for manual_axis_type)."""
+  out = in_shard_map(adds_device_index(OUT), P("x"), in_specs=P("x"))
+  want = np.repeat(np.arange(NUM_DEVICES, dtype=np.float32), ROWS[0])
+  np.testing.assert_array_equal(out[:, 0], want)
+
+
+# -- upstream features we do not support -------------------------------------
+
+
+class Opaque(hijax.HiType):
+  """A hijax type (upstream lowers such types to their parts)."""
+
+  def __hash__(self):
+    return hash(Opaque)
+
+  def __eq__(self, other):
+    return isinstance(other, Opaque)
+
+  def __repr__(self):
+    return "Opaque()"
+
+
+def test_hijax_out_types_are_not_supported():
+  with pytest.raises(
+    NotImplementedError,
+    match=r"hijax types \(jax.experimental.hijax.HiType\) are not supported: "
+    r"out_types leaf 0 is a Opaque",
+  ):
+    mpmd.mpmd_map([(tc(), idle)], Opaque())
+
+
+def test_fuser_dtypes_are_not_supported():
+  """``fuser.physicalize`` of a program that hands mpmd_map an array of a
+  fuser dtype: upstream physicalizes the kernels; we say we do not."""
+  from jax._src.pallas.fuser import fusible_dtype
+
+  class Pair(fusible_dtype.FusionDType):
+    def abstract_unpack(self, x):
+      return (jax.core.ShapedArray(x.shape, jnp.float32),) * 2
+
+    def abstract_pack(self, a, b):
+      del b
+      return jax.core.ShapedArray(a.shape, self)
+
+    def pull_block_spec_one_step(self, *args, **kwargs):
+      raise NotImplementedError
+
+    def unpack_push_block_spec(self, *args, **kwargs):
+      raise NotImplementedError
+
+    def unpack_pull_block_spec(self, *args, **kwargs):
+      raise NotImplementedError
+
+    def __hash__(self):
+      return hash(Pair)
+
+    def __eq__(self, other):
+      return isinstance(other, Pair)
+
+    def __repr__(self):
+      return "Pair"
+
+  def f(a, b):
+    pair = fusible_dtype.pack(a, b, dtype=Pair())
+    return mpmd.mpmd_map([(tc(), idle)], OUT)(pair)
+
+  x = jnp.ones(ROWS, jnp.float32)
+  with pytest.raises(
+    NotImplementedError,
+    match=r"Pallas fuser dtypes \(fuser.physicalize\) are not supported: "
+    r"input 0 has dtype Pair",
+  ):
+    fusible_dtype.physicalize(f)(x, x)
+
+
+def selects(x_hbm, index_hbm, o_hbm, index, sem):
+  """Copies block ``index`` of ``x_hbm``, a Ref chosen at run time."""
+  pltpu.sync_copy(index_hbm, index)
+  src = pl.select_ref(index[0], x_hbm.at[0], x_hbm.at[1])
+  copy = pltpu.make_async_copy(src, o_hbm, sem)
+  copy.start()
+  copy.wait()
+
+
+def select_launch(interpret):
+  return mpmd.mpmd_map(
+    [(tc(), selects)],
+    OUT,
+    scratch_types=[pltpu.SMEM((1,), jnp.int32), pltpu.SemaphoreType.DMA(())],
+    interpret=interpret,
+  )
+
+
+SELECT_ARGS = (jnp.ones((2, *ROWS), jnp.float32), jnp.ones((1,), jnp.int32))
+SELECT_ERROR = (
+  r"the CPU fallback cannot run pl.select_ref \(a Ref chosen at run time, "
+  r"here by 'dma_start'\).* The kernel still lowers for TPU"
+)
+
+
+@pytest.mark.parametrize(
+  "interpret", [True, pltpu.InterpretParams()], ids=["hlo", "simulator"]
+)
+def test_select_ref_when_interpreted_fails_at_trace_time(interpret):
+  with pytest.raises(NotImplementedError, match=SELECT_ERROR):
+    jax.jit(select_launch(interpret)).trace(*SELECT_ARGS)
+
+
+def test_select_ref_on_cpu_fails_when_lowered_and_lowers_for_tpu():
+  traced = jax.jit(select_launch(None)).trace(*SELECT_ARGS)
+  text = traced.lower(lowering_platforms=("tpu",)).as_text()
+  assert "tpu_custom_call" in text
+  with pytest.raises(NotImplementedError, match=SELECT_ERROR):
+    traced.lower(lowering_platforms=("cpu",))
