@@ -109,6 +109,7 @@ class _Launch:
   entered: int = 0
   left: int = 0
   active: int = 0  # simulator callbacks running now
+  reports: int = 0  # device threads that reported a failure
   idle_since: float = dataclasses.field(default_factory=time.monotonic)
   failure: errors.LaunchError | None = None
 
@@ -126,6 +127,7 @@ class _Launch:
 
 
 _SETTLE_S = 0.2
+_REPORTS_S = 5.0
 _turn = threading.Condition()
 _running: list[_Launch] = []  # the launch holding the simulator, if any
 _last_failure: list[errors.LaunchError] = []
@@ -188,33 +190,56 @@ def callback_running() -> Iterator[None]:
         launch.idle_since = time.monotonic()
 
 
-def failed(error: BaseException) -> errors.LaunchError | None:
+def failed(error: BaseException) -> errors.LaunchError:
   """A simulator callback of the running launch raised ``error``.
 
   Returns the launch's failure as a ``LaunchError`` (the first one, or the
   watchdog's), which the callback raises instead of the simulator's
-  wrapping of it; None if it is none of ours.
+  wrapping of it.
   """
   with _turn:
     if not _running:
       return _last_failure[0] if _last_failure else _as_launch_error(error)
     launch = _running[0]
+    launch.reports += 1
     if launch.failure is None:
-      # The simulator wraps its first failure into every device's error.
-      launch.failure = _as_launch_error(launch.original_failure() or error)
-      if launch.failure is not None:
-        _last_failure[:] = [launch.failure]
+      original = launch.original_failure()
+      if original is not None or not _follows_another_failure(error):
+        launch.failure = _as_launch_error(original or error)
+    # A device that only saw another device's failure (the simulator's
+    # barrier broken, or its "computation failed" check) waits for that
+    # device's report: the simulator may have cleared its record of it.
+    _turn.notify_all()
+    _turn.wait_for(
+      lambda: (
+        launch.failure is not None or launch.reports >= launch.num_devices
+      ),
+      _REPORTS_S,
+    )
+    if launch.failure is None:
+      launch.failure = _as_launch_error(error)
+    _last_failure[:] = [launch.failure]
+    _turn.notify_all()
     return launch.failure
 
 
-def _as_launch_error(error: BaseException) -> errors.LaunchError | None:
+def _follows_another_failure(error: BaseException) -> bool:
+  return isinstance(error, threading.BrokenBarrierError) or (
+    isinstance(error, RuntimeError)
+    and str(error).startswith("Computation failed")
+  )
+
+
+def _as_launch_error(error: BaseException) -> errors.LaunchError:
   if isinstance(error, errors.LaunchError):
     return error
   if isinstance(error, IndexError):  # the simulators' out-of-bounds reports
     return errors.OutOfBoundsError(
       f"mpmd_map: a simulated access out of bounds (hardware faults): {error}"
     )
-  return None
+  return errors.LaunchError(
+    f"mpmd_map: the simulated kernel failed: {type(error).__name__}: {error}"
+  )
 
 
 def _fail_running(error: errors.LaunchError) -> None:
@@ -222,6 +247,7 @@ def _fail_running(error: errors.LaunchError) -> None:
     if _running and _running[0].failure is None:
       _running[0].failure = error
       _last_failure[:] = [error]
+      _turn.notify_all()
 
 
 def describe_program(program: int) -> str:

@@ -8,6 +8,7 @@ threads must not disturb each other: only the launch that hangs fails.
 """
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import mpmd
+from mpmd.lowering import watchdog
 
 ROWS, COLS = 8, 128
 NUM_DEVICES = 2
@@ -116,6 +118,58 @@ def test_an_eager_launch_raises_its_own_error_short():
   # Still JAX's runtime error, for code that catches that.
   assert isinstance(caught.value, jax.errors.JaxRuntimeError)
   _healthy()
+
+
+def _simulated_launch(num_devices):
+  key = watchdog.register_launch(())
+  for _ in range(num_devices):
+    watchdog.enter(key, num_devices, lambda: None, lambda: None)
+  return key
+
+
+@pytest.mark.parametrize(
+  "consequence",
+  [
+    threading.BrokenBarrierError(),
+    RuntimeError("Computation failed on (0, 0) with exception: ..."),
+  ],
+  ids=["barrier broken", "failure check"],
+)
+def test_a_device_that_only_saw_another_fail_reports_the_first_failure(
+  consequence,
+):
+  """One device faults and breaks the simulator's barrier; the simulator
+  forgets why once every device has reached its clean-up barrier. The other
+  device's callback may report first, with only the consequence in hand:
+  it must still raise the launch's own error."""
+  key, reported = _simulated_launch(2), {}
+
+  def other_device():
+    reported["other"] = watchdog.failed(consequence)
+
+  thread = threading.Thread(target=other_device)
+  thread.start()
+  time.sleep(0.2)  # let it report first
+  reported["first"] = watchdog.failed(IndexError("Out-of-bounds read"))
+  thread.join(timeout=30)
+  for _ in range(2):
+    watchdog.leave(key, None)
+  assert isinstance(reported["first"], mpmd.OutOfBoundsError)
+  assert reported["other"] is reported["first"]
+
+
+def test_any_other_simulator_failure_is_a_launch_error_that_ends_the_launch():
+  key = _simulated_launch(1)
+  failure = watchdog.failed(ValueError("unsupported by the simulator"))
+  assert type(failure) is mpmd.LaunchError
+  assert str(failure) == (
+    "mpmd_map: the simulated kernel failed: "
+    "ValueError: unsupported by the simulator"
+  )
+  # The device never leaves (its callback failed), yet the next launch runs.
+  del key
+  f, x = _per_device(_copy)
+  np.testing.assert_array_equal(f(x), x)
 
 
 def test_under_jit_the_error_is_typed_inside_typed_errors_only():
