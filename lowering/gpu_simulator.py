@@ -112,7 +112,8 @@ def lower(
     reset=_reset_if_failed,
     original_failure=lambda: None,  # this simulator keeps none
     races_found=_races_found,
-    detect_races=interpret.detect_races and races_are_errors,
+    detect_races=interpret.detect_races,
+    races_are_errors=races_are_errors,
     orders="barriers",
     simulator_effects=pallas_core.get_interpret_effects(interpret),
   )

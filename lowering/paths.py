@@ -195,22 +195,25 @@ def choose(
       gpu_params(),
     )
   reason = sync_reason(jaxprs)
-  if interpret is True:
-    if reason is not None:
-      raise NotImplementedError(
-        "mpmd_map: interpret=True runs programs one after another in the "
-        f"HLO interpreter, which cannot run this kernel: {reason}. Pass "
-        "interpret=pltpu.InterpretParams() (or interpret=None on CPU) for "
-        "the TPU simulator."
-      )
-    return Path(FAST, "interpret=True forces the HLO interpreter")
   if reason is None:
+    if interpret is True:
+      return Path(FAST, "interpret=True forces the HLO interpreter")
     return Path(FAST, "no program waits on another")
   from mpmd.lowering import lockstep
 
   why_not = lockstep.why_not(jaxprs, meshes, manual_axes)
   if why_not is None:
+    # Also for interpret=True: like upstream's HLO interpreter, every
+    # device runs its program and remote DMAs become collectives.
     return Path(LOCKSTEP, f"{reason}, in step on every device")
+  if interpret is True:
+    raise NotImplementedError(
+      "mpmd_map: interpret=True runs each device's programs in the HLO "
+      f"interpreter, which cannot run this kernel: {reason}, and not in "
+      f"step on every device: {why_not}. Pass "
+      "interpret=pltpu.InterpretParams() (or interpret=None on CPU) for "
+      "the TPU simulator."
+    )
   return Path(
     TPU_SIMULATOR, f"{reason}, and not in lockstep: {why_not}", tpu_params()
   )

@@ -171,7 +171,8 @@ def lower(
     reset=_reset_if_failed,
     original_failure=_original_failure,
     races_found=_races_found,
-    detect_races=interpret.detect_races and races_are_errors,
+    detect_races=interpret.detect_races,
+    races_are_errors=races_are_errors,
     orders="semaphores or DMA waits",
     simulator_effects=pallas_core.get_interpret_effects(interpret),
   )

@@ -40,6 +40,11 @@ def set_deadlock_timeout(seconds: float) -> None:
 
   Args:
     seconds: a positive number (default 60).
+
+  Example::
+
+    mpmd.set_deadlock_timeout(5.0)
+    f(x)  # a simulated program waiting > 5 s raises mpmd.DeadlockError
   """
   global _timeout_s
   if not seconds > 0:
@@ -50,6 +55,12 @@ def set_deadlock_timeout(seconds: float) -> None:
 
 
 def get_deadlock_timeout() -> float:
+  """The deadlock timeout now in force, in seconds.
+
+  Example::
+
+    assert mpmd.get_deadlock_timeout() == 60.0  # the default
+  """
   return _timeout_s
 
 
@@ -266,6 +277,96 @@ def describe_program(program: int) -> str:
   return f"program {program}"
 
 
+# -- races --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Races:
+  """The race detector's verdict on a simulator launch (``get_races``)."""
+
+  races_found: bool
+
+
+_RACE_POLICIES = ("raise", "record")
+_race_policy = "raise"
+_races: list[Races] = []
+
+
+def set_race_policy(policy: str) -> None:
+  """What a simulator launch with ``detect_races=True`` does on a race.
+
+  Args:
+    policy: "raise" (default): the launch raises ``mpmd.RaceError``.
+      "record": it only records the race, for ``mpmd.get_races()`` (as
+      upstream's simulators do on jax 0.10.2 and 0.11, and with
+      ``on_race="warn"`` on 0.12, which we also honour).
+
+  Example::
+
+    mpmd.set_race_policy("record")
+    f(x)  # a kernel run with interpret=pltpu.InterpretParams(detect_races=True)
+    assert not mpmd.get_races().races_found
+  """
+  global _race_policy
+  if policy not in _RACE_POLICIES:
+    raise ValueError(
+      f"set_race_policy: expected 'policy' in {_RACE_POLICIES}, got {policy!r}"
+    )
+  _race_policy = policy
+
+
+def get_race_policy() -> str:
+  """The race policy now in force: "raise" or "record".
+
+  Example::
+
+    assert mpmd.get_race_policy() == "raise"  # the default
+  """
+  return _race_policy
+
+
+@contextlib.contextmanager
+def race_policy(policy: str) -> Iterator[None]:
+  """Context manager form of ``set_race_policy``.
+
+  Example::
+
+    with mpmd.race_policy("record"):
+      jax.block_until_ready(f(x))
+    print(mpmd.get_races().races_found)
+  """
+  previous = _race_policy
+  set_race_policy(policy)
+  try:
+    yield
+  finally:
+    set_race_policy(previous)
+
+
+def get_races() -> Races:
+  """The race detector's verdict on the last simulator launch that ran it.
+
+  Returns:
+    ``mpmd.Races(races_found: bool)``, like upstream's race detection state.
+
+  Raises:
+    ValueError: no launch with ``detect_races=True`` has finished yet.
+
+  Example::
+
+    with mpmd.race_policy("record"):
+      jax.block_until_ready(f(x))
+    if mpmd.get_races().races_found: ...
+  """
+  if not _races:
+    raise ValueError(
+      "get_races: no simulator launch with detect_races=True has finished "
+      "yet (pass interpret=pltpu.InterpretParams(detect_races=True) or "
+      "mpmd.GPUInterpretParams(detect_races=True))"
+    )
+  return _races[0]
+
+
 # -- waits --------------------------------------------------------------------
 
 
@@ -368,26 +469,33 @@ def lower_supervised(
   original_failure,
   races_found,
   detect_races,
+  races_are_errors,
   orders,
   simulator_effects,
 ):
   """Lowers a simulator ``run`` between two ordered bookkeeping callbacks.
 
   Before: waiting for the simulator (``enter``), and naming the launch's
-  programs for deadlock messages. After: the race detector's verdict as a
-  ``RaceError``, when ``detect_races``, and leaving the simulator to the
-  next launch. A device thread that fails in between leaves through
-  ``callbacks.supervised``.
+  programs for deadlock messages. After: the race detector's verdict, when
+  ``detect_races`` (for ``get_races``, and as a ``RaceError`` when
+  ``races_are_errors`` and the race policy is "raise"), and leaving the
+  simulator to the next launch. A device thread that fails in between
+  leaves through ``failed``.
   """
   key = register_launch(ranges)
 
   def finish():
     failure = None
-    if detect_races and races_found():
-      failure = RaceError(
-        "mpmd_map: the simulator's race detector found programs racing on "
-        f"a buffer (accesses not ordered by {orders})"
-      )
+    if detect_races:
+      found = races_found()
+      _races[:] = [Races(found)]
+      if found and races_are_errors and _race_policy == "raise":
+        failure = RaceError(
+          "mpmd_map: the simulator's race detector found programs racing on "
+          f"a buffer (accesses not ordered by {orders}); "
+          "mpmd.set_race_policy('record') records races for "
+          "mpmd.get_races() instead"
+        )
     failure = leave(key, failure)
     if failure is not None:
       raise failure

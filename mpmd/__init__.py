@@ -14,8 +14,13 @@ from mpmd.lowering.errors import LaunchError as LaunchError
 from mpmd.lowering.errors import OutOfBoundsError as OutOfBoundsError
 from mpmd.lowering.errors import RaceError as RaceError
 from mpmd.lowering.errors import typed_errors as typed_errors
+from mpmd.lowering.watchdog import Races as Races
 from mpmd.lowering.watchdog import deadlock_timeout as deadlock_timeout
+from mpmd.lowering.watchdog import get_race_policy as get_race_policy
+from mpmd.lowering.watchdog import get_races as get_races
+from mpmd.lowering.watchdog import race_policy as race_policy
 from mpmd.lowering.watchdog import set_deadlock_timeout as set_deadlock_timeout
+from mpmd.lowering.watchdog import set_race_policy as set_race_policy
 from mpmd.meshes import tensorcore_mesh as tensorcore_mesh
 from mpmd.primitives.mpmd_map import mpmd_map_p as mpmd_map_p
 from mpmd.targets import TPU_TARGETS as TPU_TARGETS
@@ -30,11 +35,16 @@ __all__ = [
   "LaunchError",
   "OutOfBoundsError",
   "RaceError",
+  "Races",
   "TPU_TARGETS",
   "deadlock_timeout",
+  "get_race_policy",
+  "get_races",
   "mpmd_map",
   "mpmd_map_p",
+  "race_policy",
   "set_deadlock_timeout",
+  "set_race_policy",
   "tensorcore_mesh",
   "tpu_target",
   "typed_errors",

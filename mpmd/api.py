@@ -1,6 +1,7 @@
 """The public entry point: ``mpmd_map``."""
 
 import contextlib
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -91,7 +92,8 @@ def mpmd_map(
       as (and on hardware is the buffer of) that input.
     compiler_params: ``pltpu.CompilerParams`` / ``plgpu.CompilerParams``.
     interpret: None (default) compiles natively on TPU / GPU and runs the CPU
-      fallback on CPU; True forces the fast HLO interpreter; a
+      fallback on CPU; True runs the HLO interpreter, as upstream does
+      (remote DMAs under a ``shard_map`` become collectives); a
       ``pltpu.InterpretParams`` / ``mpmd.GPUInterpretParams`` forces that
       simulator with those settings, on any platform.
     debug: print the kernel jaxprs and, on CPU, which path runs and why.
@@ -878,9 +880,12 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
       *_, device_id = eqn.params["tree"].unflatten(eqn.invars)
       _check_device_id(device_id, axis_sizes, f"{kernel}: a DMA")
     elif name == "semaphore_signal":
-      sem, *_, device_id, _ = eqn.params["args_tree"].unflatten(eqn.invars)
+      tree = eqn.params["args_tree"]
+      sem, *_, device_id, core_index = tree.unflatten(eqn.invars)
       what = f"{kernel}: semaphore_signal"
       _check_device_id(device_id, axis_sizes, what)
+      if device_id is None:
+        _check_core_index(core_index, mesh, what)
       addressing.resolve(where.meshes, where.caller, sem.aval, device_id, what)
     elif name == "run_scoped":
       _check_collective_axes(eqn.params.get("collective_axes"), mesh, kernel)
@@ -1027,6 +1032,18 @@ def _check_device_id(device_id: Any, axis_sizes, what: str) -> None:
           f"{what} names device_id {{{axis!r}: {value}}}: expected an "
           f"index in [0, {size}) along axis {axis!r}"
         )
+
+
+def _check_core_index(core_index: Any, mesh, what: str) -> None:
+  """A literal ``core_index`` names one of the caller's mesh's programs."""
+  if not isinstance(core_index, core.Literal) or paths.is_gpu_mesh(mesh):
+    return
+  size, value = math.prod(mesh.shape.values()), int(core_index.val)
+  if not 0 <= value < size:
+    raise ValueError(
+      f"{what} names core_index={value}: expected an index in [0, {size}) "
+      f"(the programs of its mesh {dict(mesh.shape)})"
+    )
 
 
 # -- tracing ------------------------------------------------------------------

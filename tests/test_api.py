@@ -1,6 +1,7 @@
 """The public API end to end: run on CPU, lower for TPU / CUDA, bad input."""
 
 import functools
+import inspect
 import re
 
 import jax
@@ -47,6 +48,15 @@ def test_public_surface():
   assert set(mpmd.__all__) >= {"mpmd_map", "mpmd_map_p", "tpu_target"}
   assert mpmd.mpmd_map_p.name == "mpmd_map"
   assert mpmd.mpmd_map.__doc__ and "Example" in mpmd.mpmd_map.__doc__
+
+
+def test_every_public_function_has_an_example():
+  functions = [
+    name for name in mpmd.__all__ if inspect.isfunction(getattr(mpmd, name))
+  ]
+  assert "get_races" in functions
+  missing = [n for n in functions if "Example" not in getattr(mpmd, n).__doc__]
+  assert not missing
 
 
 def test_pytree_outputs_and_multicore_axis_index(rng):

@@ -85,6 +85,13 @@ def signal(device_id):
   return kernel
 
 
+def signal_core(core_index):
+  def kernel(x_hbm, o_hbm, sem):
+    pl.semaphore_signal(sem, 1, core_index=core_index)
+
+  return kernel
+
+
 def reads_axis(axis):
   def kernel(x_hbm, o_hbm, buf):
     pltpu.sync_copy(x_hbm, buf)
@@ -189,6 +196,16 @@ MPMD_MAP_CASES = [
     lambda: launch([(tc(num_cores=2), signal({"core": 2}))], scratch_types=SEM),
     ValueError,
     r"names device_id \{'core': 2\}: expected an index in \[0, 2\)",
+  ),
+  Case(
+    "core_index_past_the_mesh",
+    lambda: launch(
+      [(tc("a", num_cores=2), signal_core(2)), (tc("b"), noop)],
+      scratch_types=[SEM[0] @ tc("a", num_cores=2)],
+    ),
+    ValueError,
+    r"semaphore_signal names core_index=2: expected an index in \[0, 2\) "
+    r"\(the programs of its mesh \{'a': 2\}\)",
   ),
   Case(
     "aliases_by_name",

@@ -172,6 +172,25 @@ def test_any_other_simulator_failure_is_a_launch_error_that_ends_the_launch():
   np.testing.assert_array_equal(f(x), x)
 
 
+def test_a_signal_to_a_program_past_the_mesh_is_out_of_bounds():
+  """Known at run time only: the simulator faults, as the hardware would."""
+  a = mpmd.tensorcore_mesh("a", num_cores=1)
+  b = mpmd.tensorcore_mesh("b", num_cores=1)
+
+  def signals(x_hbm, o_hbm, sem):
+    pl.semaphore_signal(sem, 1, core_index=jax.lax.axis_index("a") + 5)
+
+  f = mpmd.mpmd_map(
+    [(a, signals), (b, lambda *refs: None)],
+    jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR(()) @ a],
+    interpret=SIMULATOR,
+  )
+  with pytest.raises(mpmd.OutOfBoundsError, match="out of bounds"):
+    f(jnp.ones((ROWS, COLS), jnp.float32))
+  _healthy()
+
+
 def test_under_jit_the_error_is_typed_inside_typed_errors_only():
   f, x = _per_device(_hang)
   with mpmd.deadlock_timeout(1.0):

@@ -47,6 +47,16 @@ def test_a_race_is_a_race_error(rng):
   np.testing.assert_array_equal(out, x + 1.0)
 
 
+def test_a_race_can_be_recorded_instead(rng):
+  x = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
+  params = mpmd.GPUInterpretParams(detect_races=True)
+  with mpmd.race_policy("record"):
+    jax.block_until_ready(_launch(_racy, params)(x))
+    assert mpmd.get_races().races_found
+    np.testing.assert_array_equal(_launch(_halves, params)(x), x + 1.0)
+    assert not mpmd.get_races().races_found
+
+
 def test_simulator_callbacks_take_numpy(rng):
   """Simulator callbacks get numpy arguments (trap 3); jax 0.11+ rebuilds
   its thread objects from them with ``_to_int``, which we teach numpy."""

@@ -130,6 +130,47 @@ def test_ring_all_reduce_runs_in_lockstep(n, capsys):
   np.testing.assert_array_equal(out, expected)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_interpret_true_runs_remote_dmas_in_step(n, capsys):
+  """As upstream's HLO interpreter does: every device runs its program,
+  remote DMAs exchange data between the devices of the shard_map."""
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+  x = _rows(mesh, P("x"))
+  out = _sharded(mesh, P("x"), _ring_sum(n, interpret=True, debug=True))(x)
+  assert "takes the lockstep path" in capsys.readouterr().out
+  expected = jnp.tile(x.reshape(n, *ROWS).sum(0), (n, 1))
+  np.testing.assert_array_equal(out, expected)
+
+
+def test_interpret_true_refuses_remote_dmas_it_cannot_run_in_step():
+  n = 2
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    me = jax.lax.axis_index("x")
+    copy = pltpu.make_async_remote_copy(
+      x_hbm, o_hbm, send, recv, device_id={"x": 1 - me}
+    )
+
+    @pl.when(me >= 0)
+    def _():
+      copy.start()
+
+    copy.wait()
+
+  def per_device(x):
+    sems = [pltpu.SemaphoreType.DMA(())] * 2
+    return _launch(kernel, ROWS, sems, interpret=True)(x)
+
+  with pytest.raises(
+    NotImplementedError,
+    match=r"interpret=True .* cannot run this kernel: it issues a remote DMA"
+    r".*not in step on every device: it issues a remote dma_start inside "
+    r"cond. Pass interpret=pltpu.InterpretParams\(\)",
+  ):
+    _sharded(mesh, P("x"), per_device)(_rows(mesh, P("x")))
+
+
 def test_lockstep_agrees_with_the_simulator():
   mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
   x = _rows(mesh, P("x"))

@@ -12,7 +12,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
-from mpmd import registry
+from mpmd import _jax, registry
 from mpmd.lowering import watchdog
 
 ROWS = (8, 128)
@@ -235,6 +235,45 @@ def test_race_detector_flags_a_racy_kernel_and_passes_a_synchronised_one():
   )
   with pytest.raises(Exception, match="race detector found programs racing"):
     jax.block_until_ready(producer_consumer(x, wait=False, interpret=detect))
+
+
+def test_races_can_be_recorded_for_the_caller_instead():
+  """Upstream's simulators record races for the caller to read; with the
+  "record" policy, so do we, on every jax version."""
+  x = jnp.ones(ROWS, jnp.float32)
+  detect = pltpu.InterpretParams(detect_races=True)
+  with mpmd.race_policy("record"):
+    jax.block_until_ready(producer_consumer(x, wait=False, interpret=detect))
+    assert mpmd.get_races() == mpmd.Races(races_found=True)
+    out = producer_consumer(x, interpret=detect)
+    assert mpmd.get_races() == mpmd.Races(races_found=False)
+  np.testing.assert_allclose(out, pc_reference(x))
+  assert mpmd.get_race_policy() == "raise"  # restored
+  with pytest.raises(mpmd.RaceError, match="set_race_policy\\('record'\\)"):
+    jax.block_until_ready(producer_consumer(x, wait=False, interpret=detect))
+  assert mpmd.get_races().races_found
+
+
+def test_on_race_warn_only_records(caplog):
+  if not hasattr(pltpu.InterpretParams(), "on_race"):
+    # Before 0.12 upstream only records; the "record" policy says so.
+    assert _jax.JAX_VERSION < (0, 12)
+    return
+  x = jnp.ones(ROWS, jnp.float32)
+  warn = pltpu.InterpretParams(detect_races=True, on_race="warn")
+  jax.block_until_ready(producer_consumer(x, wait=False, interpret=warn))
+  assert mpmd.get_races().races_found
+  assert "RACE DETECTED" in caplog.text
+
+
+def test_race_policy_and_get_races_are_validated(monkeypatch):
+  with pytest.raises(
+    ValueError, match=r"expected 'policy' in \('raise', 'record'\), got 'warn'"
+  ):
+    mpmd.set_race_policy("warn")
+  monkeypatch.setattr(watchdog, "_races", [])
+  with pytest.raises(ValueError, match="no simulator launch with detect_races"):
+    mpmd.get_races()
 
 
 # -- GPU ----------------------------------------------------------------------

@@ -336,9 +336,9 @@ def test_interpret_true_refuses_a_synchronising_kernel():
   )
   with pytest.raises(
     NotImplementedError,
-    match=r"interpret=True runs "
-    r"programs one after another .* it signals a semaphore "
-    r"of another program. Pass interpret=pltpu.Interpret",
+    match=r"interpret=True runs each device's programs .* it signals a "
+    r"semaphore of another program, and not in step on every device: it "
+    r"is not inside a jax.shard_map .* Pass interpret=pltpu.Interpret",
   ):
     f(jnp.ones(SHAPE, jnp.float32))
 
