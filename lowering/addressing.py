@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mpmd import _jax
 from mpmd._jax import pallas_core
 
 
@@ -132,6 +133,18 @@ def resolve(
     rest = None
   coords = {a: named.get(a) for a in target.shape}
   return Target(owner, coords, rest)
+
+
+def dma_operands(eqn: Any, operands: Sequence[Any]) -> tuple[Any, Any]:
+  """(receive semaphore, device_id) of a ``dma_start`` / ``dma_wait``
+  among ``operands`` (its variables or values): the semaphore whose owner
+  is the target, as for a signal (upstream's ``dest_mesh``)."""
+  _, _, sem, send_sem, device_id = eqn.params["tree"].unflatten(operands)
+  if eqn.primitive.name == "dma_wait" and _jax.dma_wait_is_send(eqn.params):
+    sem = send_sem  # wait_send swapped them
+  if isinstance(sem, _jax.state_types.TransformedRef):
+    sem = sem.ref
+  return sem, device_id
 
 
 def _tensorcores_only(meshes: Sequence[Any]) -> bool:

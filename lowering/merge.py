@@ -11,6 +11,9 @@ Programs name each other by upstream's rules (``mpmd.lowering.addressing``):
 by (``@``) a mesh becomes a signal to that mesh's program at those axes, the
 axes left out taking the caller's own index (``core_index`` of the merged
 kernel on TPU); device-mesh axes under ``shard_map`` stay in ``device_id``.
+A DMA addresses the owner of its receive semaphore the same way, its target
+program named along the merged kernel's core axis in ``device_id`` (where
+Mosaic and the TPU simulator of jax >= 0.12 take a core).
 Scratch written ``type @ mesh`` is private to each program like any kernel
 scratch; unowned HBM scratch is shared by all programs of a device, and
 VMEM_SHARED by the programs of one SparseCore (one HBM buffer each). On GPU,
@@ -108,6 +111,43 @@ def _names_kernel_axes(layout: Layout, device_id: Any) -> bool:
   )
 
 
+def dma_target(layout: Layout, i: int, eqn, invals) -> addressing.Target | None:
+  """The program of the launch a DMA of mesh ``i`` lands on, None if it
+  lands on the caller's own program (of this or a remote device).
+
+  Upstream's rules, as for a signal: the target is the receive
+  semaphore's owner, ``device_id`` names its axes, the rest default to the
+  caller's own index."""
+  sem, _ = addressing.dma_operands(eqn, eqn.invars)
+  _, device_id = addressing.dma_operands(eqn, invals)
+  target = addressing.resolve(
+    layout.meshes, i, sem.aval, device_id, f"mpmd_map: {eqn.primitive.name}"
+  )
+  if target is None or (
+    target.mesh == i and not _names_kernel_axes(layout, device_id)
+  ):
+    return None
+  return target
+
+
+def _dma_to_program(layout: Layout, i: int, eqn, invals, target, rule):
+  """Names the target program along the merged kernel's core axis in
+  ``device_id``: the TPU simulator (jax >= 0.11) and Mosaic take a core
+  axis there, and land the DMA (and its receive signal) on that core."""
+  *refs, _ = eqn.params["tree"].unflatten(invals)
+  rest = target.device_id
+  if rest is not None and not isinstance(rest, dict):
+    raise NotImplementedError(
+      f"mpmd_map: {eqn.primitive.name} to another program of the launch "
+      f"names its device by {rest!r}; name the devices by a dict of mesh "
+      'axes (device_id={"x": peer, ...}) when the DMA targets another '
+      "program"
+    )
+  device_id = {**(rest or {}), SUPER_AXIS: _program_of(layout, i, target)}
+  flat, tree = _jax.dma_flatten(*refs, device_id)
+  return jaxpr_util.bind_rewritten(eqn, flat, rule, tree=tree)
+
+
 def _rule(layout: Layout, i: int, platform: str):
   axis_rule = jaxpr_util.axis_index_rule(
     lambda axis: (
@@ -168,13 +208,9 @@ def _rule(layout: Layout, i: int, platform: str):
           eqn, invals, rule, collective_axes=renamed
         )
     if eqn.primitive.name in ("dma_start", "dma_wait"):
-      *_, device_id = eqn.params["tree"].unflatten(invals)
-      if _names_kernel_axes(layout, device_id):
-        raise NotImplementedError(
-          "mpmd_map: a DMA cannot target another program of the launch "
-          "(DMAs land on the same core of the destination device); stage "
-          "cross-mesh data in shared HBM scratch and signal a semaphore"
-        )
+      target = dma_target(layout, i, eqn, invals)
+      if target is not None:
+        return _dma_to_program(layout, i, eqn, invals, target, rule)
     return axis_rule(eqn, invals)
 
   return rule
@@ -375,6 +411,31 @@ def merge_for_gpu(params):
   return mesh, jaxpr, _strip_params(params, mesh, jaxpr)
 
 
+def dma_to_program(layout: Layout, jaxprs) -> tuple[int, Any] | None:
+  """(mesh, equation) of the first DMA addressed to another program of the
+  launch, None if there is none."""
+  for i, jaxpr in enumerate(jaxprs):
+    for eqn in jaxpr_util.iter_eqns(jaxpr):
+      if eqn.primitive.name in ("dma_start", "dma_wait") and (
+        dma_target(layout, i, eqn, eqn.invars) is not None
+      ):
+        return i, eqn
+  return None
+
+
+def _check_no_dma_to_program(layout: Layout, jaxprs) -> None:
+  found = dma_to_program(layout, jaxprs)
+  if found is not None:
+    i, eqn = found
+    raise NotImplementedError(
+      f"mpmd_map: {addressing.describe_mesh(layout.meshes, i)} issues a "
+      f"DMA ({eqn.primitive.name}) addressed to another program of the "
+      f"launch, which the TPU simulator of jax {jax.__version__} cannot run "
+      "(it lands every DMA on the issuing core; jax >= 0.12 runs it). Stage "
+      "the data in shared HBM scratch and signal a semaphore instead"
+    )
+
+
 def merge_for_simulator(params, path):
   """Merges for a CPU simulator; also returns which programs are whose."""
   from mpmd.lowering import paths
@@ -384,5 +445,7 @@ def merge_for_simulator(params, path):
     mesh, jaxpr, params = merge_for_gpu(params)
   else:
     layout = _tpu_layout(params["meshes"])
+    if _jax.JAX_VERSION < (0, 12):
+      _check_no_dma_to_program(layout, params["jaxprs"])
     mesh, jaxpr, params = merge_for_tpu(params)
   return mesh, jaxpr, params, layout.ranges()

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from mpmd import _jax
 from mpmd._jax import core
-from mpmd.lowering import jaxpr_util
+from mpmd.lowering import addressing, jaxpr_util
 from mpmd.primitives import mpmd_map as prim
 
 FAST = "fast"
@@ -105,15 +105,22 @@ def is_gpu_mesh(mesh: Any) -> bool:
 _UNSIMULATED = ("barrier", "sc_fetch_and_add")
 
 
-def sync_reason(jaxprs: Sequence[core.Jaxpr]) -> str | None:
+def sync_reason(
+  jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any] = ()
+) -> str | None:
   """Why programs of these kernels may wait on each other (None if never)."""
-  for jaxpr in jaxprs:
+  for i, jaxpr in enumerate(jaxprs):
     for eqn in jaxpr_util.iter_eqns(jaxpr):
       name = eqn.primitive.name
       if name in ("dma_start", "dma_wait"):
-        *_, device_id = eqn.params["tree"].unflatten(eqn.invars)
+        sem, device_id = addressing.dma_operands(eqn, eqn.invars)
         if device_id is not None:
           return f"it issues a remote DMA ({name} with a device_id)"
+        if meshes and addressing.owner_of(sem.aval, meshes, i) not in (
+          None,
+          i,
+        ):
+          return f"it issues a DMA ({name}) to another mesh's program"
       elif name == "semaphore_signal":
         *_, device_id, core_index = eqn.params["args_tree"].unflatten(
           eqn.invars
@@ -194,7 +201,7 @@ def choose(
       "GPU meshes run in the Mosaic GPU simulator",
       gpu_params(),
     )
-  reason = sync_reason(jaxprs)
+  reason = sync_reason(jaxprs, meshes)
   if reason is None:
     if interpret is True:
       return Path(FAST, "interpret=True forces the HLO interpreter")

@@ -1,5 +1,7 @@
 """TPU: Mosaic, natively MPMD where Mosaic is, merged where it is not."""
 
+import jax
+
 from mpmd import _jax
 from mpmd._jax import mlir, pallas_core, tpu
 from mpmd.lowering import jaxpr_util
@@ -33,6 +35,28 @@ def _check_subcore_signals(meshes, jaxprs) -> None:
         )
 
 
+def _check_subcore_dmas(meshes, jaxprs) -> None:
+  """Mosaic of jax 0.10.2 cannot address another SparseCore program by a
+  DMA: it drops the target of a DMA to the caller's own mesh (and of one
+  without device_id), and cannot serialize a scalar subcore's DMA to a
+  vector subcore. Say so instead of lowering a DMA to the wrong program."""
+  if _jax.JAX_VERSION >= (0, 12):
+    return
+  from mpmd.lowering import addressing, merge
+
+  layout = merge.Layout(tuple(meshes), tuple(dict(m.shape) for m in meshes))
+  found = merge.dma_to_program(layout, jaxprs)
+  if found is not None:
+    i, eqn = found
+    raise NotImplementedError(
+      f"mpmd_map: Mosaic on jax {jax.__version__} cannot lower a DMA "
+      f"({eqn.primitive.name}) from a SparseCore program "
+      f"({addressing.describe_mesh(meshes, i)}) to another program of the "
+      "launch (jax >= 0.12 can); stage the data in shared memory and "
+      "signal a semaphore instead"
+    )
+
+
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   if params["interpret"] is not None:
     # interpret= forces interpretation on any platform.
@@ -55,6 +79,8 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
       f"{sorted(str(t) for t in core_types)}"
     )
   _check_subcore_signals(meshes, jaxprs)
+  if tensorcore not in core_types:
+    _check_subcore_dmas(meshes, jaxprs)
   return tpu().registration.mpmd_map_tpu_lowering_rule(
     ctx,
     *in_nodes,

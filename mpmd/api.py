@@ -875,10 +875,16 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
   axis_sizes, roles, kernel = where.axis_sizes, where.roles, where.kernel
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name == "dma_start":
-      _check_dma(top, eqn, outer, roles, kernel)
-      *_, device_id = eqn.params["tree"].unflatten(eqn.invars)
-      _check_device_id(device_id, axis_sizes, f"{kernel}: a DMA")
+    if name in ("dma_start", "dma_wait"):
+      if name == "dma_start":
+        _check_dma(top, eqn, outer, roles, kernel)
+      sem, device_id = addressing.dma_operands(eqn, eqn.invars)
+      what = f"{kernel}: a DMA ({name})"
+      _check_device_id(device_id, axis_sizes, what)
+      target = addressing.resolve(
+        where.meshes, where.caller, sem.aval, device_id, what
+      )
+      _check_sparsecore_dma(target, device_id, where, what)
     elif name == "semaphore_signal":
       tree = eqn.params["args_tree"]
       sem, *_, device_id, core_index = tree.unflatten(eqn.invars)
@@ -1009,6 +1015,27 @@ def _num_leaves(tree: Any) -> int:
 
 def _type_str(shape, dtype) -> str:
   return core.ShapedArray(tuple(shape), dtype).str_short(short_dtypes=True)
+
+
+def _check_sparsecore_dma(target, device_id, where: _Where, what: str):
+  """Mosaic addresses a SparseCore program's DMA to another mesh only by
+  its ``device_id`` (without one it fails to verify): say so at trace
+  time, on every path."""
+  if target is None or target.mesh == where.caller or device_id is not None:
+    return
+  mesh = where.meshes[where.caller]
+  kind = getattr(getattr(mesh, "core_type", None), "name", "")
+  if not kind.startswith("SC_"):
+    return
+  target_mesh = where.meshes[target.mesh]
+  axes = ", ".join(f"{a!r}: ..." for a in target_mesh.shape)
+  raise ValueError(
+    f"{what} lands on {addressing.describe_mesh(where.meshes, target.mesh)} "
+    "(the owner of its receive semaphore) without a device_id: a "
+    "SparseCore program addresses another mesh's program by device_id "
+    f"only; pass device_id={{{axes}}} (axes shared with the caller may be "
+    "left out)"
+  )
 
 
 def _check_device_id(device_id: Any, axis_sizes, what: str) -> None:
