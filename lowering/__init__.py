@@ -6,6 +6,7 @@ rule first runs. The rules are registered per platform, so a single
 platform's lowering (``mlir.lower_per_platform``).
 """
 
+from mpmd import targets
 from mpmd._jax import mlir
 from mpmd.primitives.mpmd_map import mpmd_map_p
 
@@ -36,7 +37,8 @@ def _tpu(ctx, *in_nodes, **params):
   from mpmd.lowering import tpu
 
   _refuse_interpret_export(ctx, params)
-  return _pass_tokens(ctx, tpu.lower(ctx, *in_nodes, **params))
+  with targets.answering():
+    return _pass_tokens(ctx, tpu.lower(ctx, *in_nodes, **params))
 
 
 def _cuda(ctx, *in_nodes, **params):
@@ -51,7 +53,8 @@ def _cpu(ctx, *in_nodes, **params):
 
   module = ctx.module_context
   callbacks_before = len(module.host_callbacks) + len(module.keepalives)
-  outs = cpu.lower(ctx, *in_nodes, **params)
+  with targets.answering():  # the TPU simulator asks for tilings
+    outs = cpu.lower(ctx, *in_nodes, **params)
   callbacks = len(module.host_callbacks) + len(module.keepalives)
   if module.lowering_parameters.for_export and callbacks > callbacks_before:
     _refuse_export(ctx, params)

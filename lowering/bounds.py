@@ -774,7 +774,7 @@ def failed(error: Any) -> Any:
   """Whether any check of ``error`` (from ``checked``) failed, traced."""
   # checkify offers no traced predicate: its Error keeps one per kind.
   return functools.reduce(
-    jnp.logical_or, error._pred.values(), jnp.bool_(False)
+    jnp.logical_or, _jax.checkify_predicates(error), jnp.bool_(False)
   )
 
 

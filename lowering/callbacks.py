@@ -21,7 +21,8 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from mpmd._jax import callback, tree_util
+from mpmd import _jax, targets
+from mpmd._jax import tree_util
 from mpmd.lowering import errors, watchdog
 
 _SIMULATOR_MODULES = (
@@ -32,7 +33,7 @@ _OUR_MODULES = ("mpmd.lowering.",)
 
 
 def _module(flat_callback) -> str:
-  fn = getattr(flat_callback, "callback_func", None)
+  fn = _jax.patches().callback_function(flat_callback)
   while isinstance(fn, functools.partial):
     fn = fn.func
   return getattr(fn, "__module__", "") or ""
@@ -43,7 +44,9 @@ def _call(callback, args):
   simulator = _module(callback).startswith(_SIMULATOR_MODULES)
   running = watchdog.callback_running() if simulator else nullcontext()
   try:
-    with running:
+    # The TPU simulator asks for the TPU's tiling at run time too
+    # (buffer_bounds="padded" allocates padded buffers).
+    with running, targets.answering():
       return tree_util.tree_map(np.asarray, callback(*args))
   except Exception as e:
     failure = watchdog.failed(e) if simulator else None
@@ -55,14 +58,14 @@ def _call(callback, args):
     raise errors.remember(type(failure)(*failure.args)) from None
 
 
-@functools.cache
+def _choose(flat_callback):
+  """``run(args)`` for a simulator's callback or ours, else None."""
+  if _module(flat_callback).startswith(_SIMULATOR_MODULES + _OUR_MODULES):
+    return functools.partial(_call, flat_callback)
+  return None
+
+
 def install() -> None:
-  original = callback.io_callback_impl
-
-  @functools.wraps(original)
-  def io_callback_impl(*args, callback, **params):
-    if _module(callback).startswith(_SIMULATOR_MODULES + _OUR_MODULES):
-      return _call(callback, args)
-    return original(*args, callback=callback, **params)
-
-  callback.io_callback_impl = io_callback_impl
+  """Routes the simulators' callbacks and ours through ``_call`` (on first
+  use of a simulator); every other ``io_callback`` runs as JAX wrote it."""
+  _jax.patches().route_io_callbacks(_choose)

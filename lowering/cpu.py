@@ -11,7 +11,6 @@ from jax import lax
 from mpmd import _jax
 from mpmd._jax import (
   callback,
-  config,
   core,
   hlo_interpreter,
   mlir,
@@ -66,7 +65,7 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     # Kernels are traced without varying-axes types: under a
     # shard_map(check_vma=True) their index arithmetic mixes varying and
     # invariant values, and checkify's conditionals would tell them apart.
-    with config._check_vma(False):
+    with _jax.no_vma_check():
       return mlir.lower_fun(run, multiple_results=True)(
         ctx.replace(avals_in=common.plain_avals(ctx.avals_in)), *in_nodes
       )

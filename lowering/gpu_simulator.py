@@ -5,7 +5,7 @@ watchdog (a simulated barrier wait otherwise blocks forever) and turns the
 race detector's verdict into an error.
 """
 
-import functools
+import contextlib
 import threading
 from typing import Any
 
@@ -15,40 +15,40 @@ from mpmd.lowering import callbacks, common, watchdog
 from mpmd.lowering.gpu import scoped_scratch
 
 
-@functools.cache
-def _install_wait_hook() -> None:
-  barrier = gpu().simulator_memory.Barrier
-  original = barrier.wait
+@contextlib.contextmanager
+def _watched(barrier, device, program, logging_info):
+  where = ""
+  if logging_info is not None and logging_info.source_info is not None:
+    where = source_info_util.summarize(logging_info.source_info)
 
-  @functools.wraps(original)
-  def wait(self, *args, **kwargs):
-    device, program, logging_info = _jax.gpu_barrier_waiter(args, kwargs)
-    where = ""
-    if logging_info is not None and logging_info.source_info is not None:
-      where = source_info_util.summarize(logging_info.source_info)
+  def notify():
+    with barrier.cv:
+      barrier.cv.notify_all()
 
-    def notify():
-      with self.cv:
-        self.cv.notify_all()
+  raise_here = watchdog.raise_in_thread(threading.get_ident(), notify)
 
-    raise_here = watchdog.raise_in_thread(threading.get_ident(), notify)
+  def abort(message):
+    _aborted.set()
+    raise_here(message)
 
-    def abort(message):
-      _aborted.set()
-      raise_here(message)
+  with (
+    watchdog.reraise_with_message(),
+    watchdog.waiting(
+      f"device {device} {watchdog.describe_program(program)}",
+      f"on a barrier (phase {barrier.phase})",
+      where,
+      abort,
+    ),
+  ):
+    yield
 
-    with (
-      watchdog.reraise_with_message(),
-      watchdog.waiting(
-        f"device {device} {watchdog.describe_program(program)}",
-        f"on a barrier (phase {self.phase})",
-        where,
-        abort,
-      ),
-    ):
-      return original(self, *args, **kwargs)
 
-  barrier.wait = wait
+def _watch_wait(barrier, device, program, logging_info):
+  """Records a simulated barrier wait of our launches for the deadlock
+  watchdog (None: not ours, it runs as JAX wrote it)."""
+  if not watchdog.launch_running():
+    return None
+  return _watched(barrier, device, program, logging_info)
 
 
 _aborted = threading.Event()
@@ -58,11 +58,6 @@ def _reset_if_failed() -> None:
   if _aborted.is_set():
     gpu().simulator_callbacks.reset_gpu_interpret_mode_state()
     _aborted.clear()
-
-
-def _races_found() -> bool:
-  races = gpu().simulator_callbacks._races
-  return races is not None and races.races_found
 
 
 def _is_barrier(aval) -> bool:
@@ -79,9 +74,10 @@ def lower(
   ranges: tuple[watchdog.MeshRange, ...] | None = None,
 ):
   """Lowers one (possibly merged) GPU mesh kernel to the simulator."""
-  _install_wait_hook()
+  patches = _jax.patches()
+  patches.watch_gpu_barrier_waits(_watch_wait)
+  patches.let_gpu_simulator_take_numpy()
   callbacks.install()
-  _jax.let_gpu_simulator_take_numpy()
   num_operands = len(in_nodes) + len(params["out_avals"])
   # Barriers as kernel scratch fail in the simulator (trap 6); the rest
   # stays kernel scratch, which the simulator allocates at its logical
@@ -111,7 +107,7 @@ def lower(
     run=run,
     reset=_reset_if_failed,
     original_failure=lambda: None,  # this simulator keeps none
-    races_found=_races_found,
+    races_found=_jax.gpu_simulator_races_found,
     detect_races=interpret.detect_races,
     races_are_errors=races_are_errors,
     orders="barriers",

@@ -34,7 +34,6 @@ from jax import lax
 from mpmd import _jax
 from mpmd._jax import (
   callback,
-  config,
   core,
   hlo_interpreter,
   mlir,
@@ -255,7 +254,8 @@ class _Devices:
     # Only values of the top-level trace are remembered, and forgotten
     # before it ends, so that no tracer outlives its trace.
     reusable = all(
-      isinstance(x, core.Tracer) and x._trace is self.top_trace for x in leaves
+      isinstance(x, core.Tracer) and _jax.tracer_trace(x) is self.top_trace
+      for x in leaves
     )
     if reusable and key in self._patterns:
       return self._patterns[key][1]
@@ -507,7 +507,7 @@ def _barrier_avals(jaxpr: core.Jaxpr) -> list[Any]:
 
 
 def _physical(aval: Any) -> Any:
-  return hlo_interpreter._logical_aval_to_interpret_mode_aval(aval)
+  return _jax.interpret_mode_aval(aval)
 
 
 def _describe(aval: Any) -> str:
@@ -576,7 +576,7 @@ def lower(
     num_checks=checks.count,
   )
   # The kernel's values carry no varying-axes types: check none here.
-  with config._check_vma(False):
+  with _jax.no_vma_check():
     outs = mlir.lower_fun(run, multiple_results=True)(
       ctx.replace(avals_in=common.plain_avals(ctx.avals_in)), *in_nodes
     )

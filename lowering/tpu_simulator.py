@@ -10,7 +10,6 @@ Two traps of that simulator on jax 0.10.2 are worked around here, narrowly:
    caller never sees.
 """
 
-import functools
 from typing import Any
 
 import jax
@@ -57,54 +56,35 @@ def _is_hbm(aval) -> bool:
   return space in (pallas_core.MemorySpace.ANY, tpu().core.MemorySpace.HBM)
 
 
-@functools.cache
-def _install_wait_hook() -> None:
-  """Records every simulated semaphore wait for the deadlock watchdog."""
-  semaphore = tpu().simulator_memory.Semaphore
-  original = semaphore.wait
+def _watch_wait(semaphore, value, global_core_id, has_tasks, logging_info):
+  """Records a simulated semaphore wait of our launches for the deadlock
+  watchdog (None: not ours, it runs as JAX wrote it)."""
+  if not watchdog.launch_running():
+    return None
+  memory = semaphore.shared_memory
+  device, core = divmod(int(global_core_id), memory.num_cores_per_device)
+  where = ""
+  if logging_info is not None and logging_info.source_info is not None:
+    where = source_info_util.summarize(logging_info.source_info)
+  kind = "DMA semaphore" if has_tasks else "semaphore"
 
-  @functools.wraps(original)
-  def wait(self, value, global_core_id, *, has_tasks=False, logging_info=None):
-    memory = self.shared_memory
-    device, core = divmod(int(global_core_id), memory.num_cores_per_device)
-    where = ""
-    if logging_info is not None and logging_info.source_info is not None:
-      where = source_info_util.summarize(logging_info.source_info)
-    kind = "DMA semaphore" if has_tasks else "semaphore"
+  def abort(message):
+    _jax.fail_tpu_simulation(
+      memory, watchdog.DeadlockError(message), device, core
+    )
 
-    def abort(message):
-      _jax.fail_tpu_simulation(
-        memory, watchdog.DeadlockError(message), device, core
-      )
-
-    with watchdog.waiting(
-      f"device {device} {watchdog.describe_program(core)}",
-      f"on a {kind} for {value} (it holds "
-      f"{int(self.count_by_core[global_core_id])})",
-      where,
-      abort,
-    ):
-      return original(
-        self,
-        value,
-        global_core_id,
-        has_tasks=has_tasks,
-        logging_info=logging_info,
-      )
-
-  semaphore.wait = wait
+  return watchdog.waiting(
+    f"device {device} {watchdog.describe_program(core)}",
+    f"on a {kind} for {value} (it holds "
+    f"{int(semaphore.count_by_core[global_core_id])})",
+    where,
+    abort,
+  )
 
 
 def _reset_if_failed() -> None:
-  simulator = tpu().simulator
-  memory = simulator._shared_memory
-  if memory is not None and memory._failure is not None:
-    simulator.reset_tpu_interpret_mode_state()
-
-
-def _original_failure() -> BaseException | None:
-  memory = tpu().simulator._shared_memory
-  return None if memory is None else memory._failure
+  if _jax.tpu_simulator_failure() is not None:
+    tpu().simulator.reset_tpu_interpret_mode_state()
 
 
 def _races_found() -> bool:
@@ -136,9 +116,10 @@ def lower(
       "semaphore's count from one launch to the next. The CPU fallback's "
       "default paths can: pass interpret=None."
     )
-  _install_wait_hook()
+  patches = _jax.patches()
+  patches.watch_tpu_semaphore_waits(_watch_wait)
+  patches.cache_tpu_simulator_programs(watchdog.launch_running)
   callbacks.install()
-  _jax.cache_tpu_simulator_programs()
   [core_axis] = mesh.shape
   with prim.tracing_context(mesh, params["meshes"]):
     jaxpr = jaxpr_util.rewrite(jaxpr, _signal_own_core(core_axis))
@@ -169,7 +150,7 @@ def lower(
     ranges=ranges,
     run=run,
     reset=_reset_if_failed,
-    original_failure=_original_failure,
+    original_failure=_jax.tpu_simulator_failure,
     races_found=_races_found,
     detect_races=interpret.detect_races,
     races_are_errors=races_are_errors,

@@ -21,7 +21,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from mpmd._jax import callback, config, core, mlir
+from mpmd import _jax
+from mpmd._jax import callback, core, mlir
 from mpmd.lowering import errors
 
 DEFAULT_DEADLOCK_TIMEOUT_S = 60.0
@@ -183,6 +184,11 @@ def leave(key: int, failure: errors.LaunchError | None):
       _running.clear()
       _turn.notify_all()
     return launch.failure
+
+
+def launch_running() -> bool:
+  """Whether a launch of ours holds the simulator."""
+  return bool(_running)
 
 
 @contextlib.contextmanager
@@ -512,7 +518,7 @@ def lower_supervised(
     # The simulators evaluate the kernel as ordinary JAX code; inside a
     # shard_map(check_vma=True) its device-index arithmetic would mix varying
     # and invariant values, which kernels (traced without vma) may do.
-    with config._check_vma(False):
+    with _jax.no_vma_check():
       results = run(*args)
     callback.io_callback(finish, None, ordered=True)
     return results
@@ -521,7 +527,7 @@ def lower_supervised(
   # chain of their own, started here. Were they on JAX's runtime token, a
   # failed launch would leave that token failed, and every later launch
   # and ordered callback of the process would re-raise its error.
-  ordered = {callback._OrderedIOEffect, *simulator_effects}
+  ordered = {_jax.ordered_io_effect(), *simulator_effects}
   own = mlir.TokenSet({e: mlir.create_token() for e in ordered})
   inner = ctx.replace(tokens_in=own, tokens_out=None)
   return mlir.lower_fun(launch, multiple_results=True)(inner, *in_nodes)

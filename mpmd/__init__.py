@@ -24,7 +24,6 @@ from mpmd.lowering.watchdog import set_race_policy as set_race_policy
 from mpmd.meshes import tensorcore_mesh as tensorcore_mesh
 from mpmd.primitives.mpmd_map import mpmd_map_p as mpmd_map_p
 from mpmd.targets import TPU_TARGETS as TPU_TARGETS
-from mpmd.targets import install as _install_tpu_targets
 from mpmd.targets import tpu_target as tpu_target
 
 __version__ = "0.1.0"
@@ -50,8 +49,7 @@ __all__ = [
   "typed_errors",
 ]
 
-_install_tpu_targets()
-del _lowering, _install_tpu_targets
+del _lowering
 
 
 def __getattr__(name: str):

@@ -94,6 +94,7 @@ def tpu():
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
     from jax._src.pallas.mosaic.interpret import params as interpret_params
     from jax._src.pallas.mosaic.interpret import shared_memory
+    from jax._src.pallas.mosaic.interpret import thread_map
   except ImportError as e:
     raise ImportError(
       "jax-mpmd: the Pallas TPU backend is missing from this jaxlib; "
@@ -111,6 +112,7 @@ def tpu():
     interpret=interpret_params,
     simulator=interpret_pallas_call,
     simulator_memory=shared_memory,
+    simulator_threads=thread_map,
   )
 
 
@@ -322,29 +324,6 @@ def lower_mosaic_gpu(ctx, *in_nodes, mesh, jaxpr, grid_mapping, **params):
   )
 
 
-@functools.cache
-def let_gpu_simulator_take_numpy() -> None:
-  """Lets the Mosaic GPU simulator's callbacks take numpy arguments.
-
-  Our simulator callbacks get numpy arrays, not jax Arrays (trap 3). From
-  0.11 on, the simulator rebuilds its thread and mesh-location dataclasses
-  from callback arguments with ``_to_int``, which takes ints, tracers and
-  jax Arrays but refuses numpy. Installed on first use of the simulator.
-  """
-  if JAX_VERSION < (0, 11):
-    return
-  memory = gpu().simulator_memory
-  to_int = memory._to_int
-
-  @functools.wraps(to_int)
-  def _to_int(x):
-    if isinstance(x, (np.ndarray, np.generic)):
-      return x.item()
-    return to_int(x)
-
-  memory._to_int = _to_int
-
-
 def gpu_barrier_waiter(args, kwargs) -> tuple[int, int, object]:
   """``(device id, program in the block, logging info)`` of a call
   ``Barrier.wait(*args, **kwargs)`` in the Mosaic GPU simulator.
@@ -394,26 +373,62 @@ def race_params(params):
   return params, on_race == "raise"
 
 
-def _eval_program(jaxpr, consts, *args):
-  core.eval_jaxpr(jaxpr, consts, *args)
+# -- private JAX names, each behind one accessor -------------------------------
 
 
-@functools.cache
-def cache_tpu_simulator_programs() -> None:
-  """Lets the TPU simulator compile each program's jaxpr once.
+def no_vma_check():
+  """A context in which JAX does not check varying manual axes (vma):
+  kernels are traced, and simulators evaluated, without it."""
+  return config._check_vma(False)
 
-  0.10.2's simulator runs the programs of a multi-core launch through a jit
-  of a function it defines anew on every launch, so every call recompiles
-  (two compiles a call for two cores); 0.11 made that function top-level.
-  We give 0.10.2 the same. Installed on first use of the simulator.
-  """
-  if JAX_VERSION >= (0, 11):
-    return
-  from jax._src.pallas.mosaic.interpret import thread_map
 
-  run = jax.jit(_eval_program, static_argnums=(0,))
+def vma_checked() -> bool:
+  """Whether JAX checks varying manual axes here (``shard_map(check_vma=)``)."""
+  return config._check_vma.value
 
-  def _run_jaxpr(jaxpr, consts, *args):
-    run.trace(jaxpr, consts, *args).lower().compile()(consts, *args)
 
-  thread_map._run_jaxpr = _run_jaxpr
+def out_shape_to_aval(out_shape):
+  """Pallas' aval of one ``out_shape`` entry (a ShapeDtypeStruct or a
+  memory-space-annotated type)."""
+  return pallas_core._convert_out_shape_to_aval(out_shape)
+
+
+def interpret_mode_aval(aval):
+  """The aval the HLO interpreter uses for a kernel operand's aval."""
+  return hlo_interpreter._logical_aval_to_interpret_mode_aval(aval)
+
+
+def ordered_io_effect():
+  """The effect of an ordered ``io_callback``."""
+  return callback._OrderedIOEffect
+
+
+def tracer_trace(tracer: core.Tracer):
+  """The trace a tracer belongs to."""
+  return tracer._trace
+
+
+def checkify_predicates(error) -> list:
+  """The traced predicates of a checkify ``Error``, one per check kind
+  (checkify offers no traced "any failed")."""
+  return list(error._pred.values())
+
+
+def tpu_simulator_failure() -> BaseException | None:
+  """What made the TPU simulator's last launch fail, if it kept it."""
+  memory = tpu().simulator._shared_memory
+  return None if memory is None else memory._failure
+
+
+def gpu_simulator_races_found() -> bool:
+  """Whether the Mosaic GPU simulator's race detector found a race."""
+  races = gpu().simulator_callbacks._races
+  return races is not None and races.races_found
+
+
+def patches():
+  """Where jax-mpmd changes what JAX does (``mpmd/_patches.py``), each
+  adaptation installed on first use; imported on first use."""
+  from mpmd import _patches
+
+  return _patches

@@ -445,7 +445,7 @@ def _out_avals(out_types, in_avals) -> tuple[core.AbstractValue, ...]:
   not say how it varies varies like the inputs together (as an elementwise
   op would). A kernel whose output varies over more axes (it reads
   ``axis_index``) says so with ``ShapeDtypeStruct(manual_axis_type=...)``."""
-  if config._check_vma.value:
+  if _jax.vma_checked():
     varying = frozenset().union(
       *(
         a.manual_axis_type.varying
@@ -464,7 +464,7 @@ def _out_avals(out_types, in_avals) -> tuple[core.AbstractValue, ...]:
       else t
       for t in out_types
     ]
-  return tuple(pallas_core._convert_out_shape_to_aval(t) for t in out_types)
+  return tuple(_jax.out_shape_to_aval(t) for t in out_types)
 
 
 def _check_inferred_vma(out_types, in_avals, jaxprs, meshes) -> None:
@@ -473,7 +473,7 @@ def _check_inferred_vma(out_types, in_avals, jaxprs, meshes) -> None:
   the inputs do not vary over (its ``axis_index``, a ``device_id``) may
   write different values on each device. Upstream requires every output
   type to say how it varies under ``check_vma``; we ask for it there."""
-  if not config._check_vma.value:
+  if not _jax.vma_checked():
     return
   inferred = [
     i

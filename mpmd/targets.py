@@ -3,11 +3,11 @@
 Some Pallas TPU helpers (``pltpu.emit_pipeline``, tiling queries) ask the
 attached TPU for its generation while tracing. On a CPU host there is none, so
 kernels are traced (and cross-lowered) for a named target instead: the
-innermost ``tpu_target``, else ``"v5e"``.
+innermost ``tpu_target``, else ``"v5e"``. Only inside ``tpu_target`` and
+while we trace or lower a kernel (``answering``): elsewhere JAX is asked.
 """
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -76,7 +76,7 @@ def tpu_target(
 
 @contextlib.contextmanager
 def _in_target(name: str) -> Iterator[TpuTarget]:
-  with _target(name):
+  with _target(name), answering():
     yield TPU_TARGETS[name]
 
 
@@ -124,40 +124,21 @@ def _no_tpu_attached() -> bool:
   return jax.default_backend() != "tpu"
 
 
-@functools.cache
-def install() -> None:
-  """Answers Pallas' TPU hardware queries with the target off-TPU.
+def _answer() -> tuple[str, int] | None:
+  """What Pallas' TPU queries answer in ``answering()``: the target where no
+  TPU is attached (None: ask the hardware)."""
+  if not _no_tpu_attached():
+    return None
+  target = current()
+  return target.device_kind, target.num_cores
 
-  Pallas asks ``tpu_info.get_device_kind()`` / ``get_num_device_cores()``
-  while tracing (``emit_pipeline``) and lowering; with no TPU attached they
-  raise "Unsupported TPU device kind: cpu". Where a TPU (or an abstract TPU
-  device) is in force, the answers are unchanged. We wrap the two functions
-  rather than enter an abstract mesh of TPU devices, because such a mesh
-  leaks into the avals of kernels traced inside a CPU ``shard_map`` and
-  clashes with its mesh.
+
+def answering() -> contextlib.AbstractContextManager[None]:
+  """Inside: Pallas' TPU hardware queries answer for the target off-TPU.
+
+  Pallas asks ``tpu_info`` for the attached TPU while tracing
+  (``emit_pipeline``) and lowering; with none attached it raises
+  "Unsupported TPU device kind: cpu". ``tpu_target`` enters this, and so do
+  the tracing and lowering of every kernel. Outside, JAX answers as usual.
   """
-  info = _jax.tpu().info
-  device_kind, num_cores = info.get_device_kind, info.get_num_device_cores
-  tpu_info = info.get_tpu_info
-
-  @functools.wraps(device_kind)
-  def get_device_kind() -> str:
-    return current().device_kind if _no_tpu_attached() else device_kind()
-
-  @functools.wraps(num_cores)
-  def get_num_device_cores() -> int:
-    return current().num_cores if _no_tpu_attached() else num_cores()
-
-  # get_tpu_info is cached by trace context only: key it by the target too.
-  @functools.wraps(tpu_info)
-  def get_tpu_info():
-    if not _no_tpu_attached():
-      return tpu_info()
-    target = current()
-    chip = info.chip_version_from_device_kind(target.device_kind)
-    return info.get_tpu_info_for_chip(chip, target.num_cores)
-
-  for module in _jax.tpu().info_modules:
-    module.get_device_kind = get_device_kind
-    module.get_num_device_cores = get_num_device_cores
-    module.get_tpu_info = get_tpu_info
+  return _jax.patches().tpu_queries_answered(_answer)

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mpmd import _jax
+from mpmd import _jax, targets
 from mpmd._jax import (
   FrozenDict,
   ad,
@@ -96,12 +96,14 @@ def tracing_context(mesh: Any, meshes: Sequence[Any]):
   """The context in which a kernel of ``mesh`` is (re)traced.
 
   Every mesh's axes are bound, so that a kernel can name the programs of
-  other meshes (``device_id={"consumer": 1}``).
+  other meshes (``device_id={"consumer": 1}``). Pallas' TPU queries answer
+  for the TPU target off-TPU (``emit_pipeline`` asks them).
   """
   with (
     mesh.tracing_context(),
     core.extend_axis_env_nd(axis_env(meshes).items()),
-    config._check_vma(False),
+    _jax.no_vma_check(),
+    targets.answering(),
   ):
     yield
 

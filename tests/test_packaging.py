@@ -37,6 +37,27 @@ def test_wheel_holds_only_the_mpmd_namespace(tmp_path):
   for package in ("primitives", "lowering", "kernels", "kernels/gpu"):
     assert f"mpmd/{package}/__init__.py" in names
   assert "mpmd/lowering/merge.py" in names
+  # The license travels with the wheel, and its metadata names it.
+  [license_file] = [
+    n for n in names if n.endswith(".dist-info/licenses/LICENSE")
+  ]
+  with zipfile.ZipFile(wheel) as z:
+    assert z.read(license_file) == (ROOT / "LICENSE").read_bytes()
+    [metadata] = [n for n in names if n.endswith(".dist-info/METADATA")]
+    lines = z.read(metadata).decode().splitlines()
+  assert "License-Expression: Apache-2.0" in lines
+  assert "License-File: LICENSE" in lines
+
+
+def test_license_is_apache_2_and_pyproject_says_so():
+  import tomllib
+
+  text = (ROOT / "LICENSE").read_text()
+  assert "Apache License" in text and "Version 2.0, January 2004" in text
+  assert "END OF TERMS AND CONDITIONS" in text
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  assert project["license"] == "Apache-2.0"
+  assert project["license-files"] == ["LICENSE"]
 
 
 # The project's library code (a virtual environment or a build inside the

@@ -12,6 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import mpmd
+from mpmd import _jax
 
 ROWS = (8, 128)
 
@@ -160,6 +161,28 @@ def test_trap4_every_module_pallas_asks_answers_the_target(name):
       assert module.get_num_device_cores() == target.num_cores
       assert module.get_tpu_info().num_cores == target.num_cores
     assert mpmd.tensorcore_mesh("core").shape == {"core": target.num_cores}
+
+
+def test_trap4_the_simulator_asks_for_tilings_at_run_time():
+  """buffer_bounds="padded" pads buffers to the TPU's tiling in a callback,
+  at run time: the target answers there too, and only there."""
+  mesh = mpmd.tensorcore_mesh("core", num_cores=2)
+
+  def kernel(x_hbm, o_hbm, buf):
+    c = jax.lax.axis_index("core")
+    pltpu.sync_copy(x_hbm.at[c], buf)
+    buf[...] += 1.0
+    pltpu.sync_copy(buf, o_hbm.at[c])
+
+  f = mpmd.mpmd_map(
+    [(mesh, kernel)],
+    jax.ShapeDtypeStruct((2, 5, 100), jnp.float32),
+    scratch_types=[pltpu.VMEM((5, 100), jnp.float32)],
+    interpret=pltpu.InterpretParams(buffer_bounds="padded"),
+  )
+  x = jnp.arange(2 * 5 * 100, dtype=jnp.float32).reshape(2, 5, 100)
+  np.testing.assert_array_equal(f(x), x + 1.0)
+  assert not _jax.tpu().info.is_tpu_device()  # outside: JAX's own answer
 
 
 def test_trap5_axis_index_inside_loops_and_conds_on_the_fast_path(capsys):
