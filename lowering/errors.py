@@ -69,11 +69,20 @@ class typed_errors(contextlib.ContextDecorator):  # noqa: N801 (reads as a funct
   ``mpmd_map`` calls do it by themselves; under ``jax.jit`` the error
   surfaces where the results are waited for, so wrap that.
 
-  Example::
+  Example (a DMA window computed at run time, past its buffer)::
 
-    with mpmd.typed_errors():
-      jax.block_until_ready(f(x))   # raises mpmd.DeadlockError, not
-                                    # JaxRuntimeError, if a program hangs
+    >>> def oob(start_hbm, x_hbm, o_hbm, start_smem):
+    ...   pltpu.sync_copy(start_hbm, start_smem)
+    ...   pltpu.sync_copy(x_hbm.at[pl.ds(start_smem[0], 8)], o_hbm)
+    >>> f = jax.jit(mpmd.mpmd_map(
+    ...     [(mpmd.tensorcore_mesh("core", num_cores=1), oob)],
+    ...     jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    ...     scratch_types=[pltpu.SMEM((1,), jnp.int32)]))
+    >>> with mpmd.typed_errors():
+    ...   _ = jax.block_until_ready(
+    ...       f(jnp.array([12], jnp.int32), jnp.zeros((16, 128))))
+    Traceback (most recent call last):
+    OutOfBoundsError: ...
   """
 
   def __enter__(self):

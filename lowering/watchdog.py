@@ -42,10 +42,13 @@ def set_deadlock_timeout(seconds: float) -> None:
   Args:
     seconds: a positive number (default 60).
 
-  Example::
+  Example (a simulated program waiting longer raises
+  ``mpmd.DeadlockError``)::
 
-    mpmd.set_deadlock_timeout(5.0)
-    f(x)  # a simulated program waiting > 5 s raises mpmd.DeadlockError
+    >>> mpmd.set_deadlock_timeout(5.0)
+    >>> mpmd.get_deadlock_timeout()
+    5.0
+    >>> mpmd.set_deadlock_timeout(60.0)  # back to the default
   """
   global _timeout_s
   if not seconds > 0:
@@ -60,7 +63,8 @@ def get_deadlock_timeout() -> float:
 
   Example::
 
-    assert mpmd.get_deadlock_timeout() == 60.0  # the default
+    >>> mpmd.get_deadlock_timeout()  # the default
+    60.0
   """
   return _timeout_s
 
@@ -71,8 +75,17 @@ def deadlock_timeout(seconds: float) -> Iterator[None]:
 
   Example::
 
-    with mpmd.deadlock_timeout(5.0):
-      f(x)  # a program waiting > 5 s raises an error naming it
+    >>> def hang(o_hbm, sem):
+    ...   pl.semaphore_wait(sem, 1)  # nobody signals
+    >>> f = mpmd.mpmd_map(
+    ...     [(mpmd.tensorcore_mesh("core", num_cores=1), hang)],
+    ...     jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    ...     scratch_types=[pltpu.SemaphoreType.REGULAR(())],
+    ...     interpret=pltpu.InterpretParams())
+    >>> with mpmd.deadlock_timeout(0.5):
+    ...   f()
+    Traceback (most recent call last):
+    DeadlockError: mpmd_map deadlock: a simulated program waited more ...
   """
   previous = _timeout_s
   set_deadlock_timeout(seconds)
@@ -309,9 +322,10 @@ def set_race_policy(policy: str) -> None:
 
   Example::
 
-    mpmd.set_race_policy("record")
-    f(x)  # a kernel run with interpret=pltpu.InterpretParams(detect_races=True)
-    assert not mpmd.get_races().races_found
+    >>> mpmd.set_race_policy("record")
+    >>> mpmd.get_race_policy()
+    'record'
+    >>> mpmd.set_race_policy("raise")  # back to the default
   """
   global _race_policy
   if policy not in _RACE_POLICIES:
@@ -326,7 +340,8 @@ def get_race_policy() -> str:
 
   Example::
 
-    assert mpmd.get_race_policy() == "raise"  # the default
+    >>> mpmd.get_race_policy()  # the default
+    'raise'
   """
   return _race_policy
 
@@ -335,11 +350,20 @@ def get_race_policy() -> str:
 def race_policy(policy: str) -> Iterator[None]:
   """Context manager form of ``set_race_policy``.
 
-  Example::
+  Example (two programs write one buffer, nothing orders them)::
 
-    with mpmd.race_policy("record"):
-      jax.block_until_ready(f(x))
-    print(mpmd.get_races().races_found)
+    >>> def racy(o_hbm):
+    ...   o_hbm[...] = jnp.full((8, 128), jax.lax.axis_index("wg"), jnp.float32)
+    >>> f = mpmd.mpmd_map(
+    ...     [(plgpu.Mesh(num_threads=2, thread_name="wg"), racy)],
+    ...     jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    ...     interpret=mpmd.GPUInterpretParams(detect_races=True))
+    >>> import contextlib, io  # jax 0.10.2's detector also prints the race
+    >>> with mpmd.race_policy("record"):
+    ...   with contextlib.redirect_stdout(io.StringIO()):
+    ...     _ = jax.block_until_ready(f())
+    >>> mpmd.get_races()
+    Races(races_found=True)
   """
   previous = _race_policy
   set_race_policy(policy)
@@ -358,11 +382,18 @@ def get_races() -> Races:
   Raises:
     ValueError: no launch with ``detect_races=True`` has finished yet.
 
-  Example::
+  Example (one program per row block: no race)::
 
-    with mpmd.race_policy("record"):
-      jax.block_until_ready(f(x))
-    if mpmd.get_races().races_found: ...
+    >>> def rows(o_hbm):
+    ...   block = pl.ds(jax.lax.axis_index("wg") * 4, 4)
+    ...   o_hbm[block, :] = jnp.ones((4, 128), jnp.float32)
+    >>> f = mpmd.mpmd_map(
+    ...     [(plgpu.Mesh(num_threads=2, thread_name="wg"), rows)],
+    ...     jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    ...     interpret=mpmd.GPUInterpretParams(detect_races=True))
+    >>> _ = jax.block_until_ready(f())
+    >>> mpmd.get_races().races_found
+    False
   """
   if not _races:
     raise ValueError(

@@ -16,6 +16,7 @@ from mpmd.lowering.errors import RaceError as RaceError
 from mpmd.lowering.errors import typed_errors as typed_errors
 from mpmd.lowering.watchdog import Races as Races
 from mpmd.lowering.watchdog import deadlock_timeout as deadlock_timeout
+from mpmd.lowering.watchdog import get_deadlock_timeout as get_deadlock_timeout
 from mpmd.lowering.watchdog import get_race_policy as get_race_policy
 from mpmd.lowering.watchdog import get_races as get_races
 from mpmd.lowering.watchdog import race_policy as race_policy
@@ -37,6 +38,7 @@ __all__ = [
   "Races",
   "TPU_TARGETS",
   "deadlock_timeout",
+  "get_deadlock_timeout",
   "get_race_policy",
   "get_races",
   "mpmd_map",

@@ -127,19 +127,18 @@ def mpmd_map(
       on the CPU fallback ``pl.select_ref`` (at trace time when
       ``interpret`` is given).
 
-  Example::
+  Example (runs on CPU and TPU; a GPU mesh runs on CPU and GPU)::
 
-    mesh = mpmd.tensorcore_mesh("core", num_cores=1)
-
-    def double(x_hbm, o_hbm, buf):
-      pltpu.sync_copy(x_hbm, buf)
-      buf[...] *= 2
-      pltpu.sync_copy(buf, o_hbm)
-
-    f = mpmd.mpmd_map(
-        [(mesh, double)], jax.ShapeDtypeStruct((8, 128), jnp.float32),
-        scratch_types=[pltpu.VMEM((8, 128), jnp.float32)])
-    f(jnp.ones((8, 128)))  # runs on CPU, TPU and (with a GPU mesh) GPU
+    >>> mesh = mpmd.tensorcore_mesh("core", num_cores=1)
+    >>> def double(x_hbm, o_hbm, buf):
+    ...   pltpu.sync_copy(x_hbm, buf)
+    ...   buf[...] *= 2
+    ...   pltpu.sync_copy(buf, o_hbm)
+    >>> f = mpmd.mpmd_map(
+    ...     [(mesh, double)], jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    ...     scratch_types=[pltpu.VMEM((8, 128), jnp.float32)])
+    >>> f(jnp.ones((8, 128)))[0, :4]
+    Array([2., 2., 2., 2.], dtype=float32)
   """
   meshes, fns = _check_meshes_and_fns(meshes_and_fns)
   gpu = paths.is_gpu_mesh(meshes[0])

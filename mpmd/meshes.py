@@ -19,8 +19,9 @@ def tensorcore_mesh(axis_name: str, num_cores: int | None = None):
 
   Example::
 
-    mesh = mpmd.tensorcore_mesh("core", num_cores=2)
-    mesh.shape  # {'core': 2}
+    >>> mesh = mpmd.tensorcore_mesh("core", num_cores=2)
+    >>> dict(mesh.shape)
+    {'core': 2}
   """
   if not isinstance(axis_name, str):
     raise TypeError(

@@ -55,8 +55,15 @@ def tpu_target(
   Without it, a CPU host uses ``$MPMD_TPU_TARGET`` or ``"v5e"``, and a TPU
   host its own chip (an attached TPU always wins). Example::
 
-    with mpmd.tpu_target("v6e"):
-      lowered = jax.jit(f).trace(x).lower(lowering_platforms=("tpu",))
+    >>> def copy(x_hbm, o_hbm):
+    ...   pltpu.sync_copy(x_hbm, o_hbm)
+    >>> f = mpmd.mpmd_map([(mpmd.tensorcore_mesh("core"), copy)],
+    ...                   jax.ShapeDtypeStruct((8, 128), jnp.float32))
+    >>> with mpmd.tpu_target("v6e"):
+    ...   lowered = jax.jit(f).trace(jnp.ones((8, 128))).lower(
+    ...       lowering_platforms=("tpu",))
+    >>> "tpu_custom_call" in lowered.as_text()
+    True
 
   Raises:
     TypeError: ``name`` is not a str (checked when called, before ``with``).
