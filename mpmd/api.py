@@ -24,8 +24,7 @@ from mpmd._jax import (
 )
 from mpmd.lowering import addressing, bounds, jaxpr_util, paths
 from mpmd.primitives import mpmd_map as prim
-
-MeshAndFn = tuple[Any, Callable[..., None]]
+from mpmd.types import Interpret, MeshAndFn
 
 
 def _short(aval) -> str:
@@ -40,7 +39,7 @@ def mpmd_map(
   scratch_types: Any = (),
   input_output_aliases: Mapping[int, int] | None = None,
   compiler_params: Any = None,
-  interpret: Any = None,
+  interpret: Interpret = None,
   debug: bool = False,
   cost_estimate: Any = None,
   name: str | None = None,

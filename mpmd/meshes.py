@@ -1,9 +1,10 @@
 """Mesh constructors that mean the same on every supported jax version."""
 
 from mpmd import _jax, targets
+from mpmd.types import Mesh
 
 
-def tensorcore_mesh(axis_name: str, num_cores: int | None = None):
+def tensorcore_mesh(axis_name: str, num_cores: int | None = None) -> Mesh:
   """A Pallas mesh of TPU TensorCores, one program per core.
 
   The same mesh as ``pltpu.TensorCoreMesh(axis_name=..., num_cores=...)``
