@@ -4,21 +4,24 @@ A TPU kernel under ``jax.shard_map`` whose devices synchronise only through
 remote DMAs, remote semaphore signals and the barrier semaphore, and issue
 those unconditionally (straight-line code and loops of static trip count),
 runs on every device as plain XLA: the kernel is discharged like on the
-fast path, and each remote operation becomes an exchange (``all_gather``
-over the mesh axes the kernel's device ids name) at the point where every
-device issues it. No Python runs per operation, unlike in the threaded TPU
-simulator.
+fast path, and remote operations become exchanges over the mesh axes the
+kernel's device ids name, every device issuing them at the same point.
+Operations issued in a row share one exchange (``_Exchanges``: one
+``all_gather``, large data by ring shift), since each exchange is a
+rendezvous of every device. No Python runs per operation, unlike in the
+threaded TPU simulator.
 
-Faithfulness. A DMA lands when it starts: a valid order of events for a
-race-free kernel (races are the simulator's job: ``interpret=
-pltpu.InterpretParams(detect_races=True)``). Semaphores count bytes (DMA)
-and signals as int32, as on hardware. A wait that finds its semaphore short
-would block on hardware; here the devices run in step, so the semaphore is
-poisoned (set far below zero, and no later signal lifts it) and the launch
-fails at the end with a ``DeadlockError`` naming device and semaphore,
-instead of running on with missing data. A DMA whose window leaves its
-buffer, or a wait that finds a ``pl.run_scoped`` semaphore short, fails the
-launch too (``mpmd.lowering.bounds``).
+Faithfulness. A DMA lands when it starts, or later but before its receiver
+can tell (before the receiver next touches what it writes): a valid order
+of events for a race-free kernel (races are the simulator's job:
+``interpret=pltpu.InterpretParams(detect_races=True)``). Semaphores count
+bytes (DMA) and signals as int32, as on hardware. A wait that finds its
+semaphore short would block on hardware; here the devices run in step, so
+the semaphore is poisoned (set far below zero, and no later signal lifts
+it) and the launch fails at the end with a ``DeadlockError`` naming device
+and semaphore, instead of running on with missing data. A DMA whose window
+leaves its buffer, or a wait that finds a ``pl.run_scoped`` semaphore
+short, fails the launch too (``mpmd.lowering.bounds``).
 """
 
 import contextlib
