@@ -7,10 +7,10 @@ from collections.abc import Callable
 import jax
 
 
-def time_interleaved(
+def time_rounds(
   fns: dict[str, Callable[[], jax.Array]], rounds: int
-) -> dict[str, float]:
-  """Median seconds per call of each fn, timed round-robin.
+) -> dict[str, list[float]]:
+  """Seconds per call of each fn in each round, timed round-robin.
 
   Rounds interleave the functions (a, b, c, a, b, c, ...) so that load from
   other processes hits every side alike; each is compiled and warmed first.
@@ -23,4 +23,21 @@ def time_interleaved(
       start = time.perf_counter()
       jax.block_until_ready(fn())
       times[name].append(time.perf_counter() - start)
+  return times
+
+
+def time_interleaved(
+  fns: dict[str, Callable[[], jax.Array]], rounds: int
+) -> dict[str, float]:
+  """Median seconds per call of each fn, timed round-robin (``time_rounds``)."""
+  times = time_rounds(fns, rounds)
   return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def ratio_spread(
+  ours: list[float], reference: list[float]
+) -> tuple[float, float]:
+  """The lowest and highest ratio of one round's times (ours / reference,
+  timed next to each other)."""
+  ratios = [a / b for a, b in zip(ours, reference, strict=True)]
+  return min(ratios), max(ratios)

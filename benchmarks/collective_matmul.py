@@ -4,7 +4,8 @@ For each ring length D and shape, in one run:
   ours / XLA for  all_gather_matmul      vs shard_map(all_gather + dot)
   ours / XLA for  matmul_reduce_scatter  vs shard_map(dot + psum_scatter)
 (median wall time of ``--repeats`` rounds after a warm-up, ours and XLA's
-interleaved so that machine noise hits both; bf16 inputs, f32 results),
+interleaved so that machine noise hits both, and in brackets the lowest and
+highest ratio of one round's pair; bf16 inputs, f32 results),
 followed by an analytical TPU estimate of the bidirectional schedule: flops
 and bytes per step and which transfer hides behind which matmul.
 
@@ -14,12 +15,18 @@ threaded TPU simulator instead, which is slower by orders of magnitude.
 
   mpmd bench collective_matmul            # D=4,8; n=m=1024, K=2048 + small
   mpmd bench collective_matmul --quick    # small shapes only (2 CPU cores)
+
+The large shape is the issue's (lhs (1024, 2048/D), rhs (2048/D, 1024) for
+the reduce-scatter, scattered along rows); the small one (n=128, K=512,
+m=256) is what test suites run, where a ring step's fixed costs (every
+exchange is a rendezvous of every simulated device) weigh most.
   python benchmarks/collective_matmul.py --quick
 """
 
 import argparse
 import functools
 import os
+import statistics
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -30,7 +37,7 @@ _MAX_RING = 8
 jax.config.update("jax_num_cpu_devices", _MAX_RING)
 
 import jax.numpy as jnp  # noqa: E402
-from _timing import time_interleaved  # noqa: E402
+from _timing import ratio_spread, time_rounds  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -94,20 +101,21 @@ def _cases(ring: int, shape, repeats: int):
     print(f"  D={ring} {name} n={n} K={k} m={m} ...", end="", flush=True)
     ours_fn = _mapped(ours, mesh, in_specs, out_spec)
     xla_fn = _mapped(xla, mesh, in_specs, out_spec)
-    times = time_interleaved(
+    times = time_rounds(
       {
         "ours": functools.partial(ours_fn, *args),
         "xla": functools.partial(xla_fn, *args),
       },
       repeats,
     )
-    t_ours, t_xla = times["ours"], times["xla"]
+    t_ours, t_xla = map(statistics.median, (times["ours"], times["xla"]))
+    spread = ratio_spread(times["ours"], times["xla"])
     print(
       f" ours {t_ours * 1e3:8.1f} ms  XLA {t_xla * 1e3:8.1f} ms  "
-      f"ratio {t_ours / t_xla:5.2f}",
+      f"ratio {t_ours / t_xla:5.2f} [{spread[0]:.2f}-{spread[1]:.2f}]",
       flush=True,
     )
-    yield name, ring, shape, t_ours / t_xla
+    yield name, ring, shape, t_ours / t_xla, spread
 
 
 def tpu_estimate(ring: int, shape) -> str:
@@ -157,7 +165,7 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--rings", default="4,8", help="comma-separated ring lengths (<= 8)"
   )
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=9)
   args = parser.parse_args(argv)
   rings = [int(r) for r in args.rings.split(",")]
   if any(r < 2 or r > _MAX_RING for r in rings):
@@ -172,8 +180,11 @@ def main(argv=None) -> int:
     for ring in rings:
       results.extend(_cases(ring, shape, args.repeats))
   print("\nratios ours / XLA (lower is better):")
-  for name, ring, (n, k, m), ratio in results:
-    print(f"  {name:<22} D={ring} n={n} K={k} m={m}: {ratio:5.2f}")
+  for name, ring, (n, k, m), ratio, (low, high) in results:
+    print(
+      f"  {name:<22} D={ring} n={n} K={k} m={m}: {ratio:5.2f} "
+      f"[{low:.2f}-{high:.2f}]"
+    )
   print("\nanalytical TPU estimate, all_gather_matmul (bidirectional):")
   for ring in rings:
     print(tpu_estimate(ring, LARGE))

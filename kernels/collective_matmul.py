@@ -775,24 +775,34 @@ def _ag_kernel_call(
 
     for t in range(num - 1):
       sources = []
+      if slots > 1:
+        # Slot (t-1) % slots was computed with at t-1 and forwarded by our
+        # transfer t: once that has left, transfer t-1+slots may refill
+        # it. Both directions say so before waiting for what arrives, so
+        # that (on the CPU lockstep path) the signals travel in one
+        # exchange with the data.
+        for st in streams:
+          slot_ref = r[f"slots_{st.tag}_{t % slots}"]
+          transfer(st, slot_ref, t).wait_send()
+          if t >= 1 and t - 1 + slots <= last:
+            pl.semaphore_signal(
+              r[f"cap_{st.tag}"], 1, device_id=coords.device_id(-st.offset)
+            )
       for st in streams:
         slot_ref = r[f"slots_{st.tag}_{t % slots}"]
         incoming = transfer(st, slot_ref, t)
         incoming.wait_recv()
-        incoming.wait_send()  # our own transfer t, same shape
-        upstream = coords.device_id(-st.offset)
         if slots == 1:
+          incoming.wait_send()  # our own transfer t, same shape
           # Free the only slot at once (see the module docstring).
           src = r[f"stage_{st.tag}"]
           pltpu.sync_copy(slot_ref, src)
-          free_now = t + 1 <= last
+          if t + 1 <= last:
+            pl.semaphore_signal(
+              r[f"cap_{st.tag}"], 1, device_id=coords.device_id(-st.offset)
+            )
         else:
           src = slot_ref
-          # Slot (t-1) % slots was computed at t-1 and forwarded by
-          # transfer t (just waited); transfer t-1+slots may refill it.
-          free_now = t >= 1 and t - 1 + slots <= last
-        if free_now:
-          pl.semaphore_signal(r[f"cap_{st.tag}"], 1, device_id=upstream)
         if t + 1 <= last:
           if t + 1 >= slots:
             pl.semaphore_wait(r[f"cap_{st.tag}"], 1)

@@ -1,5 +1,6 @@
 """Walking and rewriting kernel jaxprs, into loops, conds and scopes."""
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -46,6 +47,10 @@ def iter_eqns(jaxpr: core.Jaxpr) -> Iterator[core.JaxprEqn]:
       yield from iter_eqns(sub)
 
 
+# A rule may also carry a ``frame`` attribute: a context manager factory
+# entered around the equations of every jaxpr it rewrites (the top level,
+# loop bodies, branches, scopes), so that it can keep per-jaxpr state and
+# emit operations when a jaxpr's equations end.
 EqnRule = Callable[[core.JaxprEqn, list[Any]], list[Any] | None]
 
 
@@ -59,18 +64,20 @@ def _eval(jaxpr: core.Jaxpr, consts, args, rule: EqnRule):
     env[v] = x
   for v, x in zip(jaxpr.invars, args, strict=True):
     env[v] = x
-  for eqn in jaxpr.eqns:
-    invals = [read(a) for a in eqn.invars]
-    with (
-      source_info_util.user_context(eqn.source_info.traceback),
-      eqn.ctx.manager,
-    ):
-      outs = rule(eqn, invals)
-      if outs is None:
-        outs = bind_rewritten(eqn, invals, rule)
-    for v, x in zip(eqn.outvars, outs, strict=True):
-      if not isinstance(v, core.DropVar):
-        env[v] = x
+  frame = getattr(rule, "frame", contextlib.nullcontext)
+  with frame():
+    for eqn in jaxpr.eqns:
+      invals = [read(a) for a in eqn.invars]
+      with (
+        source_info_util.user_context(eqn.source_info.traceback),
+        eqn.ctx.manager,
+      ):
+        outs = rule(eqn, invals)
+        if outs is None:
+          outs = bind_rewritten(eqn, invals, rule)
+      for v, x in zip(eqn.outvars, outs, strict=True):
+        if not isinstance(v, core.DropVar):
+          env[v] = x
   return [read(a) for a in jaxpr.outvars]
 
 

@@ -7,6 +7,7 @@ DeadlockError that names the device and the semaphore.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmd
+from mpmd.lowering import lockstep
 
 ROWS = (8, 128)
 CORE = mpmd.tensorcore_mesh("core", num_cores=1)
@@ -117,8 +119,17 @@ def _ring_sum(n, interpret=None, debug=False):
   )(x)
 
 
+@pytest.fixture(params=["gathered", "ring_shifts"])
+def exchange(request, monkeypatch):
+  """Remote data travels in the batched all_gather (small, the default for
+  these shapes) or by ring shifts (what large data takes)."""
+  if request.param == "ring_shifts":
+    monkeypatch.setattr(lockstep, "_GATHER_BYTES", 0)
+  return request.param
+
+
 @pytest.mark.parametrize("n", [2, 4])
-def test_ring_all_reduce_runs_in_lockstep(n, capsys):
+def test_ring_all_reduce_runs_in_lockstep(n, capsys, exchange):
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
   x = _rows(mesh, P("x"))
   out = _sharded(mesh, P("x"), _ring_sum(n, debug=True))(x)
@@ -182,8 +193,63 @@ def test_lockstep_agrees_with_the_simulator():
   np.testing.assert_array_equal(lockstep, simulated)
 
 
+def _top_level_collectives(compiled) -> list[str]:
+  """The collectives the entry computation runs (not those in branches)."""
+  entry = compiled.as_text().split("\nENTRY ", 1)[1]
+  return re.findall(r"= \S+ (all-gather|collective-permute)\(", entry)
+
+
+@pytest.mark.parametrize("exchange", ["gathered", "ring_shifts"], indirect=True)
+def test_remote_operations_in_a_row_travel_in_one_exchange(exchange):
+  """Both neighbours' handshake signals, then both ring directions' DMAs:
+  one exchange each (every exchange is a rendezvous of every device), and
+  one for the failure report."""
+  n = 4
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    me = jax.lax.axis_index("x")
+    neighbours = [jax.lax.rem(me + d + n, n) for d in (1, -1)]
+    barrier = pltpu.get_barrier_semaphore()
+    for neighbour in neighbours:
+      pl.semaphore_signal(barrier, 1, device_id={"x": neighbour})
+    pl.semaphore_wait(barrier, 2)
+    copies = [
+      pltpu.make_async_remote_copy(
+        x_hbm.at[i], o_hbm.at[i], send.at[i], recv.at[i], device_id={"x": d}
+      )
+      for i, d in enumerate(neighbours)
+    ]
+    for copy in copies:
+      copy.start()
+    for copy in copies:
+      copy.wait()
+
+  def per_device(x):
+    return mpmd.mpmd_map(
+      [(CORE, kernel)],
+      jax.ShapeDtypeStruct(x.shape, x.dtype),
+      scratch_types=[pltpu.SemaphoreType.DMA((2,))] * 2,
+      compiler_params=pltpu.CompilerParams(collective_id=0),
+    )(x)
+
+  x = _rows(mesh, P("x"), (2, *ROWS))
+  fn = _sharded(mesh, P("x"), per_device)
+  out = np.asarray(fn(x)).reshape(n, 2, *ROWS)
+  blocks = np.asarray(x).reshape(n, 2, *ROWS)
+  np.testing.assert_array_equal(out[:, 0], np.roll(blocks[:, 0], 1, axis=0))
+  np.testing.assert_array_equal(out[:, 1], np.roll(blocks[:, 1], -1, axis=0))
+  collectives = _top_level_collectives(fn.lower(x).compile())
+  if exchange == "gathered":
+    assert collectives == ["all-gather"] * 3
+  else:
+    # The handshake (its targets give the DMAs' ring shifts) and the
+    # report; the data moves by ring shifts, in a switch on the pattern.
+    assert collectives == ["all-gather"] * 2
+
+
 @pytest.mark.parametrize("form", ["dict", "flat"])
-def test_every_device_sends_to_device_zero(form):
+def test_every_device_sends_to_device_zero(form, exchange):
   """Several senders into one device, each at its own offset."""
   n = 4
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
