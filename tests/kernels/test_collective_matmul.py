@@ -1,9 +1,10 @@
 """Collective matmul kernels vs plain-JAX references, under jax.shard_map.
 
 One test base per execution path: ``CpuFallbackTest`` runs the kernels on
-simulated CPU devices (the kernels synchronise across devices, so the CPU
-fallback runs them in the threaded TPU simulator) and compares them with the
-f32 HIGHEST-precision product of the global operands; ``TpuLoweringTest``
+simulated CPU devices (their devices exchange data in step, so the CPU
+fallback runs them on the lockstep path, remote DMAs as XLA collectives) and
+compares them with the f32 HIGHEST-precision product of the global operands
+(some cases also in the threaded TPU simulator); ``TpuLoweringTest``
 cross-lowers them for TPU from this CPU host. Ring lengths 2, 3, 4 and 8,
 both directions, 1/2/4 receive slots, f32 and bf16, 1-D and 2-D meshes,
 explicit ring orders, multi-tile pipelines and gradients are covered; the
