@@ -73,6 +73,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mpmd import meshes, targets
 from mpmd.registry import Demo, register_demo
+from mpmd.types import Interpret
 
 __all__ = [
   "BlockSizes",
@@ -302,7 +303,7 @@ def _check_block_sizes(fn_name: str, block_sizes: Any) -> BlockSizes:
 # ---------------------------------------------------------------------------
 
 
-def _mpmd_map(interpret: Any) -> tuple[Callable[..., Any], Any]:
+def _mpmd_map(interpret: Interpret) -> tuple[Callable[..., Any], Any]:
   # Imported late: mpmd imports the kernels package for its demos.
   import mpmd
 
@@ -315,7 +316,7 @@ def _launch(
   out_types: tuple[jax.ShapeDtypeStruct, ...],
   scratch_types: tuple[Any, ...],
   collective: bool,
-  interpret: Any,
+  interpret: Interpret,
   name: str,
   flops: int,
   bytes_accessed: int,
@@ -668,7 +669,7 @@ class _AgConfig(NamedTuple):
   buffering: int
   out_dtype: Any
   block_sizes: BlockSizes
-  interpret: Any
+  interpret: Interpret
 
 
 def _ag_kernel_call(
@@ -886,7 +887,7 @@ def all_gather_matmul(
   preferred_element_type: Any = jnp.float32,
   block_sizes: BlockSizes | None = None,
   ring: Sequence[int] | None = None,
-  interpret: Any = None,
+  interpret: Interpret = None,
 ) -> jax.Array:
   """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs``, fused.
 
@@ -984,7 +985,7 @@ class _RsConfig(NamedTuple):
   buffering: int
   out_dtype: Any
   block_sizes: BlockSizes
-  interpret: Any
+  interpret: Interpret
 
 
 def _rs_geometry(config: _RsConfig, n: int, m: int):
@@ -1225,7 +1226,7 @@ def matmul_reduce_scatter(
   preferred_element_type: Any = jnp.float32,
   block_sizes: BlockSizes | None = None,
   ring: Sequence[int] | None = None,
-  interpret: Any = None,
+  interpret: Interpret = None,
 ) -> jax.Array:
   """``psum_scatter(lhs @ rhs, axis_name, scatter_dimension, tiled=True)``.
 

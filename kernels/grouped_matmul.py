@@ -48,6 +48,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mpmd import meshes, targets
 from mpmd.registry import Demo, register_demo
+from mpmd.types import Interpret
 
 __all__ = ["gmm", "tgmm", "default_tiling"]
 
@@ -560,7 +561,7 @@ class _GmmConfig(NamedTuple):
   tiling: Tiling
   preferred_element_type: jnp.dtype
   transpose_rhs: bool
-  interpret: Any
+  interpret: Interpret
   buffer_count: int
 
 
@@ -851,7 +852,7 @@ def gmm(
   group_offset: jax.Array | int | None = None,
   existing_out: jax.Array | None = None,
   transpose_rhs: bool = False,
-  interpret: Any = None,
+  interpret: Interpret = None,
 ) -> jax.Array:
   """Grouped matmul: ``out[rows_i] = lhs[rows_i] @ rhs[i]`` for each group.
 
@@ -959,7 +960,7 @@ class _TgmmConfig(NamedTuple):
   tiling: Tiling
   preferred_element_type: jnp.dtype
   num_actual_groups: int
-  interpret: Any
+  interpret: Interpret
   buffer_count: int
 
 
@@ -1111,7 +1112,7 @@ def tgmm(
   group_offset: jax.Array | int | None = None,
   num_actual_groups: int | None = None,
   existing_out: jax.Array | None = None,
-  interpret: Any = None,
+  interpret: Interpret = None,
 ) -> jax.Array:
   """Transposed grouped matmul: ``out[i] = lhs[:, rows_i] @ rhs[rows_i]``.
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from mpmd.kernels.gpu import matmul as matmul_lib
+from mpmd.types import Interpret
 
 # Constants of the tanh approximation of GELU (jax.nn.gelu(approximate=True)),
 # folded in Python: Mosaic GPU has no sqrt on scalars.
@@ -49,7 +50,7 @@ def fused_matmul(
   warp_specialized: bool = False,
   num_compute_wgs: int = 2,
   out_dtype: Any = None,
-  interpret: Any = None,
+  interpret: Interpret = None,
   multi_mesh: bool = matmul_lib.MULTI_MESH_DEFAULT,
 ) -> jax.Array:
   """``activation(a @ b + c)`` with the epilogue fused into the matmul.

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mpmd.kernels.gpu import pipeline as pipeline_lib
+from mpmd.types import Interpret
 
 INPUT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 OUTPUT_DTYPES = (*INPUT_DTYPES, jnp.dtype(jnp.float32))
@@ -392,7 +393,7 @@ def build(
   epilogue: Epilogue = _default_epilogue,
   has_c: bool = False,
   multi_mesh: bool = MULTI_MESH_DEFAULT,
-  interpret: Any = None,
+  interpret: Interpret = None,
   name: str = "matmul",
 ) -> Callable[..., jax.Array]:
   """The ``mpmd_map`` callable of a validated config: ``f(a, b[, c])``."""
@@ -436,7 +437,7 @@ def matmul(
   warp_specialized: bool = False,
   num_compute_wgs: int = 2,
   out_dtype: Any = None,
-  interpret: Any = None,
+  interpret: Interpret = None,
   multi_mesh: bool = MULTI_MESH_DEFAULT,
 ) -> jax.Array:
   """``a @ b`` with TMA, swizzled SMEM and WGMMA, accumulated in f32.

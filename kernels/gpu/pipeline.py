@@ -51,6 +51,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from mpmd.types import Interpret
+
 # Buffers per streamed output: the body fills one while the TMA engine drains
 # the other.
 _OUTPUT_SLOTS = 2
@@ -1236,7 +1238,7 @@ def warp_specialized_kernel(
   grid_names: Sequence[str] = (),
   multi_mesh: bool = True,
   compiler_params: Any = None,
-  interpret: Any = None,
+  interpret: Interpret = None,
   name: str | None = None,
 ) -> Callable[..., Any]:
   """One ``mpmd_map`` call: a compute mesh and a memory mesh.
