@@ -72,7 +72,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mpmd import meshes, targets
-from mpmd.registry import Demo, register_demo
+from mpmd.api import mpmd_map
 from mpmd.types import Interpret
 
 __all__ = [
@@ -303,13 +303,6 @@ def _check_block_sizes(fn_name: str, block_sizes: Any) -> BlockSizes:
 # ---------------------------------------------------------------------------
 
 
-def _mpmd_map(interpret: Interpret) -> tuple[Callable[..., Any], Any]:
-  # Imported late: mpmd imports the kernels package for its demos.
-  import mpmd
-
-  return mpmd.mpmd_map, interpret
-
-
 def _launch(
   body: Callable[..., None],
   *,
@@ -323,7 +316,6 @@ def _launch(
   transcendentals: int = 0,
 ) -> Callable[..., Any]:
   mesh = meshes.tensorcore_mesh("core", num_cores=1)
-  mpmd_map, interpret = _mpmd_map(interpret)
   return mpmd_map(
     [(mesh, body)],
     out_types=out_types,
@@ -1316,83 +1308,3 @@ def matmul_reduce_scatter(
   _pick_block(fn_name, "block_k", k, config.block_sizes.block_k)
   _pick_block(fn_name, "block_m", region[1], config.block_sizes.block_m)
   return _rs_matmul(config, lhs, rhs)
-
-
-# ---------------------------------------------------------------------------
-# Demos for ``mpmd lower`` / ``mpmd check``.
-# ---------------------------------------------------------------------------
-
-_DEMO_RING = 4
-
-
-def _demo_mesh() -> jax.sharding.Mesh:
-  return jax.make_mesh(
-    (_DEMO_RING,), ("x",), devices=jax.devices()[:_DEMO_RING]
-  )
-
-
-def _demo_operands(mesh, lhs_shape, lhs_spec, rhs_shape, rhs_spec):
-  P = jax.sharding.PartitionSpec
-  put = lambda x, spec: jax.device_put(  # noqa: E731
-    x, jax.sharding.NamedSharding(mesh, P(*spec))
-  )
-  lhs = jax.random.normal(jax.random.key(0), lhs_shape, jnp.bfloat16)
-  rhs = jax.random.normal(jax.random.key(1), rhs_shape, jnp.bfloat16)
-  return put(lhs, lhs_spec), put(rhs, rhs_spec)
-
-
-def _reference_matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-  # On the gathered global operands, in f32 (sharded contracting dimensions
-  # would make jnp.dot ask for an output sharding).
-  lhs, rhs = (np.asarray(x, np.float32) for x in (lhs, rhs))
-  return jnp.asarray(np.matmul(lhs, rhs))
-
-
-@register_demo("all_gather_matmul")
-def _all_gather_matmul_demo() -> Demo:
-  P = jax.sharding.PartitionSpec
-  mesh = _demo_mesh()
-  fn = jax.shard_map(
-    functools.partial(all_gather_matmul, axis_name="x"),
-    mesh=mesh,
-    in_specs=(P(None, "x"), P()),
-    out_specs=P(),
-    check_vma=False,
-  )
-  args = _demo_operands(
-    mesh, (16, 128 * _DEMO_RING), (None, "x"), (128 * _DEMO_RING, 128), ()
-  )
-  return Demo(
-    fn,
-    args,
-    platforms=("tpu", "cpu"),
-    num_devices=_DEMO_RING,
-    reference=_reference_matmul,
-  )
-
-
-@register_demo("matmul_reduce_scatter")
-def _matmul_reduce_scatter_demo() -> Demo:
-  P = jax.sharding.PartitionSpec
-  mesh = _demo_mesh()
-  fn = jax.shard_map(
-    functools.partial(matmul_reduce_scatter, axis_name="x"),
-    mesh=mesh,
-    in_specs=(P(None, "x"), P("x")),
-    out_specs=P("x"),
-    check_vma=False,
-  )
-  args = _demo_operands(
-    mesh,
-    (16 * _DEMO_RING, 128 * _DEMO_RING),
-    (None, "x"),
-    (128 * _DEMO_RING, 256),
-    ("x",),
-  )
-  return Demo(
-    fn,
-    args,
-    platforms=("tpu", "cpu"),
-    num_devices=_DEMO_RING,
-    reference=_reference_matmul,
-  )

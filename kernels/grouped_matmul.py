@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mpmd import meshes, targets
-from mpmd.registry import Demo, register_demo
+from mpmd.api import mpmd_map
 from mpmd.types import Interpret
 
 __all__ = ["gmm", "tgmm", "default_tiling"]
@@ -76,20 +76,6 @@ _SUPPORTED_DTYPES = (
   jnp.dtype(jnp.bfloat16),
   jnp.dtype(jnp.float16),
 )
-
-
-# ------------------------------------------------------------------ mpmd_map
-
-
-def _mpmd_map(*args, **kwargs):
-  """``mpmd.mpmd_map``, imported when first used.
-
-  Importing ``mpmd`` at module level would tie this module's import to the
-  package's (``mpmd.registry.demos`` imports the kernels).
-  """
-  import mpmd
-
-  return mpmd.mpmd_map(*args, **kwargs)
 
 
 # ------------------------------------------------------------------- tiling
@@ -735,7 +721,7 @@ def _gmm_call(
       + out_bytes * (2 if has_existing else 1)
     ),
   )
-  call = _mpmd_map(
+  call = mpmd_map(
     [(_mesh(), kernel)],
     out_types=_out_type((m, n), out_dtype, *operands),
     input_output_aliases={_EXISTING_OUT_INDEX: 0} if has_existing else {},
@@ -1091,7 +1077,7 @@ def _tgmm_call(
       + out_bytes * (2 if has_existing else 1)
     ),
   )
-  call = _mpmd_map(
+  call = mpmd_map(
     [(_mesh(), kernel)],
     out_types=_out_type((num_local, k, n), out_dtype, *operands),
     input_output_aliases={_EXISTING_OUT_INDEX: 0} if has_existing else {},
@@ -1200,31 +1186,3 @@ def tgmm(
 @functools.cache
 def _jitted_tgmm(cfg: _TgmmConfig):
   return jax.jit(functools.partial(_tgmm_call, cfg=cfg))
-
-
-# -------------------------------------------------------------------- demos
-
-
-def _demo_operands():
-  m, k, n, groups = 256, 128, 128, 4
-  lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-  rhs = jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16)
-  sizes = jax.ShapeDtypeStruct((groups,), jnp.int32)
-  return lhs, rhs, sizes
-
-
-@register_demo("gmm")
-def _gmm_demo() -> Demo:
-  lhs, rhs, sizes = _demo_operands()
-  fn = functools.partial(gmm, tiling=(128, 128, 128))
-  return Demo(fn, (lhs, rhs, sizes), platforms=("tpu", "cpu"))
-
-
-@register_demo("tgmm")
-def _tgmm_demo() -> Demo:
-  m, k, n, groups = 256, 128, 128, 4
-  lhs = jax.ShapeDtypeStruct((k, m), jnp.bfloat16)
-  rhs = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-  sizes = jax.ShapeDtypeStruct((groups,), jnp.int32)
-  fn = functools.partial(tgmm, tiling=(128, 128, 128))
-  return Demo(fn, (lhs, rhs, sizes), platforms=("tpu", "cpu"))

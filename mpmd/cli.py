@@ -32,7 +32,7 @@ def _check(args) -> int:
   import jaxlib
 
   import mpmd
-  from mpmd import registry
+  from mpmd import demos, registry
 
   print(f"jax-mpmd {mpmd.__version__}")
   print(f"python   {platform.python_version()}")
@@ -40,7 +40,7 @@ def _check(args) -> int:
   print(f"backend  {jax.default_backend()} ({len(jax.devices())} devices)")
   rows, ok = [], True
   for demo_name in ("quickstart", "gpu_quickstart"):
-    demo = registry.demos()[demo_name]()
+    demo = demos.registered()[demo_name]()
     for target in demo.platforms:
       start = time.perf_counter()
       try:
@@ -68,7 +68,7 @@ def _lowered_text(demo, target: str) -> str:
 
 
 def _load_demo(name: str):
-  from mpmd import registry
+  from mpmd import demos
 
   if name.endswith(".py"):
     path = Path(name)
@@ -82,7 +82,7 @@ def _load_demo(name: str):
         f"mpmd lower: {name} defines no demo() returning mpmd.registry.Demo"
       )
     return module.demo()
-  known = registry.demos()
+  known = demos.registered()
   if name not in known:
     raise SystemExit(
       f"mpmd lower: unknown kernel {name!r}; known: {', '.join(sorted(known))}"

@@ -1,14 +1,21 @@
-"""Built-in demos: the smallest kernels that show each platform works."""
+"""Built-in demos: the smallest programs that show each kernel and platform
+work, for ``mpmd lower NAME`` and ``mpmd check``. Importing this module
+registers them (``registered()``); kernel modules know nothing of demos."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
-from mpmd import meshes
+from mpmd import meshes, registry
 from mpmd.api import mpmd_map
-from mpmd.registry import Demo, register_demo
+from mpmd.kernels import collective_matmul, grouped_matmul
+from mpmd.kernels.gpu import matmul as gpu_matmul  # the function
+from mpmd.registry import Demo, DemoFactory, register_demo
 
 
 def _axpy_kernel(x_hbm, y_hbm, o_hbm, x_vmem, y_vmem):
@@ -51,3 +58,135 @@ def gpu_add_one(x: jax.Array) -> jax.Array:
 def _gpu_quickstart() -> Demo:
   x = jnp.arange(128 * 128, dtype=jnp.float32).reshape(128, 128)
   return Demo(gpu_add_one, (x,), ("cuda", "cpu"), reference=lambda x: x + 1)
+
+
+# -- grouped matmul ------------------------------------------------------------
+
+
+def _gmm_operands():
+  m, k, n, groups = 256, 128, 128, 4
+  lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((groups,), jnp.int32)
+  return lhs, rhs, sizes
+
+
+@register_demo("gmm")
+def _gmm_demo() -> Demo:
+  lhs, rhs, sizes = _gmm_operands()
+  fn = functools.partial(grouped_matmul.gmm, tiling=(128, 128, 128))
+  return Demo(fn, (lhs, rhs, sizes), platforms=("tpu", "cpu"))
+
+
+@register_demo("tgmm")
+def _tgmm_demo() -> Demo:
+  m, k, n, groups = 256, 128, 128, 4
+  lhs = jax.ShapeDtypeStruct((k, m), jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((groups,), jnp.int32)
+  fn = functools.partial(grouped_matmul.tgmm, tiling=(128, 128, 128))
+  return Demo(fn, (lhs, rhs, sizes), platforms=("tpu", "cpu"))
+
+
+# -- collective matmul ---------------------------------------------------------
+
+
+_DEMO_RING = 4
+
+
+def _demo_mesh() -> jax.sharding.Mesh:
+  return jax.make_mesh(
+    (_DEMO_RING,), ("x",), devices=jax.devices()[:_DEMO_RING]
+  )
+
+
+def _demo_operands(mesh, lhs_shape, lhs_spec, rhs_shape, rhs_spec):
+  P = jax.sharding.PartitionSpec
+  put = lambda x, spec: jax.device_put(  # noqa: E731
+    x, jax.sharding.NamedSharding(mesh, P(*spec))
+  )
+  lhs = jax.random.normal(jax.random.key(0), lhs_shape, jnp.bfloat16)
+  rhs = jax.random.normal(jax.random.key(1), rhs_shape, jnp.bfloat16)
+  return put(lhs, lhs_spec), put(rhs, rhs_spec)
+
+
+def _reference_matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  # On the gathered global operands, in f32 (sharded contracting dimensions
+  # would make jnp.dot ask for an output sharding).
+  lhs, rhs = (np.asarray(x, np.float32) for x in (lhs, rhs))
+  return jnp.asarray(np.matmul(lhs, rhs))
+
+
+@register_demo("all_gather_matmul")
+def _all_gather_matmul_demo() -> Demo:
+  P = jax.sharding.PartitionSpec
+  mesh = _demo_mesh()
+  fn = jax.shard_map(
+    functools.partial(collective_matmul.all_gather_matmul, axis_name="x"),
+    mesh=mesh,
+    in_specs=(P(None, "x"), P()),
+    out_specs=P(),
+    check_vma=False,
+  )
+  args = _demo_operands(
+    mesh, (16, 128 * _DEMO_RING), (None, "x"), (128 * _DEMO_RING, 128), ()
+  )
+  return Demo(
+    fn,
+    args,
+    platforms=("tpu", "cpu"),
+    num_devices=_DEMO_RING,
+    reference=_reference_matmul,
+  )
+
+
+@register_demo("matmul_reduce_scatter")
+def _matmul_reduce_scatter_demo() -> Demo:
+  P = jax.sharding.PartitionSpec
+  mesh = _demo_mesh()
+  fn = jax.shard_map(
+    functools.partial(collective_matmul.matmul_reduce_scatter, axis_name="x"),
+    mesh=mesh,
+    in_specs=(P(None, "x"), P("x")),
+    out_specs=P("x"),
+    check_vma=False,
+  )
+  args = _demo_operands(
+    mesh,
+    (16 * _DEMO_RING, 128 * _DEMO_RING),
+    (None, "x"),
+    (128 * _DEMO_RING, 256),
+    ("x",),
+  )
+  return Demo(
+    fn,
+    args,
+    platforms=("tpu", "cpu"),
+    num_devices=_DEMO_RING,
+    reference=_reference_matmul,
+  )
+
+
+# -- GPU matmul ----------------------------------------------------------------
+
+
+def _gpu_matmul(warp_specialized: bool) -> Demo:
+  # One CTA row of two tiles, two K steps: small enough for the simulator.
+  m, n, k = 128, 256, 128
+  key_a, key_b = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(key_a, (m, k), jnp.float16)
+  b = jax.random.normal(key_b, (k, n), jnp.float16)
+  return Demo(
+    fn=lambda a, b: gpu_matmul(a, b, warp_specialized=warp_specialized),
+    args=(a, b),
+    platforms=("cuda", "cpu"),
+  )
+
+
+register_demo("gpu_matmul")(lambda: _gpu_matmul(False))
+register_demo("gpu_matmul_ws")(lambda: _gpu_matmul(True))
+
+
+def registered() -> dict[str, DemoFactory]:
+  """Every built-in demo, by name (``mpmd lower NAME``, ``mpmd check``)."""
+  return registry.registered()

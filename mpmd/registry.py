@@ -1,7 +1,7 @@
 """Named, lowerable demos of kernels for the ``mpmd lower`` command.
 
-A kernel module registers a small factory that returns a jittable function
-and example arguments; ``mpmd lower NAME --platform tpu`` lowers it. The
+``mpmd.demos`` registers small factories that return a jittable function
+and example arguments; ``mpmd lower NAME --platform tpu`` lowers one. A
 factory runs only when asked for, so registering costs nothing at import.
 """
 
@@ -40,11 +40,9 @@ def register_demo(
   return decorator
 
 
-def demos() -> dict[str, DemoFactory]:
-  """All registered demos, by name (kernels imported first)."""
-  import mpmd.demos  # noqa: F401  (these register on import)
-  import mpmd.kernels  # noqa: F401
-
+def registered() -> dict[str, DemoFactory]:
+  """The demos registered so far, by name (``mpmd.demos`` registers the
+  built-in ones when imported)."""
   return dict(_DEMOS)
 
 

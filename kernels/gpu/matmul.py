@@ -481,28 +481,3 @@ def matmul(
     out_dtype=out_dtype,
   )
   return build(config, multi_mesh=multi_mesh, interpret=interpret)(a, b)
-
-
-def _demo(warp_specialized: bool):
-  from mpmd.registry import Demo
-
-  # One CTA row of two tiles, two K steps: small enough for the simulator.
-  m, n, k = 128, 256, 128
-  key_a, key_b = jax.random.split(jax.random.key(0))
-  a = jax.random.normal(key_a, (m, k), jnp.float16)
-  b = jax.random.normal(key_b, (k, n), jnp.float16)
-  return Demo(
-    fn=lambda a, b: matmul(a, b, warp_specialized=warp_specialized),
-    args=(a, b),
-    platforms=("cuda", "cpu"),
-  )
-
-
-def _register_demos() -> None:
-  from mpmd.registry import register_demo
-
-  register_demo("gpu_matmul")(lambda: _demo(False))
-  register_demo("gpu_matmul_ws")(lambda: _demo(True))
-
-
-_register_demos()

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmd
-from mpmd import registry
+from mpmd import demos
 from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter
 from mpmd.kernels import collective_matmul as cm
 
@@ -793,7 +793,7 @@ class TestTpuLowering:
     "name", ["all_gather_matmul", "matmul_reduce_scatter"]
   )
   def test_registered_demo_lowers(self, name):
-    demo = registry.demos()[name]()
+    demo = demos.registered()[name]()
     assert demo.platforms == ("tpu", "cpu")
     text = (
       jax.jit(demo.fn)

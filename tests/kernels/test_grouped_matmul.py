@@ -685,9 +685,9 @@ class TestTpuCrossLowering:
 
   @pytest.mark.parametrize("name", ["gmm", "tgmm"])
   def test_registered_demos(self, name):
-    from mpmd.registry import demos
+    from mpmd import demos
 
-    demo = demos()[name]()
+    demo = demos.registered()[name]()
     assert "tpu" in demo.platforms and "cpu" in demo.platforms
     assert "tpu_custom_call" in self.lower(demo.fn, *demo.args)
 

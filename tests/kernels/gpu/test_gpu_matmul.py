@@ -132,9 +132,9 @@ class TestMatmulCudaLowering(MatmulTestBase):
     assert len(util.MOSAIC_GPU_CALL.findall(lowered)) == 1
 
   def test_demos_lower(self):
-    from mpmd.registry import demos
+    from mpmd import demos
 
-    registered = demos()
+    registered = demos.registered()
     for name in ("gpu_matmul", "gpu_matmul_ws"):
       demo = registered[name]()
       assert "cuda" in demo.platforms
