@@ -94,22 +94,6 @@ def _tgmm_demo() -> Demo:
 _DEMO_RING = 4
 
 
-def _demo_mesh() -> jax.sharding.Mesh:
-  return jax.make_mesh(
-    (_DEMO_RING,), ("x",), devices=jax.devices()[:_DEMO_RING]
-  )
-
-
-def _demo_operands(mesh, lhs_shape, lhs_spec, rhs_shape, rhs_spec):
-  P = jax.sharding.PartitionSpec
-  put = lambda x, spec: jax.device_put(  # noqa: E731
-    x, jax.sharding.NamedSharding(mesh, P(*spec))
-  )
-  lhs = jax.random.normal(jax.random.key(0), lhs_shape, jnp.bfloat16)
-  rhs = jax.random.normal(jax.random.key(1), rhs_shape, jnp.bfloat16)
-  return put(lhs, lhs_spec), put(rhs, rhs_spec)
-
-
 def _reference_matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   # On the gathered global operands, in f32 (sharded contracting dimensions
   # would make jnp.dot ask for an output sharding).
@@ -117,53 +101,58 @@ def _reference_matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   return jnp.asarray(np.matmul(lhs, rhs))
 
 
-@register_demo("all_gather_matmul")
-def _all_gather_matmul_demo() -> Demo:
+def _collective_demo(kernel, lhs_shape, rhs_shape, rhs_spec, out_spec) -> Demo:
+  """``kernel`` on a ``_DEMO_RING``-device ring, bf16, lhs sharded along K."""
   P = jax.sharding.PartitionSpec
-  mesh = _demo_mesh()
+  mesh = jax.make_mesh(
+    (_DEMO_RING,), ("x",), devices=jax.devices()[:_DEMO_RING]
+  )
   fn = jax.shard_map(
-    functools.partial(collective_matmul.all_gather_matmul, axis_name="x"),
+    functools.partial(kernel, axis_name="x"),
     mesh=mesh,
-    in_specs=(P(None, "x"), P()),
-    out_specs=P(),
+    in_specs=(P(None, "x"), rhs_spec),
+    out_specs=out_spec,
     check_vma=False,
   )
-  args = _demo_operands(
-    mesh, (16, 128 * _DEMO_RING), (None, "x"), (128 * _DEMO_RING, 128), ()
-  )
+  args = [
+    jax.device_put(
+      jax.random.normal(jax.random.key(i), shape, jnp.bfloat16),
+      jax.sharding.NamedSharding(mesh, spec),
+    )
+    for i, (shape, spec) in enumerate(
+      [(lhs_shape, P(None, "x")), (rhs_shape, rhs_spec)]
+    )
+  ]
   return Demo(
     fn,
-    args,
+    tuple(args),
     platforms=("tpu", "cpu"),
     num_devices=_DEMO_RING,
     reference=_reference_matmul,
+  )
+
+
+@register_demo("all_gather_matmul")
+def _all_gather_matmul_demo() -> Demo:
+  P = jax.sharding.PartitionSpec
+  return _collective_demo(
+    collective_matmul.all_gather_matmul,
+    lhs_shape=(16, 128 * _DEMO_RING),
+    rhs_shape=(128 * _DEMO_RING, 128),
+    rhs_spec=P(),
+    out_spec=P(),
   )
 
 
 @register_demo("matmul_reduce_scatter")
 def _matmul_reduce_scatter_demo() -> Demo:
   P = jax.sharding.PartitionSpec
-  mesh = _demo_mesh()
-  fn = jax.shard_map(
-    functools.partial(collective_matmul.matmul_reduce_scatter, axis_name="x"),
-    mesh=mesh,
-    in_specs=(P(None, "x"), P("x")),
-    out_specs=P("x"),
-    check_vma=False,
-  )
-  args = _demo_operands(
-    mesh,
-    (16 * _DEMO_RING, 128 * _DEMO_RING),
-    (None, "x"),
-    (128 * _DEMO_RING, 256),
-    ("x",),
-  )
-  return Demo(
-    fn,
-    args,
-    platforms=("tpu", "cpu"),
-    num_devices=_DEMO_RING,
-    reference=_reference_matmul,
+  return _collective_demo(
+    collective_matmul.matmul_reduce_scatter,
+    lhs_shape=(16 * _DEMO_RING, 128 * _DEMO_RING),
+    rhs_shape=(128 * _DEMO_RING, 256),
+    rhs_spec=P("x"),
+    out_spec=P("x"),
   )
 
 

@@ -64,6 +64,20 @@ def _shift_along(axis: str, size: int):
   return kernel
 
 
+def _swap_under_a_condition(x_hbm, o_hbm, send, recv):
+  """Two devices swap blocks; the DMA starts under a (true) condition."""
+  me = jax.lax.axis_index("x")
+  copy = pltpu.make_async_remote_copy(
+    x_hbm, o_hbm, send, recv, device_id={"x": 1 - me}
+  )
+
+  @pl.when(me >= 0)
+  def _():
+    copy.start()
+
+  copy.wait()
+
+
 def _ring_sum(n, interpret=None, debug=False):
   """All-reduce around a ring: a fori_loop of remote DMAs, each step's
   buffer slot freed by a capacity signal, after a barrier handshake."""
@@ -157,21 +171,9 @@ def test_interpret_true_refuses_remote_dmas_it_cannot_run_in_step():
   n = 2
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
 
-  def kernel(x_hbm, o_hbm, send, recv):
-    me = jax.lax.axis_index("x")
-    copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"x": 1 - me}
-    )
-
-    @pl.when(me >= 0)
-    def _():
-      copy.start()
-
-    copy.wait()
-
   def per_device(x):
     sems = [pltpu.SemaphoreType.DMA(())] * 2
-    return _launch(kernel, ROWS, sems, interpret=True)(x)
+    return _launch(_swap_under_a_condition, ROWS, sems, interpret=True)(x)
 
   with pytest.raises(
     NotImplementedError,
@@ -353,21 +355,9 @@ def test_a_remote_dma_under_a_condition_goes_to_the_simulator(capsys):
   n = 2
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
 
-  def kernel(x_hbm, o_hbm, send, recv):
-    me = jax.lax.axis_index("x")
-    copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"x": 1 - me}
-    )
-
-    @pl.when(me >= 0)
-    def _():
-      copy.start()
-
-    copy.wait()
-
   def per_device(x):
     sems = [pltpu.SemaphoreType.DMA(())] * 2
-    return _launch(kernel, ROWS, sems, debug=True)(x)
+    return _launch(_swap_under_a_condition, ROWS, sems, debug=True)(x)
 
   x = _rows(mesh, P("x"))
   with mpmd.deadlock_timeout(60.0):
