@@ -1,0 +1,143 @@
+"""What the kernels share: input checks, output types, meshes.
+
+Every check names the public function and the argument, says what was
+expected and what came, and raises before anything is traced:
+``TypeError`` when the argument is the wrong kind of object (not an array,
+not an int, an unsupported dtype), ``ValueError`` when it is the right kind
+with a wrong value (rank, shape, range, divisibility).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpmd import meshes
+
+
+def dtype_names(dtypes: Iterable[Any]) -> str:
+  """``"float32, bfloat16 or float16"``: dtypes for a message."""
+  names = [jnp.dtype(d).name for d in dtypes]
+  return (
+    names[0]
+    if len(names) == 1
+    else ", ".join(names[:-1]) + (f" or {names[-1]}")
+  )
+
+
+def check_array(
+  fn: str,
+  arg: str,
+  x: Any,
+  *,
+  rank: int | None = None,
+  shape_doc: str = "",
+  nonempty: bool = False,
+) -> None:
+  """An array (anything with ``shape`` and ``dtype``) of the given rank.
+
+  ``shape_doc`` (e.g. ``"(m, k)"``) is shown in the messages; ``nonempty``
+  rejects zero-sized dimensions.
+  """
+  doc = f" {shape_doc}" if shape_doc else ""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(
+      f"{fn}: expected '{arg}' to be an array{doc}, got {type(x).__name__}"
+    )
+  shape = tuple(x.shape)
+  if rank is not None and len(shape) != rank:
+    raise ValueError(
+      f"{fn}: expected '{arg}' of rank {rank}{doc}, got rank {len(shape)} "
+      f"with shape {shape}"
+    )
+  if nonempty and 0 in shape:
+    raise ValueError(
+      f"{fn}: expected '{arg}'{doc} with no zero-sized dimension, got "
+      f"shape {shape}"
+    )
+
+
+def check_dtype(fn: str, arg: str, x: Any, allowed: Collection[Any]) -> Any:
+  """``x``'s dtype is one of ``allowed``; returns it."""
+  dtype = jnp.dtype(x.dtype)
+  if dtype not in {jnp.dtype(d) for d in allowed}:
+    raise TypeError(
+      f"{fn}: expected '{arg}' of dtype {dtype_names(allowed)}, got "
+      f"{dtype.name}"
+    )
+  return dtype
+
+
+def as_dtype(fn: str, arg: str, value: Any, allowed: Collection[Any]) -> Any:
+  """``value`` names one of the ``allowed`` dtypes; returns it."""
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError:
+    raise TypeError(
+      f"{fn}: expected '{arg}' to be a dtype, got {value!r}"
+    ) from None
+  if dtype not in {jnp.dtype(d) for d in allowed}:
+    raise TypeError(
+      f"{fn}: expected '{arg}' {dtype_names(allowed)}, got {dtype.name}"
+    )
+  return dtype
+
+
+def check_bool(fn: str, arg: str, value: Any) -> bool:
+  if not isinstance(value, bool | np.bool_):
+    raise TypeError(f"{fn}: expected '{arg}' to be a bool, got {value!r}")
+  return bool(value)
+
+
+def check_int(
+  fn: str,
+  arg: str,
+  value: Any,
+  *,
+  minimum: int = 1,
+  multiple_of: int = 1,
+  why: str = "",
+) -> int:
+  """An int (not a bool) ``>= minimum`` and a multiple of ``multiple_of``;
+  ``why`` says what the multiple stands for."""
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise TypeError(f"{fn}: expected '{arg}' to be an int, got {value!r}")
+  value = int(value)
+  if value < minimum:
+    raise ValueError(f"{fn}: expected '{arg}' >= {minimum}, got {value}")
+  if value % multiple_of:
+    reason = f" ({why})" if why else ""
+    raise ValueError(
+      f"{fn}: expected '{arg}' to be a multiple of {multiple_of}{reason}, "
+      f"got {value}"
+    )
+  return value
+
+
+def varying_axes(*operands: Any) -> frozenset[Any]:
+  """The manual mesh axes any of ``operands`` varies over (inside
+  ``jax.shard_map(..., check_vma=True)``; empty outside)."""
+  return frozenset().union(
+    *(jax.typeof(x).manual_axis_type.varying for x in operands)
+  )
+
+
+def out_type(
+  shape: tuple[int, ...], dtype: Any, varying: frozenset[Any] = frozenset()
+) -> jax.ShapeDtypeStruct:
+  """A kernel output type that varies over ``varying`` (see
+  :func:`varying_axes`), as ``shard_map(check_vma=True)`` needs."""
+  return jax.ShapeDtypeStruct(
+    shape,
+    dtype,
+    manual_axis_type=jax.sharding.ManualAxisType(varying=varying),
+  )
+
+
+def single_core_mesh() -> Any:
+  """The one-TensorCore mesh of the TPU kernels (its axis: ``"core"``)."""
+  return meshes.tensorcore_mesh("core", num_cores=1)
