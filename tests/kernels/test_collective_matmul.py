@@ -31,6 +31,7 @@ import mpmd
 from mpmd import demos
 from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter
 from mpmd.kernels import collective_matmul as cm
+from mpmd.kernels.collective_matmul import checks
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -806,7 +807,7 @@ class TestTpuLowering:
 
 def test_pick_block_tiles_large_dimensions():
   # Large dims are tiled (so no operand has to fit in VMEM), small ones not.
-  pick = functools.partial(cm._pick_block, "f", "block_k", requested=None)
+  pick = functools.partial(checks.pick_block, "f", "block_k", requested=None)
   assert pick(4096, platform="tpu") == 512
   assert pick(640, platform="tpu") == 128
   assert pick(384, platform="tpu") == 384

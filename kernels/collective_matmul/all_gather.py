@@ -1,0 +1,205 @@
+"""The all-gather matmul kernel: ring steps, flow control, the launch."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mpmd.kernels.collective_matmul.checks import BlockSizes, pick_block
+from mpmd.kernels.collective_matmul.ring import (
+  Ring,
+  RingCoords,
+  handshake,
+  make_streams,
+  ring_scratch,
+  ring_table,
+)
+from mpmd.kernels.collective_matmul.tiles import (
+  TileBuffers,
+  launch,
+  matmul,
+  named_refs,
+  out_type,
+  remote_copy,
+)
+from mpmd.types import Interpret
+
+
+class AgConfig(NamedTuple):
+  """Static configuration of one all-gather matmul (hashable)."""
+
+  ring: Ring
+  bidirectional: bool
+  buffering: int
+  out_dtype: Any
+  block_sizes: BlockSizes
+  interpret: Interpret
+
+
+def ag_kernel_call(
+  config: AgConfig, lhs: jax.Array, rhs: jax.Array, *, return_gathered: bool
+):
+  fn_name = "all_gather_matmul"
+  ring = config.ring
+  num = ring.size
+  n, k_local = lhs.shape
+  k_total, m = rhs.shape
+  dtype = jnp.dtype(lhs.dtype)
+  out_dtype = config.out_dtype
+  streams = make_streams(n, config.bidirectional) if num > 1 else ()
+  rows = streams[0].size if streams else n
+  bn = pick_block(fn_name, "block_n", rows, config.block_sizes.block_n)
+  bk = pick_block(fn_name, "block_k", k_local, config.block_sizes.block_k)
+  bm = pick_block(fn_name, "block_m", m, config.block_sizes.block_m)
+  # Slots beyond the number of transfers would never be used.
+  slots = min(config.buffering, max(num - 1, 1))
+  last = num - 2  # index of the last ring transfer
+
+  outs: dict[str, Any] = {"out": out_type((n, m), out_dtype, (lhs, rhs), ring)}
+  acc_in_out = out_dtype == jnp.float32 or num == 1
+  if not acc_in_out:
+    outs["acc"] = out_type((n, m), jnp.float32, (lhs, rhs), ring)
+  # Ring buffers live in HBM. They are outputs of the launch (and dropped
+  # afterwards) rather than scratch so that remote DMAs may target them on
+  # every execution path.
+  for st in streams:
+    for i in range(slots):
+      outs[f"slots_{st.tag}_{i}"] = out_type(
+        (st.size, k_local), dtype, (lhs,), ring
+      )
+    if slots == 1:
+      outs[f"stage_{st.tag}"] = out_type(
+        (st.size, k_local), dtype, (lhs,), ring
+      )
+  if return_gathered:
+    outs["gathered"] = out_type((n, k_total), dtype, (lhs,), ring)
+  scratch = ring_scratch(
+    TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named(),
+    ring,
+    num,
+    streams,
+    slots,
+  )
+  names = (*outs, *scratch)
+
+  def body(*refs):
+    (table_ref, lhs_ref, rhs_ref), r = named_refs(refs, 3, names)
+    bufs = TileBuffers.from_named(r)
+    out_ref = r["out"]
+    acc_ref = out_ref if acc_in_out else r["acc"]
+    pltpu.sync_copy(table_ref, r["ring_table"])
+    coords = RingCoords(ring, r["ring_table"])
+    me = coords.device_at(0)
+
+    def local_matmul(src, st_start, st_size, origin, *, first, final):
+      region = pl.ds(st_start, st_size)
+      matmul(
+        bufs,
+        src,
+        rhs_ref,
+        (out_ref if final else acc_ref).at[region],
+        rows=(0, st_size),
+        lhs_cols=0,
+        rhs_rows=origin * k_local,
+        cols=(0, m),
+        k=k_local,
+        init=None if first else acc_ref.at[region],
+      )
+
+    if return_gathered:
+      pltpu.sync_copy(
+        lhs_ref, r["gathered"].at[:, pl.ds(me * k_local, k_local)]
+      )
+    if not streams:
+      local_matmul(lhs_ref, 0, n, me, first=True, final=True)
+      return
+
+    handshake(coords)
+
+    def transfer(st, src, t):
+      # Transfer t lands in slot t % slots of the downstream neighbour.
+      return remote_copy(
+        src,
+        r[f"slots_{st.tag}_{t % slots}"],
+        r[f"send_{st.tag}"],
+        r[f"recv_{st.tag}"].at[t % slots],
+        coords.device_id(st.offset),
+      )
+
+    for st in streams:
+      transfer(st, lhs_ref.at[pl.ds(st.start, st.size)], 0).start()
+    for st in streams:
+      local_matmul(
+        lhs_ref.at[pl.ds(st.start, st.size)],
+        st.start,
+        st.size,
+        me,
+        first=True,
+        final=False,
+      )
+
+    for t in range(num - 1):
+      sources = []
+      if slots > 1:
+        # Slot (t-1) % slots was computed with at t-1 and forwarded by our
+        # transfer t: once that has left, transfer t-1+slots may refill
+        # it. Both directions say so before waiting for what arrives, so
+        # that (on the CPU lockstep path) the signals travel in one
+        # exchange with the data.
+        for st in streams:
+          slot_ref = r[f"slots_{st.tag}_{t % slots}"]
+          transfer(st, slot_ref, t).wait_send()
+          if t >= 1 and t - 1 + slots <= last:
+            pl.semaphore_signal(
+              r[f"cap_{st.tag}"], 1, device_id=coords.device_id(-st.offset)
+            )
+      for st in streams:
+        slot_ref = r[f"slots_{st.tag}_{t % slots}"]
+        incoming = transfer(st, slot_ref, t)
+        incoming.wait_recv()
+        if slots == 1:
+          incoming.wait_send()  # our own transfer t, same shape
+          # Free the only slot at once (see the module docstring).
+          src = r[f"stage_{st.tag}"]
+          pltpu.sync_copy(slot_ref, src)
+          if t + 1 <= last:
+            pl.semaphore_signal(
+              r[f"cap_{st.tag}"], 1, device_id=coords.device_id(-st.offset)
+            )
+        else:
+          src = slot_ref
+        if t + 1 <= last:
+          if t + 1 >= slots:
+            pl.semaphore_wait(r[f"cap_{st.tag}"], 1)
+          transfer(st, src, t + 1).start()
+        sources.append(src)
+      for st, src in zip(streams, sources, strict=True):
+        origin = coords.device_at(-st.offset * (t + 1))
+        if return_gathered:
+          pltpu.sync_copy(
+            src,
+            r["gathered"].at[
+              pl.ds(st.start, st.size), pl.ds(origin * k_local, k_local)
+            ],
+          )
+        local_matmul(
+          src, st.start, st.size, origin, first=False, final=t == num - 2
+        )
+
+  call = launch(
+    body,
+    out_types=tuple(outs.values()),
+    scratch_types=tuple(scratch.values()),
+    collective=num > 1,
+    interpret=config.interpret,
+    name="all_gather_matmul",
+    flops=2 * n * k_total * m,
+    bytes_accessed=(n * k_total + k_total * m) * dtype.itemsize
+    + n * m * out_dtype.itemsize,
+  )
+  results = dict(zip(outs, call(ring_table(ring), lhs, rhs), strict=True))
+  return results["out"], results.get("gathered")

@@ -1,0 +1,313 @@
+"""The public collective matmuls and their VJPs (each kernel's backward
+pass is built from the other kernel)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mpmd.kernels.collective_matmul.all_gather import AgConfig, ag_kernel_call
+from mpmd.kernels.collective_matmul.checks import (
+  BlockSizes,
+  check_block_sizes,
+  check_buffering,
+  check_flag,
+  check_operands,
+  pick_block,
+)
+from mpmd.kernels.collective_matmul.reduce_scatter import (
+  RsConfig,
+  rs_geometry,
+  rs_kernel_call,
+)
+from mpmd.kernels.collective_matmul.ring import check_ring, make_streams
+from mpmd.kernels.collective_matmul.tiles import dot_precision
+from mpmd.types import Interpret
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ag_matmul(config: AgConfig, lhs: jax.Array, rhs: jax.Array):
+  out, _ = ag_kernel_call(config, lhs, rhs, return_gathered=False)
+  return out
+
+
+def _ag_matmul_fwd(config, lhs, rhs):
+  out, gathered = ag_kernel_call(config, lhs, rhs, return_gathered=True)
+  return out, (gathered, rhs)
+
+
+def _ag_matmul_bwd(config, residuals, d_out):
+  # out = G @ rhs with G = all_gather(lhs). d_G = d_out @ rhs^T is needed on
+  # every device but lhs's shard only gets its own columns, summed over the
+  # ring: a matmul + reduce-scatter along the columns. d_rhs is local.
+  gathered, rhs = residuals
+  dtype = gathered.dtype
+  d_out = d_out.astype(dtype)
+  rs_config = RsConfig(
+    ring=config.ring,
+    scatter_dimension=1,
+    bidirectional=config.bidirectional,
+    buffering=config.buffering,
+    out_dtype=jnp.dtype(jnp.float32),
+    block_sizes=BlockSizes(),
+    interpret=config.interpret,
+  )
+  d_lhs = _rs_matmul(rs_config, d_out, rhs.T)
+  d_rhs = jnp.dot(
+    gathered.T,
+    d_out,
+    preferred_element_type=jnp.float32,
+    precision=dot_precision(dtype),
+  )
+  return d_lhs.astype(dtype), d_rhs.astype(dtype)
+
+
+_ag_matmul.defvjp(_ag_matmul_fwd, _ag_matmul_bwd)
+
+
+def all_gather_matmul(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  *,
+  axis_name: str | tuple[str, ...],
+  bidirectional: bool = True,
+  buffering: int = 2,
+  preferred_element_type: Any = jnp.float32,
+  block_sizes: BlockSizes | None = None,
+  ring: Sequence[int] | None = None,
+  interpret: Interpret = None,
+) -> jax.Array:
+  """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs``, fused.
+
+  Call inside ``jax.shard_map``. The shards of ``lhs`` travel around the ring
+  of devices along ``axis_name`` while each device multiplies the shards
+  that have arrived with the matching rows of its ``rhs``; see the module
+  docstring for the schedule. Differentiable: the VJP is a
+  :func:`matmul_reduce_scatter` (for ``lhs``) and a local matmul with the
+  gathered ``lhs`` that the forward kernel keeps (for ``rhs``).
+
+  Args:
+    lhs: local shard ``(n, k_local)``, float32 or bfloat16; the global
+      operand is sharded along its columns (the contraction) over
+      ``axis_name``.
+    rhs: local ``(k_local * D, m)`` of the same dtype, ``D`` the ring length.
+    axis_name: the mesh axis of the ring, or a tuple of axes (flattened in
+      the order given, as ``jax.lax.all_gather`` does). On a multi-axis
+      mesh, the devices that differ only along these axes form one ring.
+    bidirectional: split the rows of ``lhs`` in two halves travelling in
+      opposite directions (any ring length; needs ``n`` even, otherwise the
+      unidirectional schedule is used).
+    buffering: receive slots per ring direction (1, 2, 4, ...): how far a
+      device may run ahead of its neighbour.
+    preferred_element_type: output dtype, float32 (default) or bfloat16;
+      accumulation is always in float32.
+    block_sizes: tiles of the local matmul pipeline (see :class:`BlockSizes`).
+    ring: order in which the ring visits the devices, a permutation of
+      ``range(D)`` of flattened axis indices; default ``0, 1, ..., D-1``.
+      The result does not depend on it (only the communication pattern).
+    interpret: passed to ``mpmd.mpmd_map``: ``None`` compiles on TPU and
+      runs the CPU fallback on CPU; a ``pltpu.InterpretParams`` forces the
+      TPU simulator (e.g. with ``detect_races=True``).
+
+  Returns:
+    ``(n, m)`` array of ``preferred_element_type``, equal on every device of
+    the ring.
+
+  Raises:
+    ValueError: called outside ``shard_map``, ``axis_name`` not a manual
+      axis of the mesh, ``rhs.shape[0] != k_local * D``, bad ``ring``,
+      ``buffering`` or block sizes.
+    TypeError: unsupported or mismatched dtypes, non-array operands.
+
+  Example:
+    >>> mesh = jax.make_mesh((4,), ("x",))
+    >>> lhs = jnp.ones((8, 512), jnp.bfloat16)  # sharded along K
+    >>> rhs = jnp.ones((512, 128), jnp.bfloat16)  # replicated
+    >>> f = jax.jit(jax.shard_map(
+    ...     functools.partial(all_gather_matmul, axis_name="x"),
+    ...     mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P(),
+    ...     check_vma=False))
+    >>> f(jax.device_put(lhs, NamedSharding(mesh, P(None, "x"))),
+    ...   jax.device_put(rhs, NamedSharding(mesh, P()))).shape
+    (8, 128)
+  """
+  fn_name = "all_gather_matmul"
+  out_dtype = check_operands(fn_name, lhs, rhs, preferred_element_type)
+  ring_ = check_ring(fn_name, axis_name, ring)
+  n, k_local = lhs.shape
+  if rhs.shape[0] != k_local * ring_.size:
+    raise ValueError(
+      f"{fn_name}: expected 'rhs' with k_local * ring = {k_local} * "
+      f"{ring_.size} = {k_local * ring_.size} rows (lhs is {tuple(lhs.shape)}"
+      f", ring {ring_.axes!r} has {ring_.size} devices), got "
+      f"rhs.shape[0] = {rhs.shape[0]}"
+    )
+  config = AgConfig(
+    ring=ring_,
+    bidirectional=check_flag(fn_name, "bidirectional", bidirectional),
+    buffering=check_buffering(fn_name, buffering),
+    out_dtype=out_dtype,
+    block_sizes=check_block_sizes(fn_name, block_sizes),
+    interpret=interpret,
+  )
+  # Check the tiles now, not deep inside the kernel trace.
+  streams = make_streams(n, config.bidirectional) if ring_.size > 1 else ()
+  rows = streams[0].size if streams else n
+  pick_block(fn_name, "block_n", rows, config.block_sizes.block_n)
+  pick_block(fn_name, "block_k", k_local, config.block_sizes.block_k)
+  pick_block(fn_name, "block_m", rhs.shape[1], config.block_sizes.block_m)
+  return _ag_matmul(config, lhs, rhs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rs_matmul(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
+  return rs_kernel_call(config, lhs, rhs)
+
+
+def _rs_matmul_fwd(config, lhs, rhs):
+  return rs_kernel_call(config, lhs, rhs), (lhs, rhs)
+
+
+def _rs_matmul_bwd(config, residuals, d_out):
+  # out = scatter(Z), Z = lhs @ rhs: d_Z = all_gather(d_out) along the
+  # scattered dimension. The half of the VJP that contracts over that
+  # dimension is an all-gather matmul; the other half is a local matmul
+  # with the gathered d_out that the all-gather kernel keeps.
+  lhs, rhs = residuals
+  dtype = lhs.dtype
+  d_out = d_out.astype(dtype)
+  ag_config = AgConfig(
+    ring=config.ring,
+    bidirectional=config.bidirectional,
+    buffering=config.buffering,
+    out_dtype=jnp.dtype(jnp.float32),
+    block_sizes=BlockSizes(),
+    interpret=config.interpret,
+  )
+  precision = dot_precision(dtype)
+  if config.scatter_dimension == 0:
+    # d_rhs^T = all_gather(d_out^T, axis=1) @ lhs; d_lhs = d_Z @ rhs^T.
+    d_rhs_t, d_z_t = ag_kernel_call(
+      ag_config, d_out.T, lhs, return_gathered=True
+    )
+    d_rhs = d_rhs_t.T
+    d_lhs = jnp.dot(
+      d_z_t.T, rhs.T, preferred_element_type=jnp.float32, precision=precision
+    )
+  else:
+    # d_lhs = all_gather(d_out, axis=1) @ rhs^T; d_rhs = lhs^T @ d_Z.
+    d_lhs, d_z = ag_kernel_call(ag_config, d_out, rhs.T, return_gathered=True)
+    d_rhs = jnp.dot(
+      lhs.T, d_z, preferred_element_type=jnp.float32, precision=precision
+    )
+  return d_lhs.astype(dtype), d_rhs.astype(dtype)
+
+
+_rs_matmul.defvjp(_rs_matmul_fwd, _rs_matmul_bwd)
+
+
+def matmul_reduce_scatter(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  *,
+  axis_name: str | tuple[str, ...],
+  scatter_dimension: int = 0,
+  bidirectional: bool = True,
+  buffering: int = 2,
+  preferred_element_type: Any = jnp.float32,
+  block_sizes: BlockSizes | None = None,
+  ring: Sequence[int] | None = None,
+  interpret: Interpret = None,
+) -> jax.Array:
+  """``psum_scatter(lhs @ rhs, axis_name, scatter_dimension, tiled=True)``.
+
+  Call inside ``jax.shard_map``. Each device's partial product ``lhs @ rhs``
+  is cut into ``D`` blocks along ``scatter_dimension``; the running sums of
+  the blocks travel the ring, and every device adds its own partial block
+  to the sum passing by, computing the next block while the previous sum is
+  on the wire. Differentiable: the VJP is an :func:`all_gather_matmul` plus
+  a local matmul with the gathered cotangent.
+
+  Args:
+    lhs: local ``(n, k)``, float32 or bfloat16 (typically the contraction
+      dimension is sharded over ``axis_name``, making ``lhs @ rhs`` a
+      partial sum).
+    rhs: local ``(k, m)`` of the same dtype.
+    axis_name: the mesh axis of the ring, or a tuple of axes (see
+      :func:`all_gather_matmul`).
+    scatter_dimension: 0 (rows) or 1 (columns) of ``lhs @ rhs``; must be
+      divisible by ``D``.
+    bidirectional: split each block in two halves (along the other
+      dimension) travelling in opposite directions; needs that dimension
+      even, otherwise the unidirectional schedule is used.
+    buffering: receive slots per ring direction.
+    preferred_element_type: output dtype, float32 (default) or bfloat16;
+      partial sums always travel and accumulate in float32.
+    block_sizes: tiles of the local matmul pipeline (see :class:`BlockSizes`).
+    ring: ring order, as in :func:`all_gather_matmul`.
+    interpret: passed to ``mpmd.mpmd_map`` (see :func:`all_gather_matmul`).
+
+  Returns:
+    ``(n // D, m)`` (``scatter_dimension=0``) or ``(n, m // D)`` array of
+    ``preferred_element_type``: this device's block of the summed product.
+
+  Raises:
+    ValueError: called outside ``shard_map``, ``axis_name`` not a manual
+      axis of the mesh, contraction mismatch, scattered dimension not
+      divisible by ``D``, bad ``scatter_dimension``, ``ring``, ``buffering``
+      or block sizes.
+    TypeError: unsupported or mismatched dtypes, non-array operands.
+
+  Example:
+    >>> mesh = jax.make_mesh((4,), ("x",))
+    >>> lhs = jnp.ones((64, 512), jnp.bfloat16)  # sharded along K
+    >>> rhs = jnp.ones((512, 128), jnp.bfloat16)  # sharded along K
+    >>> f = jax.jit(jax.shard_map(
+    ...     functools.partial(matmul_reduce_scatter, axis_name="x"),
+    ...     mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P("x"),
+    ...     check_vma=False))
+    >>> f(jax.device_put(lhs, NamedSharding(mesh, P(None, "x"))),
+    ...   jax.device_put(rhs, NamedSharding(mesh, P("x")))).shape
+    (64, 128)
+  """
+  fn_name = "matmul_reduce_scatter"
+  out_dtype = check_operands(fn_name, lhs, rhs, preferred_element_type)
+  ring_ = check_ring(fn_name, axis_name, ring)
+  n, k = lhs.shape
+  if rhs.shape[0] != k:
+    raise ValueError(
+      f"{fn_name}: expected 'rhs' with lhs.shape[1] = {k} rows (the "
+      f"contraction), got rhs.shape = {tuple(rhs.shape)}"
+    )
+  if scatter_dimension not in (0, 1) or isinstance(scatter_dimension, bool):
+    raise ValueError(
+      f"{fn_name}: expected 'scatter_dimension' 0 or 1, got "
+      f"{scatter_dimension!r}"
+    )
+  m = rhs.shape[1]
+  scattered = (n, m)[scatter_dimension]
+  if scattered % ring_.size:
+    raise ValueError(
+      f"{fn_name}: expected dimension {scatter_dimension} of lhs @ rhs "
+      f"({scattered}) to be divisible by the ring length {ring_.size} "
+      f"(axis {axis_name!r}), got {scattered} % {ring_.size} = "
+      f"{scattered % ring_.size}"
+    )
+  config = RsConfig(
+    ring=ring_,
+    scatter_dimension=scatter_dimension,
+    bidirectional=check_flag(fn_name, "bidirectional", bidirectional),
+    buffering=check_buffering(fn_name, buffering),
+    out_dtype=out_dtype,
+    block_sizes=check_block_sizes(fn_name, block_sizes),
+    interpret=interpret,
+  )
+  _, _, region = rs_geometry(config, n, m)
+  pick_block(fn_name, "block_n", region[0], config.block_sizes.block_n)
+  pick_block(fn_name, "block_k", k, config.block_sizes.block_k)
+  pick_block(fn_name, "block_m", region[1], config.block_sizes.block_m)
+  return _rs_matmul(config, lhs, rhs)
