@@ -1,0 +1,331 @@
+"""The public ``gmm`` / ``tgmm``: checks, tiling, the launch, and ``gmm``'s
+VJP (its gradients are a ``gmm`` and a ``tgmm``)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mpmd.kernels.grouped_matmul.checks import (
+  check_array,
+  check_existing_out,
+  check_float,
+  check_group_offset,
+  check_group_sizes,
+  check_out_dtype,
+)
+from mpmd.kernels.grouped_matmul.kernels import (
+  GmmConfig,
+  TgmmConfig,
+  default_buffer_count,
+  gmm_call,
+  tgmm_call,
+)
+from mpmd.kernels.grouped_matmul.metadata import group_rows
+from mpmd.kernels.grouped_matmul.tiling import Tiling, TilingFn, resolve_tiling
+from mpmd.types import Interpret
+
+
+def _active_rows(
+  group_sizes: jax.Array, group_offset: jax.Array, num_local: int, m: int
+) -> jax.Array:
+  """(m, 1) bool: rows that belong to one of the local groups."""
+  lo, hi = group_rows(group_sizes, group_offset, num_local, m)
+  rows = lax.broadcasted_iota(jnp.int32, (m, 1), 0)
+  return jnp.logical_and(rows >= lo[0], rows < hi[-1])
+
+
+def _sum_over_new_axes(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+  """Sums a cotangent over the mesh axes it varies over and its primal not.
+
+  Inside ``shard_map`` a replicated operand (e.g. lhs under expert sharding)
+  meets per-device metadata; its cotangent is the sum of every device's
+  contribution, which is what autodiff's transpose of the implicit
+  broadcast (``pvary``) would give.
+  """
+  extra = (
+    jax.typeof(cotangent).manual_axis_type.varying
+    - jax.typeof(primal).manual_axis_type.varying
+  )
+  if not extra:
+    return cotangent
+  return lax.psum(cotangent, tuple(sorted(extra)))
+
+
+@functools.cache
+def _differentiable_gmm(cfg: GmmConfig):
+  """gmm with a custom VJP for one static configuration."""
+
+  @jax.custom_vjp
+  def f(lhs, rhs, group_sizes, group_offset, existing_out):
+    return gmm_call(lhs, rhs, group_sizes, group_offset, existing_out, cfg)
+
+  def fwd(lhs, rhs, group_sizes, group_offset, existing_out):
+    out = f(lhs, rhs, group_sizes, group_offset, existing_out)
+    # A zero-size slice remembers existing_out's type (its varying mesh
+    # axes) for free.
+    existing_type = None if existing_out is None else existing_out[:0]
+    return out, (lhs, rhs, group_sizes, group_offset, existing_type)
+
+  def bwd(res, grad):
+    lhs, rhs, group_sizes, group_offset, existing_type = res
+    m = lhs.shape[0]
+    num_local = rhs.shape[0]
+    tm, tk, tn = cfg.tiling
+    # d lhs = grad @ rhs^T per group: a gmm with K and N swapped.
+    dlhs = gmm_call(
+      grad,
+      rhs,
+      group_sizes,
+      group_offset,
+      None,
+      cfg._replace(
+        tiling=(tm, tn, tk),
+        preferred_element_type=jnp.dtype(lhs.dtype),
+        transpose_rhs=not cfg.transpose_rhs,
+      ),
+    )
+    # d rhs[g] = lhs[rows_g]^T @ grad[rows_g]: a tgmm over the local groups.
+    drhs = tgmm_call(
+      lhs.T,
+      grad,
+      group_sizes,
+      group_offset,
+      None,
+      TgmmConfig(
+        tiling=(tm, tk, tn),
+        preferred_element_type=jnp.dtype(rhs.dtype),
+        num_actual_groups=num_local,
+        interpret=cfg.interpret,
+        buffer_count=cfg.buffer_count,
+      ),
+    )
+    if cfg.transpose_rhs:
+      drhs = jnp.swapaxes(drhs, 1, 2)
+    if existing_type is None:
+      dexisting = None
+    else:
+      # existing_out survives only in rows outside the local groups.
+      active = _active_rows(group_sizes, group_offset, num_local, m)
+      dexisting = jnp.where(active, jnp.zeros((), grad.dtype), grad)
+      dexisting = _sum_over_new_axes(dexisting, existing_type)
+    dlhs = _sum_over_new_axes(dlhs, lhs)
+    drhs = _sum_over_new_axes(drhs, rhs)
+    return dlhs, drhs, None, None, dexisting
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+def gmm(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  preferred_element_type: Any = jnp.float32,
+  tiling: Tiling | TilingFn | None = None,
+  group_offset: jax.Array | int | None = None,
+  existing_out: jax.Array | None = None,
+  transpose_rhs: bool = False,
+  interpret: Interpret = None,
+) -> jax.Array:
+  """Grouped matmul: ``out[rows_i] = lhs[rows_i] @ rhs[i]`` for each group.
+
+  Rows of ``lhs`` are sorted by group: group ``i`` owns rows
+  ``sum(group_sizes[:i]) .. sum(group_sizes[:i+1])``. Rows past
+  ``sum(group_sizes)``, and rows of groups outside the local shard, are zero
+  (or keep ``existing_out``). Differentiable in ``lhs``, ``rhs`` and
+  ``existing_out`` (custom VJP: d lhs by ``gmm`` with the transposed rhs,
+  d rhs by ``tgmm``).
+
+  Args:
+    lhs: ``(m, k)`` float32, bfloat16 or float16.
+    rhs: ``(num_local_groups, k, n)`` (``(num_local_groups, n, k)`` with
+      ``transpose_rhs``), any supported float dtype; with expert sharding it
+      holds only groups ``group_offset .. group_offset + num_local_groups``.
+    group_sizes: ``(num_groups,)`` int32, non-negative (a concrete array is
+      checked); ``num_groups >= num_local_groups``. As in
+      ``jax.lax.ragged_dot``, rows past m of sizes that sum past m do not
+      exist. A traced negative size cannot be checked: it makes the next
+      groups' ranges overlap earlier ones, where ragged_dot adds the
+      products of every group holding a row and gmm takes the first group.
+    preferred_element_type: dtype of the output (float32, bfloat16, float16);
+      accumulation is always float32.
+    tiling: ``(tm, tk, tn)``; a function ``(m, k, n) -> (tm, tk, tn)``; or
+      None for ``default_tiling`` of the target platform. ``tm`` must divide
+      ``m``; K and N may be ragged (the remainders are separate strips).
+    group_offset: int32 scalar: the first global group held by ``rhs``.
+    existing_out: ``(m, n)`` of ``preferred_element_type``: rows outside the
+      local groups keep these values (the result of other shards).
+    transpose_rhs: ``rhs`` is given as ``(num_local_groups, n, k)``.
+    interpret: passed to ``mpmd_map``: None runs natively on TPU and on the
+      CPU fallback on CPU; True or ``pltpu.InterpretParams()`` forces the
+      interpreters.
+
+  Returns:
+    ``(m, n)`` array of ``preferred_element_type``.
+
+  Raises:
+    TypeError: an argument of the wrong kind or dtype.
+    ValueError: wrong ranks or shapes, mismatched K, a tiling that does not
+      fit, negative (concrete) ``group_sizes``.
+
+  Example:
+    >>> lhs = jnp.ones((256, 64), jnp.float32)
+    >>> rhs = jnp.ones((4, 64, 32), jnp.float32)
+    >>> sizes = jnp.array([64, 0, 100, 60], jnp.int32)
+    >>> gmm(lhs, rhs, sizes).shape
+    (256, 32)
+  """
+  name = "gmm"
+  check_array(name, "lhs", lhs, 2, "(m, k)")
+  rhs_doc = "(num_groups, n, k)" if transpose_rhs else "(num_groups, k, n)"
+  check_array(name, "rhs", rhs, 3, rhs_doc)
+  check_float(name, "lhs", lhs)
+  check_float(name, "rhs", rhs)
+  check_group_sizes(name, group_sizes)
+  if not isinstance(transpose_rhs, bool | np.bool_):
+    raise TypeError(
+      f"{name}: expected 'transpose_rhs' to be a bool, got "
+      f"{type(transpose_rhs).__name__}"
+    )
+  m, k = lhs.shape
+  rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  if rhs_k != k:
+    raise ValueError(
+      f"{name}: expected 'rhs' {rhs_doc} with k={k} (lhs is {(m, k)}), "
+      f"got shape {tuple(rhs.shape)}"
+      + (
+        ""
+        if transpose_rhs
+        else "; for (num_groups, n, k) weights pass transpose_rhs=True"
+      )
+    )
+  num_groups = group_sizes.shape[0]
+  if rhs.shape[0] > num_groups:
+    raise ValueError(
+      f"{name}: expected 'rhs' to hold at most num_groups={num_groups} "
+      f"groups (the length of 'group_sizes'), got {rhs.shape[0]}"
+    )
+  out_dtype = check_out_dtype(name, preferred_element_type)
+  offset = check_group_offset(name, group_offset, num_groups, rhs.shape[0])
+  check_existing_out(name, existing_out, (m, n), out_dtype)
+  cfg = GmmConfig(
+    tiling=resolve_tiling(name, tiling, m, k, n, num_groups),
+    preferred_element_type=out_dtype,
+    transpose_rhs=bool(transpose_rhs),
+    interpret=interpret,
+    buffer_count=default_buffer_count(),
+  )
+  return _jitted(_differentiable_gmm(cfg))(
+    lhs, rhs, group_sizes, offset, existing_out
+  )
+
+
+@functools.cache
+def _jitted(f):
+  return jax.jit(f)
+
+
+def tgmm(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  preferred_element_type: Any = jnp.float32,
+  tiling: Tiling | TilingFn | None = None,
+  group_offset: jax.Array | int | None = None,
+  num_actual_groups: int | None = None,
+  existing_out: jax.Array | None = None,
+  interpret: Interpret = None,
+) -> jax.Array:
+  """Transposed grouped matmul: ``out[i] = lhs[:, rows_i] @ rhs[rows_i]``.
+
+  The weight gradient of ``gmm``. Group ``i`` owns rows (of ``rhs``; columns
+  of ``lhs``) ``sum(group_sizes[:i]) .. sum(group_sizes[:i+1])``; empty groups
+  give zeros.
+
+  Args:
+    lhs: ``(k, m)`` float32, bfloat16 or float16 (e.g. activations, transposed).
+    rhs: ``(m, n)`` float (e.g. output gradients).
+    group_sizes: ``(num_groups,)`` int32, non-negative, as for ``gmm``: a
+      concrete array is checked; rows past m do not exist; after a traced
+      negative size, a row in several groups' ranges belongs to the first.
+    preferred_element_type: output dtype; accumulation is float32.
+    tiling: ``(tm, tk, tn)``, a function ``(m, k, n) -> tiling``, or None for
+      ``default_tiling``; ``tm`` must divide ``m``, K and N may be ragged.
+    group_offset: int32 scalar: the first group computed (expert sharding).
+    num_actual_groups: groups computed, from ``group_offset``; defaults to
+      all ``num_groups``.
+    existing_out: ``(num_actual_groups, k, n)`` of
+      ``preferred_element_type``, added to the result.
+    interpret: as for ``gmm``.
+
+  Returns:
+    ``(num_actual_groups, k, n)`` array of ``preferred_element_type``.
+
+  Raises:
+    TypeError: an argument of the wrong kind or dtype.
+    ValueError: wrong ranks or shapes, mismatched M, a tiling that does not
+      fit, ``num_actual_groups`` out of range, negative (concrete)
+      ``group_sizes``.
+
+  Example:
+    >>> lhs = jnp.ones((64, 256), jnp.float32)
+    >>> rhs = jnp.ones((256, 32), jnp.float32)
+    >>> sizes = jnp.array([64, 0, 100, 60], jnp.int32)
+    >>> tgmm(lhs, rhs, sizes).shape
+    (4, 64, 32)
+  """
+  name = "tgmm"
+  check_array(name, "lhs", lhs, 2, "(k, m)")
+  check_array(name, "rhs", rhs, 2, "(m, n)")
+  check_float(name, "lhs", lhs)
+  check_float(name, "rhs", rhs)
+  check_group_sizes(name, group_sizes)
+  k, m = lhs.shape
+  n = rhs.shape[1]
+  if rhs.shape[0] != m:
+    raise ValueError(
+      f"{name}: expected 'rhs' (m, n) with m={m} rows (lhs is {(k, m)}), "
+      f"got shape {tuple(rhs.shape)}"
+    )
+  num_groups = group_sizes.shape[0]
+  if num_actual_groups is None:
+    num_actual_groups = num_groups
+  if not isinstance(num_actual_groups, int | np.integer) or isinstance(
+    num_actual_groups, bool
+  ):
+    raise TypeError(
+      f"{name}: expected 'num_actual_groups' to be an int, got "
+      f"{type(num_actual_groups).__name__}"
+    )
+  if not 1 <= num_actual_groups <= num_groups:
+    raise ValueError(
+      f"{name}: expected 'num_actual_groups' in [1, {num_groups}] "
+      f"(num_groups), got {num_actual_groups}"
+    )
+  out_dtype = check_out_dtype(name, preferred_element_type)
+  offset = check_group_offset(
+    name, group_offset, num_groups, int(num_actual_groups)
+  )
+  check_existing_out(
+    name, existing_out, (int(num_actual_groups), k, n), out_dtype
+  )
+  cfg = TgmmConfig(
+    tiling=resolve_tiling(name, tiling, m, k, n, num_groups),
+    preferred_element_type=out_dtype,
+    num_actual_groups=int(num_actual_groups),
+    interpret=interpret,
+    buffer_count=default_buffer_count(),
+  )
+  return _jitted_tgmm(cfg)(lhs, rhs, group_sizes, offset, existing_out)
+
+
+@functools.cache
+def _jitted_tgmm(cfg: TgmmConfig):
+  return jax.jit(functools.partial(tgmm_call, cfg=cfg))
