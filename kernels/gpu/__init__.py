@@ -13,23 +13,23 @@
 """
 
 from mpmd.kernels.gpu.fused_matmul import fused_matmul as fused_matmul
-from mpmd.kernels.gpu.matmul import matmul as matmul
-from mpmd.kernels.gpu.pipeline import (
-  WarpSpecializedPipeline as WarpSpecializedPipeline,
-)
-from mpmd.kernels.gpu.pipeline import pipeline as pipeline
-from mpmd.kernels.gpu.pipeline import (
+from mpmd.kernels.gpu.launch import (
   warp_specialized_kernel as warp_specialized_kernel,
 )
-from mpmd.kernels.gpu.pipeline import (
-  warp_specialized_pipeline as warp_specialized_pipeline,
-)
+from mpmd.kernels.gpu.matmul import matmul as matmul
+from mpmd.kernels.gpu.pipeline import pipeline as pipeline
 from mpmd.kernels.gpu.upstream import (
   EmittedWarpSpecializedPipeline as EmittedWarpSpecializedPipeline,
 )
 from mpmd.kernels.gpu.upstream import emit_pipeline as emit_pipeline
 from mpmd.kernels.gpu.upstream import (
   emit_pipeline_warp_specialized as emit_pipeline_warp_specialized,
+)
+from mpmd.kernels.gpu.warp_specialized import (
+  WarpSpecializedPipeline as WarpSpecializedPipeline,
+)
+from mpmd.kernels.gpu.warp_specialized import (
+  warp_specialized_pipeline as warp_specialized_pipeline,
 )
 
 __all__ = [

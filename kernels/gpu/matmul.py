@@ -26,7 +26,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from mpmd.kernels.gpu import pipeline as pipeline_lib
+from mpmd.kernels.gpu.launch import warp_specialized_kernel
+from mpmd.kernels.gpu.pipeline import pipeline
+from mpmd.kernels.gpu.warp_specialized import warp_specialized_pipeline
 from mpmd.types import Interpret
 
 INPUT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -291,7 +293,7 @@ def _software_kernel(config: _Config, epilogue: Epilogue, has_c: bool):
         with_acc, plgpu.ACC((config.block_m, config.block_n), jnp.float32)
       )
 
-    pipeline_lib.pipeline(
+    pipeline(
       body,
       grid=(config.k_steps,),
       in_specs=_specs(config, has_c),
@@ -304,7 +306,7 @@ def _software_kernel(config: _Config, epilogue: Epilogue, has_c: bool):
 
 
 def _ws_pipeline(config: _Config, has_c: bool, body=None, context=None):
-  return pipeline_lib.warp_specialized_pipeline(
+  return warp_specialized_pipeline(
     body or (lambda *args: args[-1]),
     grid=(config.k_steps,),
     in_specs=_specs(config, has_c),
@@ -403,7 +405,7 @@ def build(
   out_type = jax.ShapeDtypeStruct((config.m, config.n), config.out_dtype)
   if config.warp_specialized:
     compute_fn, memory_fn = _ws_fns(config, epilogue, has_c)
-    return pipeline_lib.warp_specialized_kernel(
+    return warp_specialized_kernel(
       _ws_pipeline(config, has_c),
       compute_fn=compute_fn,
       memory_fn=memory_fn,

@@ -17,12 +17,12 @@ import jax
 import jax.experimental.pallas as pl
 from jax import lax
 
-from mpmd.kernels.gpu.pipeline import (
-  GridEntry,
+from mpmd.kernels.gpu.pipeline import pipeline
+from mpmd.kernels.gpu.steps import GridEntry
+from mpmd.kernels.gpu.warp_specialized import (
   WarpSpecializedPipeline,
-  _pipeline_state_flags,
-  _warp_specialized,
-  pipeline,
+  make_pipeline,
+  pipeline_state_flags,
 )
 
 
@@ -274,7 +274,7 @@ def emit_pipeline_warp_specialized(
       *rest,
     )
 
-  pipe = _warp_specialized(
+  pipe = make_pipeline(
     where,
     flat_body,
     grid=grid,
@@ -299,7 +299,7 @@ def emit_pipeline_warp_specialized(
       f"num_compute_wgs={num_compute_wgs}], got {memory_thread_idx!r}"
     )
   # Early errors for an unsupported pipeline_state (checked again per call).
-  _pipeline_state_flags(where, pipe, pipeline_state)
+  pipeline_state_flags(where, pipe, pipeline_state)
   return EmittedWarpSpecializedPipeline(
     pipe=pipe,
     in_tree=in_tree,
