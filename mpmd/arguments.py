@@ -1,0 +1,570 @@
+"""Checks of ``mpmd_map``'s arguments before any kernel is traced: meshes and
+functions, out and scratch types, options, aliases, operands."""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpmd import _jax
+from mpmd._jax import (
+  FrozenDict,
+  core,
+  pallas_core,
+  state,
+)
+from mpmd.lowering import addressing, jaxpr_util, paths
+from mpmd.primitives import mpmd_map as prim
+
+
+def short(aval) -> str:
+  return aval.str_short(short_dtypes=True)
+
+
+def _is_mesh(mesh: Any) -> bool:
+  return all(
+    hasattr(mesh, a)
+    for a in ("shape", "default_memory_space", "core_type", "tracing_context")
+  )
+
+
+def check_meshes_and_fns(meshes_and_fns) -> tuple[tuple[Any, ...], list]:
+  if isinstance(meshes_and_fns, (str, bytes)) or not isinstance(
+    meshes_and_fns, Sequence
+  ):
+    raise TypeError(
+      "mpmd_map: expected 'meshes_and_fns' to be a sequence of (mesh, fn) "
+      f"pairs, got {type(meshes_and_fns).__name__}"
+    )
+  if not meshes_and_fns:
+    raise ValueError(
+      "mpmd_map: expected at least one (mesh, fn) pair in "
+      "'meshes_and_fns', got an empty sequence"
+    )
+  meshes, fns = [], []
+  for i, pair in enumerate(meshes_and_fns):
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+      raise TypeError(
+        f"mpmd_map: expected meshes_and_fns[{i}] to be a (mesh, fn) pair, "
+        f"got {pair!r}"
+      )
+    mesh, fn = pair
+    if not _is_mesh(mesh):
+      raise TypeError(
+        f"mpmd_map: expected meshes_and_fns[{i}][0] to be a Pallas mesh "
+        "(e.g. mpmd.tensorcore_mesh(...) or plgpu.Mesh(...)), got "
+        f"{type(mesh).__name__}"
+      )
+    if not callable(fn):
+      raise TypeError(
+        f"mpmd_map: expected meshes_and_fns[{i}][1] to be callable, got "
+        f"{type(fn).__name__}"
+      )
+    shape = dict(mesh.shape)
+    if not all(
+      isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 1
+      for n in shape.values()
+    ):
+      raise ValueError(
+        f"mpmd_map: expected meshes_and_fns[{i}][0] to be a mesh with at "
+        f"least one program along every axis, got axis sizes {shape}"
+      )
+    meshes.append(_canonical_mesh(mesh))
+    fns.append(fn)
+  _check_sparsecore_meshes(meshes)
+  sizes: dict[Any, tuple[int, int]] = {}
+  for i, mesh in enumerate(meshes):
+    for axis, size in mesh.shape.items():
+      if axis in sizes and sizes[axis][1] != size:
+        j, other = sizes[axis]
+        raise ValueError(
+          f"mpmd_map: axis {axis!r} has size {other} in mesh {j} but "
+          f"size {size} in mesh {i}; meshes may share an axis name only "
+          "with the same size"
+        )
+      sizes.setdefault(axis, (i, size))
+  kinds = {paths.is_gpu_mesh(m) for m in meshes}
+  if len(kinds) > 1:
+    raise ValueError(
+      "mpmd_map: cannot mix GPU meshes (plgpu.Mesh) with TPU meshes in one "
+      f"launch, got {[type(m).__name__ for m in meshes]}"
+    )
+  return tuple(meshes), fns
+
+
+def _check_sparsecore_meshes(meshes: Sequence[Any]) -> None:
+  """Upstream's rules for SparseCore meshes in one launch (its meshes'
+  ``check_is_compatible_with``): one scalar-subcore and one vector-subcore
+  mesh at most, which share the core axis (same name, same number of
+  cores), and whose axes are not named like a TensorCore mesh's axis.
+
+  Upstream accepts no second TensorCore mesh, and no TensorCore mesh before
+  a SparseCore one; we do (our extension: several TensorCore meshes are
+  merged into one kernel, and the CPU fallback runs a TensorCore mesh next
+  to SparseCore ones).
+  """
+  try:
+    from jax.experimental.pallas import tpu_sc as plsc
+  except ImportError:  # no SparseCore support in this jaxlib: no such meshes
+    return
+  scalar = [
+    (i, m)
+    for i, m in enumerate(meshes)
+    if isinstance(m, plsc.ScalarSubcoreMesh)
+  ]
+  vector = [
+    (i, m)
+    for i, m in enumerate(meshes)
+    if isinstance(m, plsc.VectorSubcoreMesh)
+  ]
+  for kind, found in (
+    ("ScalarSubcoreMesh", scalar),
+    ("VectorSubcoreMesh", vector),
+  ):
+    if len(found) > 1:
+      raise ValueError(
+        f"mpmd_map: expected at most one {kind} in 'meshes_and_fns' (they "
+        f"would run on the same subcores), got meshes "
+        f"{[i for i, _ in found]}"
+      )
+  if scalar and vector:
+    (i, s), (j, v) = scalar[0], vector[0]
+    if (s.axis_name, s.num_cores) != (v.core_axis_name, v.num_cores):
+      raise ValueError(
+        f"mpmd_map: the ScalarSubcoreMesh meshes_and_fns[{i}][0] should "
+        "have the same core axis name and number of cores as the "
+        f"VectorSubcoreMesh meshes_and_fns[{j}][0]: got {s.axis_name!r} "
+        f"with {s.num_cores} cores and {v.core_axis_name!r} with "
+        f"{v.num_cores} cores"
+      )
+  tensorcore = _jax.tpu().core.TensorCoreMesh
+  for j, tc in enumerate(meshes):
+    if not isinstance(tc, tensorcore):
+      continue
+    for i, sc in (*scalar, *vector):
+      shared = set(sc.shape) & set(tc.shape)
+      if shared:
+        raise ValueError(
+          f"mpmd_map: the {type(sc).__name__} meshes_and_fns[{i}][0] should "
+          "have axis names different from the TensorCoreMesh "
+          f"meshes_and_fns[{j}][0]: both name {sorted(shared)}"
+        )
+
+
+def check_interpret(interpret: Any, meshes: Sequence[Any]) -> None:
+  gpu = paths.is_gpu_mesh(meshes[0])
+  tpu_params = _jax.tpu().interpret.InterpretParams
+  gpu_params = _jax.gpu().interpret.InterpretGPUParams
+  if interpret is None or interpret is True:
+    return
+  if isinstance(interpret, gpu_params if gpu else tpu_params):
+    return
+  if isinstance(interpret, (tpu_params, gpu_params)):
+    raise ValueError(
+      f"mpmd_map: expected 'interpret' for {'GPU' if gpu else 'TPU'} meshes "
+      f"({'mpmd.GPU' if gpu else 'pltpu.'}InterpretParams), got "
+      f"{type(interpret).__name__}"
+    )
+  raise TypeError(
+    "mpmd_map: expected 'interpret' to be None, True, or an InterpretParams "
+    f"object, got {interpret!r}"
+  )
+
+
+def check_lojax(aval: Any, what: str) -> None:
+  """Upstream features we do not support, named: hijax types (upstream
+  lowers them to their parts) and Pallas fuser dtypes (which
+  ``fuser.physicalize`` resolves through upstream's own mpmd_map)."""
+  if getattr(aval, "is_high", False):
+    raise NotImplementedError(
+      f"mpmd_map: hijax types (jax.experimental.hijax.HiType) are not "
+      f"supported: {what} is a {type(aval).__name__}: {aval!r}; pass its "
+      "parts (arrays or Refs) instead"
+    )
+  inner = getattr(aval, "inner_aval", aval)
+  if _jax.is_fusion_dtype(getattr(inner, "dtype", None)):
+    raise NotImplementedError(
+      "mpmd_map: Pallas fuser dtypes (fuser.physicalize) are not supported: "
+      f"{what} has dtype {inner.dtype}; pass its physical parts instead"
+    )
+
+
+def as_out_type(out_type: Any, i: int) -> Any:
+  """An ``out_types`` leaf as a ShapeDtypeStruct or memory-space type.
+
+  Upstream takes "a PyTree of jax.ShapeDtypeStruct or JAX types": a JAX
+  type (``jax.typeof(x)``) and an array (``x``, standing for its type) give
+  the output that shape and dtype, and under ``shard_map`` the type's
+  varying axes. Weak types are dropped: an output is a buffer of a dtype.
+  """
+  if isinstance(out_type, (jax.Array, np.ndarray, np.generic)):
+    out_type = core.typeof(out_type)
+  check_lojax(out_type, f"out_types leaf {i}")
+  if isinstance(out_type, core.ShapedArray):
+    out_type = jax.ShapeDtypeStruct(
+      out_type.shape,
+      out_type.dtype,
+      manual_axis_type=getattr(out_type, "manual_axis_type", None),
+    )
+  if not (
+    isinstance(out_type, (jax.ShapeDtypeStruct, pallas_core.MemoryRef))
+    or hasattr(out_type, "get_ref_aval")
+  ):
+    raise TypeError(
+      f"mpmd_map: expected out_types leaf {i} to be a jax.ShapeDtypeStruct, "
+      "a JAX type (jax.typeof(x)), an array, or a memory-space type such "
+      f"as pltpu.HBM(shape, dtype), got {type(out_type).__name__}: "
+      f"{out_type!r}"
+    )
+  shape = getattr(out_type, "shape", ())
+  if hasattr(out_type, "get_ref_aval"):
+    shape = _inner_shape(out_type.get_ref_aval())
+  _check_shape(shape, f"out_types leaf {i}")
+  return out_type
+
+
+def _inner_shape(aval: Any) -> tuple[Any, ...]:
+  inner = getattr(aval, "inner_aval", aval)
+  return tuple(getattr(inner, "shape", ()))
+
+
+def _check_shape(shape: Sequence[Any], what: str) -> None:
+  # Symbolic dimensions (jax.export shape polymorphism) are fine.
+  if any(
+    not core.is_dim(d) or (core.is_constant_dim(d) and d < 0) for d in shape
+  ):
+    raise ValueError(
+      f"mpmd_map: expected {what} to have a shape of non-negative ints, "
+      f"got {tuple(shape)}"
+    )
+
+
+def output_avals(out_types, in_avals) -> tuple[core.AbstractValue, ...]:
+  """Output avals; inside ``shard_map(check_vma=True)`` an output that does
+  not say how it varies varies like the inputs together (as an elementwise
+  op would). A kernel whose output varies over more axes (it reads
+  ``axis_index``) says so with ``ShapeDtypeStruct(manual_axis_type=...)``."""
+  if _jax.vma_checked():
+    varying = frozenset().union(
+      *(
+        a.manual_axis_type.varying
+        for a in in_avals
+        if getattr(a, "manual_axis_type", None) is not None
+      )
+    )
+    out_types = [
+      jax.ShapeDtypeStruct(
+        t.shape,
+        t.dtype,
+        sharding=t.sharding,
+        manual_axis_type=jax.sharding.ManualAxisType(varying=varying),
+      )
+      if isinstance(t, jax.ShapeDtypeStruct) and t.manual_axis_type is None
+      else t
+      for t in out_types
+    ]
+  return tuple(_jax.out_shape_to_aval(t) for t in out_types)
+
+
+def check_inferred_vma(out_types, in_avals, jaxprs, meshes) -> None:
+  """An output inferred to vary like the inputs (``output_avals``) must not
+  hide a dependence on the device: a kernel that names a ``shard_map`` axis
+  the inputs do not vary over (its ``axis_index``, a ``device_id``) may
+  write different values on each device. Upstream requires every output
+  type to say how it varies under ``check_vma``; we ask for it there."""
+  if not _jax.vma_checked():
+    return
+  inferred = [
+    i
+    for i, t in enumerate(out_types)
+    if isinstance(t, jax.ShapeDtypeStruct) and t.manual_axis_type is None
+  ]
+  outer = jax.sharding.get_abstract_mesh()
+  if not inferred or outer.empty:
+    return
+  kernel_axes = set(prim.axis_env(meshes))
+  outer_axes = set(outer.axis_names) - kernel_axes
+  varying = frozenset().union(
+    *(
+      a.manual_axis_type.varying
+      for a in in_avals
+      if getattr(a, "manual_axis_type", None) is not None
+    )
+  )
+  named = _named_axes(jaxprs, outer_axes) - varying
+  if named:
+    raise ValueError(
+      f"mpmd_map: under shard_map(check_vma=True), out_types leaf "
+      f"{inferred[0]} must say how it varies across mesh axes "
+      "(jax.ShapeDtypeStruct(..., manual_axis_type=...)): the kernels name "
+      f"shard_map axes {sorted(named)} (axis_index, device_id), over which "
+      "the inputs do not vary, so the output cannot be inferred to vary like "
+      "the inputs; or set check_vma=False on jax.shard_map"
+    )
+
+
+def _named_axes(jaxprs, outer_axes: set[Any]) -> set[Any]:
+  """The axes of ``outer_axes`` the kernels name; a ``device_id`` that is
+  not a dict of axes names the device along all of them."""
+  named: set[Any] = set()
+  for jaxpr in jaxprs:
+    for eqn in jaxpr_util.iter_eqns(jaxpr):
+      name = eqn.primitive.name
+      if name == "axis_index":
+        axes = eqn.params["axis_name"]
+        named.update(axes if isinstance(axes, tuple) else (axes,))
+        continue
+      if name == "dma_start":
+        *_, device_id = eqn.params["tree"].unflatten(eqn.invars)
+      elif name == "semaphore_signal":
+        *_, device_id, _ = eqn.params["args_tree"].unflatten(eqn.invars)
+      else:
+        continue
+      if isinstance(device_id, Mapping):
+        named.update(device_id)
+      elif device_id is not None:
+        named.update(outer_axes)
+  return named & outer_axes
+
+
+def scratch_aval(scratch_type: Any, i: int) -> Any:
+  if not hasattr(scratch_type, "get_ref_aval"):
+    raise TypeError(
+      f"mpmd_map: expected scratch_types leaf {i} to be a scratch type "
+      "(pltpu.VMEM(shape, dtype), pltpu.SemaphoreType.DMA(()), "
+      f"plgpu.SMEM(...)), got {type(scratch_type).__name__}"
+    )
+  aval = scratch_type.get_ref_aval()
+  _check_shape(_inner_shape(aval), f"scratch_types leaf {i}")
+  return aval
+
+
+def check_scratch_spaces(scratch_avals, gpu: bool) -> None:
+  """Scratch lives in memories of the launch's platform: Mosaic GPU has no
+  VMEM or TPU semaphores, Mosaic TPU no SMEM of Mosaic GPU's kind."""
+  tpu_spaces = _jax.tpu().core.MemorySpace
+  gpu_spaces = _jax.gpu().core.MemorySpace
+  foreign, platform, examples = (
+    (tpu_spaces, "GPU", "plgpu.SMEM, plgpu.Barrier, plgpu.GMEM")
+    if gpu
+    else (gpu_spaces, "TPU", "pltpu.VMEM, pltpu.SMEM, pltpu.HBM, semaphores")
+  )
+  for i, aval in enumerate(scratch_avals):
+    space = getattr(aval, "memory_space", None)
+    if isinstance(space, pallas_core.CoreMemorySpace):
+      space = space.memory_space
+    if isinstance(space, foreign):
+      raise ValueError(
+        f"mpmd_map: expected scratch_types leaf {i} in a {platform} memory "
+        f"space ({examples}) for {platform} meshes, got "
+        f"{getattr(space, 'name', space)}"
+      )
+
+
+def check_options(
+  *, name, compiler_params, cost_estimate, metadata, gpu: bool
+) -> None:
+  if name is not None and not isinstance(name, str):
+    raise TypeError(
+      f"mpmd_map: expected 'name' to be a str or None, got {name!r}"
+    )
+  params_type = (_jax.gpu() if gpu else _jax.tpu()).core.CompilerParams
+  if compiler_params is not None and not isinstance(
+    compiler_params, params_type
+  ):
+    expected = "plgpu.CompilerParams" if gpu else "pltpu.CompilerParams"
+    platform = "GPU" if gpu else "TPU"
+    raise TypeError(
+      f"mpmd_map: expected 'compiler_params' for {platform} meshes to be "
+      f"None or a {expected}, got {type(compiler_params).__name__}: "
+      f"{compiler_params!r}"
+    )
+  if cost_estimate is not None and not isinstance(
+    cost_estimate, pallas_core.CostEstimate
+  ):
+    raise TypeError(
+      "mpmd_map: expected 'cost_estimate' to be None or a pl.CostEstimate, "
+      f"got {cost_estimate!r}"
+    )
+  if metadata is not None and not (
+    isinstance(metadata, Mapping)
+    and all(
+      isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    )
+  ):
+    raise TypeError(
+      "mpmd_map: expected 'metadata' to be None or a mapping of str to "
+      f"str, got {metadata!r}"
+    )
+
+
+def check_aliases_arg(aliases: Any) -> FrozenDict:
+  """``input_output_aliases`` as a FrozenDict of non-negative int pairs
+  (their range is checked against the operands at call time)."""
+  if aliases is None:
+    return FrozenDict({})
+  if not isinstance(aliases, Mapping):
+    raise TypeError(
+      "mpmd_map: expected 'input_output_aliases' to be a dict {input "
+      f"index: output index}}, got {type(aliases).__name__}: {aliases!r}"
+    )
+  for i, o in aliases.items():
+    if not all(
+      isinstance(x, int | np.integer) and not isinstance(x, bool)
+      for x in (i, o)
+    ):
+      raise TypeError(
+        "mpmd_map: expected 'input_output_aliases' to map int input "
+        f"indices to int output indices, got {{{i!r}: {o!r}}}"
+      )
+  return FrozenDict({int(i): int(o) for i, o in aliases.items()})
+
+
+_CANONICAL_MESHES: dict[Any, Any] = {}
+
+
+def _canonical_mesh(mesh: Any) -> Any:
+  """One object per distinct mesh.
+
+  Equal meshes created twice (say, per call) meet in avals, which JAX
+  compares; a TensorCoreMesh compares its device arrays elementwise and
+  crashes on multi-core meshes (jax 0.10.2), unless both sides are the same
+  object, which Python's equality checks first.
+  """
+  key = (type(mesh), hash(mesh), tuple(mesh.shape.items()))
+  return _CANONICAL_MESHES.setdefault(key, mesh)
+
+
+def canonical_owner(aval: Any) -> Any:
+  space = getattr(aval, "memory_space", None)
+  if isinstance(space, pallas_core.CoreMemorySpace):
+    owner = _canonical_mesh(space.mesh)
+    if owner is not space.mesh:
+      return state.AbstractRef(
+        aval.inner_aval,
+        pallas_core.CoreMemorySpace(space.memory_space, owner),
+      )
+  return aval
+
+
+def check_scratch_owners(scratch_avals, meshes) -> None:
+  """With several TPU meshes, scratch says whose memory holds it (``type @
+  mesh``) unless its memory space says so: HBM (and ANY) is the device's,
+  shared by all programs; VMEM_SHARED is a SparseCore's, shared by its
+  subcores. Upstream raises NotImplementedError for the rest, and so do we."""
+  tpu_spaces = _jax.tpu().core.MemorySpace
+  shared = (
+    pallas_core.MemorySpace.ANY,
+    tpu_spaces.HBM,
+    tpu_spaces.VMEM_SHARED,
+  )
+  for i, aval in enumerate(scratch_avals):
+    space = getattr(aval, "memory_space", None)
+    if isinstance(space, pallas_core.CoreMemorySpace):
+      if not any(addressing.same_mesh(space.mesh, m) for m in meshes):
+        raise ValueError(
+          f"mpmd_map: scratch_types leaf {i} is owned (`@ mesh`) by a mesh "
+          f"of core type {space.mesh.core_type} that is not in this launch"
+        )
+      continue
+    tpu_launch = not any(paths.is_gpu_mesh(m) for m in meshes)
+    if len(meshes) > 1 and tpu_launch and space not in shared:
+      raise NotImplementedError(
+        f"mpmd_map: scratch_types leaf {i} in {space} without an owner in a "
+        "launch of several meshes: per-program scratch names its mesh "
+        "(`pltpu.VMEM @ mesh`, `pltpu.SemaphoreType.REGULAR @ mesh`); "
+        "scratch shared by all programs is pltpu.HBM, and by a SparseCore's "
+        "subcores pltpu.VMEM_SHARED"
+      )
+
+
+def kernel_aval(aval: Any, meshes: Sequence[Any]) -> Any:
+  """How a launch operand appears to the kernels: a Ref in a memory space."""
+  if isinstance(aval, state.AbstractRef):
+    return aval
+  if isinstance(aval, core.ShapedArray):
+    space = aval.memory_space
+    if space == core.MemorySpace.Device:
+      defaults = {m.default_memory_space for m in meshes}
+      hbm = _jax.tpu().core.MemorySpace.HBM
+      if defaults == {pallas_core.MemorySpace.ANY, hbm}:
+        # TensorCores default to ANY, SparseCores to HBM: HBM suits both.
+        defaults = {hbm}
+      if len(defaults) != 1:
+        raise ValueError(
+          "mpmd_map: meshes with different default memory spaces "
+          f"{sorted(map(str, defaults))} need operands with an explicit "
+          "memory space"
+        )
+      [space] = defaults
+    return state.AbstractRef(aval, memory_space=space)
+  if hasattr(aval, "get_ref_aval"):
+    return aval.get_ref_aval()
+  raise TypeError(f"mpmd_map: unsupported operand type {aval}")
+
+
+def check_refs_passed_once(flat_args: Sequence[Any]) -> None:
+  """As upstream: one Ref is one operand (kernels would otherwise see two
+  operands that alias, which neither Mosaic nor the CPU fallback models)."""
+  seen: dict[int, int] = {}
+  for i, x in enumerate(flat_args):
+    if isinstance(core.typeof(x), state.AbstractRef):
+      if id(x) in seen:
+        raise NotImplementedError(
+          "mpmd_map: cannot pass the same Ref into a mpmd_map more than "
+          f"once: inputs {seen[id(x)]} and {i} are one Ref"
+        )
+      seen[id(x)] = i
+
+
+def check_consts_not_passed(consts: Sequence[Any], flat_args) -> None:
+  passed = {id(x): i for i, x in enumerate(flat_args)}
+  for c in consts:
+    if id(c) in passed and isinstance(core.typeof(c), state.AbstractRef):
+      raise NotImplementedError(
+        "mpmd_map: a kernel closes over the Ref it is also passed as input "
+        f"{passed[id(c)]}; closed-over Refs that alias a passed-in Ref are "
+        "not supported: use the Ref the kernel is passed"
+      )
+
+
+def check_consts(consts: Sequence[Any], debug_info) -> None:
+  bad = [
+    aval
+    for c in consts
+    if not isinstance(aval := core.typeof(c), state.AbstractRef)
+    and not (isinstance(aval, core.ShapedArray) and not aval.shape)
+  ]
+  if bad:
+    raise ValueError(
+      f"mpmd_map: kernel {debug_info.func_src_info}: closes over arrays "
+      f"{[short(a) for a in bad]}; pass them as inputs (only Refs and "
+      "scalars may be closed over)"
+    )
+
+
+def check_aliases(aliases, in_avals, out_avals) -> None:
+  outs = list(aliases.values())
+  if len(set(outs)) != len(outs):
+    raise ValueError(
+      f"mpmd_map: input_output_aliases {dict(aliases)} aliases several "
+      "inputs to one output; each output may alias at most one input"
+    )
+  for i, o in aliases.items():
+    if not (0 <= i < len(in_avals)) or not (0 <= o < len(out_avals)):
+      raise ValueError(
+        f"mpmd_map: input_output_aliases {{{i}: {o}}} is out of range for "
+        f"{len(in_avals)} inputs and {len(out_avals)} outputs"
+      )
+    a, b = in_avals[i], out_avals[o]
+    if isinstance(a, state.AbstractRef):
+      raise ValueError(
+        f"mpmd_map: input {i} is a Ref, which the kernels update in place "
+        "already; leave it out of input_output_aliases"
+      )
+    if (a.shape, a.dtype) != (b.shape, b.dtype):
+      raise ValueError(
+        f"mpmd_map: input {i} ({short(a)}) cannot alias output {o} "
+        f"({short(b)}): shapes and dtypes must match"
+      )

@@ -1,0 +1,319 @@
+"""Checks of the traced kernels before they are bound: what each program
+may touch (memory spaces, collectives, DMAs, device ids, core indices), fixed
+DMA windows, unbound axis names."""
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+
+from mpmd import _jax
+from mpmd._jax import (
+  core,
+  pallas_core,
+  tree_util,
+)
+from mpmd.arguments import short
+from mpmd.lowering import addressing, bounds, jaxpr_util, paths
+from mpmd.primitives import mpmd_map as prim
+
+_UNBOUND_AXIS = re.compile(r"unbound axis name: (.+?)(?:\. |\.?$)", re.M)
+
+
+def raise_if_unbound_axis(error: NameError, mesh, meshes, debug_info):
+  """JAX's advice for an unbound axis ("call axis_index under shard_map")
+  misleads in a kernel: say which axes the kernel can name."""
+  found = _UNBOUND_AXIS.search(str(error))
+  if found is None:
+    return  # not an axis name: a NameError of the user's code
+  outer = jax.sharding.get_abstract_mesh()
+  outer_axes = () if outer.empty else tuple(outer.axis_names)
+  others = {a: n for m in meshes if m is not mesh for a, n in m.shape.items()}
+  raise ValueError(
+    f"mpmd_map: kernel {debug_info.func_src_info} names axis "
+    f"{found.group(1)!r}, which is not an axis of its mesh "
+    f"{dict(mesh.shape)}"
+    + (f", of the launch's other meshes {others}" if others else "")
+    + (
+      f", or of the enclosing shard_map {outer_axes}"
+      if outer_axes
+      else " (and there is no enclosing shard_map)"
+    )
+  ) from None
+
+
+class Roles(NamedTuple):
+  """Names a kernel's operands in messages: ``'x_hbm' (input 0)``."""
+
+  debug_info: Any
+  num_in: int
+  num_out: int
+  # Closed-over values that lead the traced jaxpr's inputs (jax 0.11+; up
+  # to 0.10 they are its constvars).
+  num_consts: int = 0
+
+  def describe(self, jaxpr: core.Jaxpr, var: Any, aval: Any) -> str:
+    if isinstance(var, str):  # named by _check_eqns
+      return f"{var} ({short(aval)})"
+    if var in jaxpr.constvars:
+      return f"a closed-over Ref ({short(aval)})"
+    try:
+      k = jaxpr.invars.index(var)
+    except ValueError:
+      return short(aval)  # not traced back to a kernel operand
+    if k < self.num_consts:
+      return f"a closed-over Ref ({short(aval)})"
+    k -= self.num_consts
+    if k < self.num_in:
+      role = f"input {k}"
+    elif k < self.num_in + self.num_out:
+      role = f"out_types leaf {k - self.num_in}"
+    else:
+      role = f"scratch_types leaf {k - self.num_in - self.num_out}"
+    names = self.debug_info.arg_names
+    name = f"{names[k]!r} " if names and k < len(names) else ""
+    return f"{name}({role}, {short(aval)})"
+
+
+def check_kernel(jaxpr: core.Jaxpr, caller: int, meshes, roles: Roles):
+  """What the kernel asks of DMAs, signals and scoped allocations, checked
+  where it is written (trace time) instead of by a lowering or a simulator
+  after the kernel is merged."""
+  kernel = f"mpmd_map: kernel {roles.debug_info.func_src_info}"
+  outer = jax.sharding.get_abstract_mesh()
+  axis_sizes = {} if outer.empty else dict(outer.shape)
+  axis_sizes.update(prim.axis_env(meshes))
+  where = _Where(caller, meshes, axis_sizes, roles, kernel)
+  _check_eqns(jaxpr, jaxpr, {}, where)
+
+
+class _Where(NamedTuple):
+  """The kernel being checked: its mesh (by position) among the launch's."""
+
+  caller: int
+  meshes: tuple[Any, ...]
+  axis_sizes: dict[Any, int]
+  roles: Roles
+  kernel: str
+
+
+def check_static_windows(jaxprs, meshes, num_in: int, num_out: int) -> None:
+  """A DMA window fixed in a TPU kernel that leaves its buffer faults on
+  the hardware: an error at trace time, whichever platform the launch is
+  then lowered for. ``jaxprs`` are the kernels as bound (closed-over values
+  hoisted to inputs ``num_in`` on), which ``bounds`` knows how to name."""
+  for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
+    if paths.is_gpu_mesh(mesh):
+      continue
+    bounds.check_static(
+      jaxpr,
+      bounds.operand_names(jaxpr, num_in, num_out),
+      jaxpr.debug_info.func_src_info,
+    )
+
+
+def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
+  """``outer`` maps a variable of a nested jaxpr to the kernel operand it
+  stands for (so that messages can name it)."""
+  mesh = where.meshes[where.caller]
+  axis_sizes, roles, kernel = where.axis_sizes, where.roles, where.kernel
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in ("dma_start", "dma_wait"):
+      if name == "dma_start":
+        _check_dma(top, eqn, outer, roles, kernel)
+      sem, device_id = addressing.dma_operands(eqn, eqn.invars)
+      what = f"{kernel}: a DMA ({name})"
+      _check_device_id(device_id, axis_sizes, what)
+      target = addressing.resolve(
+        where.meshes, where.caller, sem.aval, device_id, what
+      )
+      _check_sparsecore_dma(target, device_id, where, what)
+    elif name == "semaphore_signal":
+      tree = eqn.params["args_tree"]
+      sem, *_, device_id, core_index = tree.unflatten(eqn.invars)
+      what = f"{kernel}: semaphore_signal"
+      _check_device_id(device_id, axis_sizes, what)
+      if device_id is None:
+        _check_core_index(core_index, mesh, what)
+      addressing.resolve(where.meshes, where.caller, sem.aval, device_id, what)
+    elif name == "run_scoped":
+      _check_collective_axes(eqn.params.get("collective_axes"), mesh, kernel)
+    elif name in _REF_ACCESS and not paths.is_gpu_mesh(mesh):
+      _check_direct_access(top, eqn, outer, mesh, roles, kernel)
+    for sub in jaxpr_util.sub_jaxprs(eqn.params):
+      inner = dict(outer)
+      for v, x in _operands_of(eqn, sub):
+        if isinstance(x, core.Var) and v.aval == x.aval:
+          inner[v] = outer.get(x, x)
+      if name == "run_scoped":
+        for k, v in enumerate(sub.invars):
+          inner[v] = f"pl.run_scoped allocation {k}"
+      _check_eqns(top, sub, inner, where)
+
+
+# Primitives that read or write a Ref's elements in place (``x_ref[...]``,
+# ``x_ref[...] = v``, ``x_ref[...] += v``, ``pl.load``, ``pl.store``), by
+# what they do to it.
+_REF_ACCESS = {
+  "get": "reads",
+  "masked_load": "reads",
+  "swap": "writes",
+  "masked_swap": "writes",
+  "addupdate": "updates",
+}
+
+
+def _tpu_memory_space(aval, mesh) -> Any:
+  """Where a Ref lives on a TPU: a Ref without a memory space (a kernel
+  operand) is in its mesh's default one (ANY for TensorCores, HBM for
+  SparseCores), as Mosaic places it."""
+  space = getattr(aval, "memory_space", None)
+  if isinstance(space, pallas_core.CoreMemorySpace):
+    space = space.memory_space
+  return mesh.default_memory_space if space is None else space
+
+
+def _check_direct_access(top, eqn, outer, mesh, roles, kernel: str) -> None:
+  """Mosaic TPU reads and writes only VMEM and SMEM Refs in place; data in
+  HBM (or ANY, or shared VMEM) moves by DMA. The CPU fallback would run
+  such a kernel, so it is rejected here, the same on every path."""
+  ref = eqn.invars[0]
+  aval = ref.aval
+  space = _tpu_memory_space(aval, mesh)
+  tpu_spaces = _jax.tpu().core.MemorySpace
+  if space not in (
+    pallas_core.MemorySpace.ANY,
+    tpu_spaces.HBM,
+    tpu_spaces.VMEM_SHARED,
+  ):
+    return
+  ref = outer.get(ref, ref)
+  raise ValueError(
+    f"{kernel}: {_REF_ACCESS[eqn.primitive.name]} "
+    f"{roles.describe(top, ref, aval)} in place, but it is in "
+    f"{getattr(space, 'name', space)} memory: on TPU only VMEM and SMEM "
+    "Refs can be read or written directly; copy the data to or from VMEM "
+    "scratch with pltpu.sync_copy / pltpu.async_copy"
+  )
+
+
+def _check_collective_axes(axes, mesh, kernel: str) -> None:
+  axes = tuple(axes or ())
+  unknown = [a for a in axes if a not in mesh.shape]
+  if unknown:
+    raise ValueError(
+      f"{kernel}: run_scoped(collective_axes={axes!r}) names {unknown}, "
+      f"which are not axes of the kernel's mesh {dict(mesh.shape)}"
+    )
+  thread = getattr(mesh, "thread_name", None)
+  if paths.is_gpu_mesh(mesh) and axes and axes != (thread,):
+    # Mosaic GPU allocates collectively only across a block's warpgroups.
+    raise ValueError(
+      f"{kernel}: run_scoped(collective_axes={axes!r}): expected no "
+      f"collective axes or only the warpgroup axis ({thread!r},) of the "
+      f"kernel's mesh {dict(mesh.shape)}"
+    )
+
+
+def _operands_of(eqn, sub: core.Jaxpr):
+  """(variable of ``sub``, operand of ``eqn`` it receives) pairs, where the
+  layout is the usual one: closed-over operands (``run_scoped``), else the
+  trailing operands (``cond`` after its index, loops after their consts)."""
+  operands = list(eqn.invars)
+  if len(sub.constvars) == len(operands):
+    return zip(sub.constvars, operands, strict=True)
+  n = min(len(sub.invars), len(operands))
+  return zip(
+    sub.invars[len(sub.invars) - n :],
+    operands[len(operands) - n :],
+    strict=True,
+  )
+
+
+def _check_dma(top, eqn, outer, roles: Roles, kernel: str) -> None:
+  avals = [v.aval for v in eqn.invars]
+  src, dst, *_ = eqn.params["tree"].unflatten(avals)
+  try:
+    # The windows' shapes follow from the static slice sizes.
+    src_type, dst_type = (src.shape, src.dtype), (dst.shape, dst.dtype)
+  except Exception:  # noqa: BLE001 -- a view we cannot size: Mosaic checks
+    return
+  if src_type == dst_type:
+    return
+  src_var, dst_var = eqn.invars[0], eqn.invars[_num_leaves(src)]
+  src_var, dst_var = outer.get(src_var, src_var), outer.get(dst_var, dst_var)
+  src_ref, dst_ref = avals[0], avals[_num_leaves(src)]
+  raise ValueError(
+    f"{kernel}: a DMA copies from "
+    f"{roles.describe(top, src_var, src_ref)} into "
+    f"{roles.describe(top, dst_var, dst_ref)}: expected the same shape and "
+    f"dtype on both sides, got {_type_str(*src_type)} and "
+    f"{_type_str(*dst_type)}"
+  )
+
+
+def _num_leaves(tree: Any) -> int:
+  return len(tree_util.tree_leaves(tree))
+
+
+def _type_str(shape, dtype) -> str:
+  return core.ShapedArray(tuple(shape), dtype).str_short(short_dtypes=True)
+
+
+def _check_sparsecore_dma(target, device_id, where: _Where, what: str):
+  """Mosaic addresses a SparseCore program's DMA to another mesh only by
+  its ``device_id`` (without one it fails to verify): say so at trace
+  time, on every path."""
+  if target is None or target.mesh == where.caller or device_id is not None:
+    return
+  mesh = where.meshes[where.caller]
+  kind = getattr(getattr(mesh, "core_type", None), "name", "")
+  if not kind.startswith("SC_"):
+    return
+  target_mesh = where.meshes[target.mesh]
+  axes = ", ".join(f"{a!r}: ..." for a in target_mesh.shape)
+  raise ValueError(
+    f"{what} lands on {addressing.describe_mesh(where.meshes, target.mesh)} "
+    "(the owner of its receive semaphore) without a device_id: a "
+    "SparseCore program addresses another mesh's program by device_id "
+    f"only; pass device_id={{{axes}}} (axes shared with the caller may be "
+    "left out)"
+  )
+
+
+def _check_device_id(device_id: Any, axis_sizes, what: str) -> None:
+  """Axes a ``device_id`` dict names exist; literal indices are in range."""
+  if not isinstance(device_id, Mapping):
+    return
+  for axis, index in device_id.items():
+    size = axis_sizes.get(axis)
+    if size is None:
+      try:  # bound some other way (pmap): still the caller's trace
+        size = jax.lax.axis_size(axis)
+      except NameError:
+        raise ValueError(
+          f"{what} names device_id axis {axis!r}, which is not an axis of "
+          f"the kernel meshes or of an enclosing shard_map {axis_sizes}"
+        ) from None
+    if isinstance(index, core.Literal):
+      value = int(index.val)
+      if not 0 <= value < size:
+        raise ValueError(
+          f"{what} names device_id {{{axis!r}: {value}}}: expected an "
+          f"index in [0, {size}) along axis {axis!r}"
+        )
+
+
+def _check_core_index(core_index: Any, mesh, what: str) -> None:
+  """A literal ``core_index`` names one of the caller's mesh's programs."""
+  if not isinstance(core_index, core.Literal) or paths.is_gpu_mesh(mesh):
+    return
+  size, value = math.prod(mesh.shape.values()), int(core_index.val)
+  if not 0 <= value < size:
+    raise ValueError(
+      f"{what} names core_index={value}: expected an index in [0, {size}) "
+      f"(the programs of its mesh {dict(mesh.shape)})"
+    )
