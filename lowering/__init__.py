@@ -68,9 +68,9 @@ def _kernel_name(params) -> str:
 
 
 def _refuse_export(ctx, params):
-  from mpmd.lowering import lockstep, paths
+  from mpmd.lowering import paths
 
-  axes = lockstep.manual_axes(ctx.module_context.axis_context)
+  axes = paths.manual_axes(ctx.module_context.axis_context)
   path = paths.choose(
     params["jaxprs"], params["meshes"], params["interpret"], axes
   )

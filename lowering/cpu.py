@@ -40,7 +40,7 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   callbacks.install()  # our callbacks' errors reach the caller typed
   num_operands = len(in_nodes) + len(params["out_avals"])
   paths.check_semaphore_operands(jaxprs, meshes, num_operands)
-  axes = lockstep.manual_axes(ctx.module_context.axis_context)
+  axes = paths.manual_axes(ctx.module_context.axis_context)
   path = paths.choose(jaxprs, meshes, params["interpret"], axes)
   if params["debug"]:
     print(f"mpmd_map: CPU fallback takes the {path.kind} path: {path.reason}")

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from mpmd import _jax
-from mpmd._jax import core
+from mpmd._jax import core, pallas_primitives, sharding_impls
 from mpmd.lowering import addressing, jaxpr_util
 from mpmd.primitives import mpmd_map as prim
 
@@ -206,9 +206,7 @@ def choose(
     if interpret is True:
       return Path(FAST, "interpret=True forces the HLO interpreter")
     return Path(FAST, "no program waits on another")
-  from mpmd.lowering import lockstep
-
-  why_not = lockstep.why_not(jaxprs, meshes, manual_axes)
+  why_not = lockstep_why_not(jaxprs, meshes, manual_axes)
   if why_not is None:
     # Also for interpret=True: like upstream's HLO interpreter, every
     # device runs its program and remote DMAs become collectives.
@@ -265,3 +263,109 @@ def simulator_effects(
   ):
     return set()
   return {prim.host_callback_effect}
+
+
+# Nesting under which devices may disagree on whether (or how often) an
+# operation runs: an exchange there would leave the others waiting.
+_DIVERGENT = ("cond", "while")
+
+
+_MESH = pallas_primitives.DeviceIdType.MESH
+
+
+def manual_axes(axis_context: Any) -> tuple[Any, ...]:
+  """``paths.fully_manual_axes`` of the shard_map being lowered."""
+  if not isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    return ()
+  return fully_manual_axes(
+    axis_context.mesh.axis_names, axis_context.manual_axes
+  )
+
+
+def _remote_target(eqn) -> Any:
+  """The device_id of a remote DMA start / signal (None if local)."""
+  name = eqn.primitive.name
+  if name == "dma_start":
+    return eqn.params["tree"].unflatten(eqn.invars)[-1]
+  if name == "semaphore_signal":
+    *_, device_id, _ = eqn.params["args_tree"].unflatten(eqn.invars)
+    return device_id
+  return None
+
+
+def exchange_axes(jaxpr: core.Jaxpr, axes: tuple[Any, ...]) -> tuple[Any, ...]:
+  """The mesh axes the kernel's remote operations name, in mesh order.
+
+  Devices that differ along other axes never exchange, so they need not
+  reach the same exchanges (a launch under a condition on another axis).
+  """
+  named = set()
+  for eqn in jaxpr_util.iter_eqns(jaxpr):
+    target = _remote_target(eqn)
+    if isinstance(target, dict):
+      named |= set(target)
+    elif target is not None:
+      named |= set(axes)
+  return tuple(a for a in axes if a in named) or axes
+
+
+def lockstep_why_not(
+  jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any], axes: tuple[Any, ...]
+) -> str | None:
+  """Why a synchronising kernel cannot run in lockstep (None if it can).
+
+  ``axes``: the mesh axes of the enclosing shard_map (``manual_axes``).
+  """
+  if not axes:
+    return (
+      "it is not inside a jax.shard_map manual over every mesh axis (no "
+      "devices to exchange with)"
+    )
+  if len(meshes) != 1 or math.prod(meshes[0].shape.values()) != 1:
+    return "it runs several programs per device"
+
+  def walk(jaxpr, enclosing, scoped_semaphores):
+    for eqn in jaxpr.eqns:
+      name = eqn.primitive.name
+      if name == "get_barrier_semaphore" and enclosing:
+        return f"it takes the barrier semaphore inside {enclosing[-1]}"
+      if name == "semaphore_read" and "while" in enclosing:
+        return "it reads a semaphore inside a while loop (it may spin)"
+      if name == "semaphore_signal":
+        *_, core_index = eqn.params["args_tree"].unflatten(eqn.invars)
+        if core_index is not None:
+          return "it signals another core's semaphore"
+      target = _remote_target(eqn)
+      if target is not None:
+        if eqn.params["device_id_type"] is not _MESH:
+          return f"a remote {name} names its device by a LOGICAL id"
+        if name == "dma_start" and eqn.params["add"]:
+          return "it issues an accumulating remote DMA"
+        divergent = [e for e in enclosing if e in _DIVERGENT]
+        if divergent:
+          return f"it issues a remote {name} inside {divergent[-1]}"
+        if scoped_semaphores:
+          return (
+            f"it issues a remote {name} inside pl.run_scoped with "
+            "semaphores (their counts are not checked at the end)"
+          )
+        if isinstance(target, dict):
+          foreign = [a for a in target if a not in axes]
+          if foreign:
+            return (
+              f"a remote {name} names axes {foreign} that are not axes "
+              f"{axes} of the enclosing shard_map"
+            )
+        elif len(axes) != 1:
+          return f"a remote {name} names its device by a flat id"
+      scoped = scoped_semaphores or (
+        name == "run_scoped"
+        and any(is_semaphore(v.aval) for v in eqn.params["jaxpr"].invars)
+      )
+      for sub in jaxpr_util.sub_jaxprs(eqn.params):
+        reason = walk(sub, (*enclosing, name), scoped)
+        if reason is not None:
+          return reason
+    return None
+
+  return walk(jaxprs[0], (), False)

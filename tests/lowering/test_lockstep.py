@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmd
-from mpmd.lowering import lockstep
+from mpmd.lowering import exchange as exchange_lib
 
 ROWS = (8, 128)
 CORE = mpmd.tensorcore_mesh("core", num_cores=1)
@@ -138,7 +138,7 @@ def exchange(request, monkeypatch):
   """Remote data travels in the batched all_gather (small, the default for
   these shapes) or by ring shifts (what large data takes)."""
   if request.param == "ring_shifts":
-    monkeypatch.setattr(lockstep, "_GATHER_BYTES", 0)
+    monkeypatch.setattr(exchange_lib, "_GATHER_BYTES", 0)
   return request.param
 
 
