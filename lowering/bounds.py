@@ -20,7 +20,6 @@ end-of-launch check of the kernel's own semaphores.
 """
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -32,6 +31,7 @@ from jax.experimental import checkify
 from mpmd import _jax
 from mpmd._jax import core, state_types, tree_util
 from mpmd.lowering import jaxpr_util, watchdog
+from mpmd.lowering.ranges import CALLS, dma_sides, parts, ref_indexers
 
 # Checks whose message starts so report a DeadlockError, the others an
 # OutOfBoundsError.
@@ -154,7 +154,7 @@ def _held_operands(eqn: core.JaxprEqn, sub: core.Jaxpr) -> list | None:
       return list(zip(sub.invars[:num_cond], operands[:num_cond], strict=True))
     body_consts = operands[num_cond : num_cond + num_body]
     return list(zip(sub.invars[:num_body], body_consts, strict=True))
-  if name in _CALLS and len(sub.invars) == len(operands):
+  if name in CALLS and len(sub.invars) == len(operands):
     return list(zip(sub.invars, operands, strict=True))
   return None
 
@@ -165,17 +165,6 @@ def _same_type(a: Any, b: Any) -> bool:
     and getattr(a, "shape", None) == getattr(b, "shape", None)
     and getattr(a, "dtype", None) == getattr(b, "dtype", None)
   )
-
-
-# -- windows ------------------------------------------------------------------
-
-
-def _indexers(ref: Any) -> tuple[Any, list[Any]]:
-  """A (transformed) Ref's root and its indexers, outermost first."""
-  if isinstance(ref, state_types.TransformedRef):
-    indexer = _jax.state.indexing.NDIndexer
-    return ref.ref, [t for t in ref.transforms if isinstance(t, indexer)]
-  return ref, []
 
 
 def _static(x: Any, refs: Refs) -> int | None:
@@ -232,16 +221,16 @@ def _windows(static_ref: Any, ref: Any, refs: Refs):
   """A DMA side's root and its windows, outermost first, each a (shape,
   dims) pair; dims static where ``static_ref`` (the equation's operand) is,
   else from ``ref`` (traced; None: left traced)."""
-  root, static_levels = _indexers(static_ref)
-  levels = static_levels if ref is None else _indexers(ref)[1]
+  root, static_levels = ref_indexers(static_ref)
+  levels = static_levels if ref is None else ref_indexers(ref)[1]
   windows = []
   for static_indexer, indexer in zip(static_levels, levels, strict=True):
     dims = []
     for static_index, index, bound in zip(
       static_indexer.indices, indexer.indices, indexer.shape, strict=True
     ):
-      start, size, stride, is_slice = _parts(index)
-      static_start, static_size, _, _ = _parts(static_index)
+      start, size, stride, is_slice = parts(index)
+      static_start, static_size, _, _ = parts(static_index)
       static_start = _static(static_start, refs)
       static_size = _static(static_size, refs)
       dims.append(
@@ -265,26 +254,11 @@ def _int32(x: Any) -> Any:
   return lax.convert_element_type(x, jnp.int32)
 
 
-def _parts(index: Any) -> tuple[Any, Any, int, bool]:
-  """(start, size, stride, is a slice) of one index of an indexer."""
-  if isinstance(index, _jax.state.indexing.Slice):
-    return index.start, index.size, index.stride, True
-  return index, 1, 1, False
-
-
 def _describe(role: str, name: str, chain: str, shapes: list[str]) -> str:
   text = f"a DMA's {role} window {chain} is out of bounds of {name}"
   if len(shapes) > 1:
     text += f" (its successive .at[] index shapes {', '.join(shapes)})"
   return text
-
-
-def _dma_sides(eqn: core.JaxprEqn, invals: Sequence[Any] | None):
-  """(role, source or destination operand, its traced value or None)."""
-  tree = eqn.params["tree"]
-  static = tree.unflatten(eqn.invars)[:2]
-  traced = [None, None] if invals is None else tree.unflatten(invals)[:2]
-  return zip(("source", "destination"), static, traced, strict=True)
 
 
 def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
@@ -299,7 +273,7 @@ def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
   for eqn in jaxpr_util.iter_eqns(jaxpr):
     if eqn.primitive.name != "dma_start":
       continue
-    for role, static_ref, _ in _dma_sides(eqn, None):
+    for role, static_ref, _ in dma_sides(eqn, None):
       root, windows = _windows(static_ref, None, refs)
       dims = [d for _, ds in windows for d in ds if d.static]
       if all(d.in_bounds() for d in dims):
@@ -313,357 +287,6 @@ def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
         f"mpmd_map: kernel {kernel}: "
         f"{_describe(role, name, chain, shapes)} (hardware would fault)"
       )
-
-
-# -- proofs -------------------------------------------------------------------
-#
-# A run-time check costs more than its comparison: the launch then carries a
-# host callback, which takes it off jax's C++ dispatch path. So windows that
-# an interval analysis proves in bounds (loop counters, program indices) and
-# scoped waits that follow their DMA in straight-line code are not checked.
-
-Range = tuple[int, int]
-
-
-def _union(a: Range | None, b: Range | None) -> Range | None:
-  if a is None or b is None:
-    return None
-  return min(a[0], b[0]), max(a[1], b[1])
-
-
-def _mul(a: Range, b: Range) -> Range:
-  products = [x * y for x in a for y in b]
-  return min(products), max(products)
-
-
-def _rem(a: Range, b: Range) -> Range | None:
-  if b[0] != b[1] or b[0] <= 0:
-    return None
-  n = b[0] - 1
-  # lax.rem takes the dividend's sign.
-  return (0 if a[0] >= 0 else -n), (n if a[1] > 0 else 0)
-
-
-def _div(a: Range, b: Range) -> Range | None:
-  if b[0] != b[1] or b[0] <= 0:
-    return None
-  return int(a[0] / b[0]), int(a[1] / b[0])  # rounds towards zero
-
-
-def _clamp(lo: Range, x: Range, hi: Range) -> Range:
-  return min(max(x[0], lo[0]), hi[1]), max(min(x[1], hi[1]), lo[0])
-
-
-_ARITHMETIC: dict[str, Callable[..., Range | None]] = {
-  "add": lambda a, b: (a[0] + b[0], a[1] + b[1]),
-  "sub": lambda a, b: (a[0] - b[1], a[1] - b[0]),
-  "mul": _mul,
-  "neg": lambda a: (-a[1], -a[0]),
-  "max": lambda a, b: (max(a[0], b[0]), max(a[1], b[1])),
-  "min": lambda a, b: (min(a[0], b[0]), min(a[1], b[1])),
-  "rem": _rem,
-  "div": _div,
-  "clamp": _clamp,
-  "convert_element_type": lambda a: a,
-}
-
-
-# Equations that call their jaxpr with their operands, in order.
-_CALLS = (
-  "pjit",
-  "jit",
-  "closed_call",
-  "core_call",
-  "remat",
-  "checkpoint",
-  "custom_jvp_call",
-  "custom_vjp_call",
-  "custom_vjp_call_jaxpr",
-)
-_INT32 = (-(2**31), 2**31 - 1)
-
-
-class _Prover:
-  """Finds the ``dma_start``s whose windows stay in bounds and the waits on
-  ``pl.run_scoped`` semaphores that are satisfied, whatever the program and
-  the values the kernel reads (``proven``, by equation id)."""
-
-  def __init__(self, axis_sizes: dict[Any, int]):
-    self.axis_sizes = axis_sizes
-    self.ranges: dict[core.Var, Range] = {}
-    # A jaxpr may be called from several places (a jitted helper): what it
-    # does must hold for every call.
-    self.held: set[int] = set()
-    self.failed: set[int] = set()
-
-  @property
-  def proven(self) -> set[int]:
-    return self.held - self.failed
-
-  def verdict(self, eqn: core.JaxprEqn, holds: bool) -> None:
-    (self.held if holds else self.failed).add(id(eqn))
-
-  def set(self, v: core.Var, r: Range | None) -> None:
-    if r is None:
-      self.ranges.pop(v, None)  # left from another call of its jaxpr
-    else:
-      self.ranges[v] = r
-
-  def range(self, x: Any) -> Range | None:
-    if isinstance(x, core.Var):
-      return self.ranges.get(x)
-    if isinstance(x, core.Literal):
-      x = x.val
-    if isinstance(x, core.Tracer) or np.ndim(x):
-      return None
-    value = np.asarray(x)
-    if not np.issubdtype(value.dtype, np.integer):
-      return None
-    return int(value), int(value)
-
-  def bind(self, variables, operands) -> None:
-    for v, x in zip(variables, operands, strict=True):
-      self.set(v, self.range(x))
-
-  def walk(self, jaxpr: core.Jaxpr) -> None:
-    for eqn in jaxpr.eqns:
-      self.eqn(eqn)
-
-  def eqn(self, eqn: core.JaxprEqn) -> None:
-    name = eqn.primitive.name
-    params = eqn.params
-    out = None
-    if name in _ARITHMETIC and _is_int_scalar(eqn.outvars[0].aval):
-      args = [self.range(x) for x in eqn.invars]
-      if all(a is not None for a in args):
-        out = _ARITHMETIC[name](*args)
-    elif name == "select_n" and _is_int_scalar(eqn.outvars[0].aval):
-      cases = [self.range(x) for x in eqn.invars[1:]]
-      out = functools.reduce(_union, cases)
-    elif name == "axis_index":
-      axes = params["axis_name"]
-      axes = axes if isinstance(axes, tuple) else (axes,)
-      if all(a in self.axis_sizes for a in axes):
-        out = (0, math.prod(self.axis_sizes[a] for a in axes) - 1)
-    elif name == "program_id":
-      sizes = list(self.axis_sizes.values())
-      out = (0, sizes[params["axis"]] - 1)
-    elif name == "cond":
-      out = self.cond(eqn)
-    elif name == "scan":
-      self.scan(eqn)
-    elif name == "while":
-      self.while_loop(eqn)
-    elif name == "run_scoped":
-      [scope] = jaxpr_util.sub_jaxprs(params)
-      self.bind(scope.constvars, eqn.invars)
-      self.walk(scope)
-      self.scoped_waits(scope)
-    elif name == "dma_start":
-      sides = _dma_sides(eqn, None)
-      self.verdict(eqn, all(self.window_in_bounds(r) for _, r, _ in sides))
-    else:
-      for sub in jaxpr_util.sub_jaxprs(params):
-        call = name in _CALLS and len(sub.invars) == len(eqn.invars)
-        if call:
-          self.bind(sub.invars, eqn.invars)
-        else:
-          # Nested DMAs are looked at either way (unproven without ranges).
-          for v in (*sub.constvars, *sub.invars):
-            self.set(v, None)
-        self.walk(sub)
-        if call and len(sub.outvars) == len(eqn.outvars) == 1:
-          out = self.range(sub.outvars[0])
-    # Beyond int32 a value may wrap around: nothing is known of it.
-    if out is not None and not (_INT32[0] <= out[0] and out[1] <= _INT32[1]):
-      out = None
-    for v in eqn.outvars:
-      self.set(v, out if len(eqn.outvars) == 1 else None)
-
-  def cond(self, eqn) -> Range | None:
-    outs = []
-    for branch in eqn.params["branches"]:
-      branch, _ = _jax.open_jaxpr(branch)
-      self.bind(branch.invars, eqn.invars[1:])
-      self.walk(branch)
-      outs.append(self.range(branch.outvars[0]) if branch.outvars else None)
-    return functools.reduce(_union, outs) if len(eqn.outvars) == 1 else None
-
-  def scan(self, eqn) -> None:
-    body, _ = _jax.open_jaxpr(eqn.params["jaxpr"])
-    num_consts, num_carry = _jax.scan_layout(eqn.params)
-    length = eqn.params["length"]
-    self.bind(body.invars[:num_consts], eqn.invars[:num_consts])
-    for k in range(num_carry):
-      carry = body.invars[num_consts + k]
-      init = self.range(eqn.invars[num_consts + k])
-      step = _step(body, carry, body.outvars[k])
-      if init is None or step is None:
-        self.set(carry, None)
-        continue
-      # A counter moves by `step` each of `length` iterations.
-      reach = step * max(length - 1, 0)
-      self.set(carry, (init[0] + min(reach, 0), init[1] + max(reach, 0)))
-    for v in body.invars[num_consts + num_carry :]:
-      self.set(v, None)
-    self.walk(body)
-
-  def while_loop(self, eqn) -> None:
-    params = eqn.params
-    body, _ = _jax.open_jaxpr(params["body_jaxpr"])
-    cond, _ = _jax.open_jaxpr(params["cond_jaxpr"])
-    num_cond, num_body = params["cond_nconsts"], params["body_nconsts"]
-    carries = eqn.invars[num_cond + num_body :]
-    self.bind(
-      body.invars[:num_body], eqn.invars[num_cond : num_cond + num_body]
-    )
-    inits = [self.range(x) for x in carries]
-    # Carries the body passes on unchanged keep their initial value.
-    fixed = {
-      k: r
-      for k, r in enumerate(inits)
-      if r is not None and body.outvars[k] is body.invars[num_body + k]
-    }
-    for k in range(len(carries)):
-      self.set(body.invars[num_body + k], fixed.get(k))
-    bound = self.loop_bound(cond, num_cond, eqn.invars[:num_cond], fixed)
-    if bound is not None:
-      k, limit = bound
-      step = _step(body, body.invars[num_body + k], body.outvars[k])
-      if inits[k] is not None and step is not None and step > 0:
-        # The body runs while the counter is below the limit.
-        self.set(
-          body.invars[num_body + k], (min(inits[k][0], limit - 1), limit - 1)
-        )
-    self.walk(body)
-
-  def loop_bound(self, cond, num_cond, cond_consts, fixed):
-    """(carry k, limit) when the loop runs while carry k < limit."""
-    [pred] = cond.outvars
-    producer = next((e for e in cond.eqns if pred in e.outvars), None)
-    if producer is None or producer.primitive.name != "lt":
-      return None
-    counter, limit = producer.invars
-    if counter not in cond.invars[num_cond:]:
-      return None
-    k = cond.invars[num_cond:].index(counter)
-    if limit in cond.invars[num_cond:]:
-      limit_range = fixed.get(cond.invars[num_cond:].index(limit))
-    elif limit in cond.invars[:num_cond]:
-      limit_range = self.range(cond_consts[cond.invars.index(limit)])
-    else:
-      limit_range = self.range(limit)
-    return None if limit_range is None else (k, limit_range[1])
-
-  def window_in_bounds(self, ref: Any) -> bool:
-    _, indexers = _indexers(ref)
-    for indexer in indexers:
-      for index, bound in zip(indexer.indices, indexer.shape, strict=True):
-        start, size, stride, _ = _parts(index)
-        start, size = self.range(start), self.range(size)
-        if start is None or size is None:
-          return False
-        if size[1] > 0 and (
-          start[0] < 0 or start[1] + (size[1] - 1) * stride >= bound
-        ):
-          return False
-    return True
-
-  def scoped_waits(self, scope: core.Jaxpr) -> None:
-    """Proves the waits on the scope's own semaphores that its straight-line
-    code signals (or DMAs into) enough before (a ``sync_copy``)."""
-    counts: dict[core.Var, int] = {v: 0 for v in scope.invars}
-    for eqn in scope.eqns:
-      op = _semaphore_op(eqn, self.range)
-      if op is None:
-        # Anything else that takes a semaphore (a loop, a branch): its count
-        # is not followed any more.
-        for x in eqn.invars:
-          if isinstance(x, core.Var):
-            counts.pop(x, None)
-        continue
-      sem, amount, wait, decrement = op
-      if sem not in counts:
-        if wait:
-          self.verdict(eqn, False)
-        continue
-      if not wait:
-        counts[sem] += amount
-      elif counts[sem] >= amount:
-        self.verdict(eqn, True)
-        counts[sem] -= amount if decrement else 0
-      else:
-        self.verdict(eqn, False)
-        del counts[sem]
-
-
-def _semaphore_op(eqn: core.JaxprEqn, range_of) -> tuple | None:
-  """(semaphore, amount, is a wait, decrements) of a local signal or wait on
-  a whole semaphore by a static amount; None for anything else."""
-  name = eqn.primitive.name
-  if name in ("dma_start", "dma_wait"):
-    tree = eqn.params["tree"]
-    _, _, sem, _, device_id = tree.unflatten(eqn.invars)
-    _, dst, *_ = tree.unflatten([v.aval for v in eqn.invars])
-    if device_id is not None and name == "dma_start":
-      return None  # it signals the receiver's semaphore
-    amount = math.prod(dst.shape) * np.dtype(dst.dtype).itemsize
-    wait, decrement = name == "dma_wait", True
-  elif name == "semaphore_signal":
-    sem, transforms, inc, device_id, core_index = eqn.params[
-      "args_tree"
-    ].unflatten(eqn.invars)
-    if transforms or device_id is not None or core_index is not None:
-      return None
-    amount, wait, decrement = range_of(inc), False, True
-  elif name == "semaphore_wait":
-    sem, transforms, value, decrement = eqn.params["args_tree"].unflatten(
-      eqn.invars
-    )
-    if isinstance(decrement, core.Literal):
-      decrement = decrement.val
-    if transforms or not isinstance(decrement, (bool, np.bool_)):
-      return None
-    amount, wait = range_of(value), True
-  else:
-    return None
-  if isinstance(amount, tuple):
-    if amount[0] != amount[1]:
-      return None
-    amount = amount[0]
-  if amount is None or not isinstance(sem, core.Var):
-    return None
-  return sem, amount, wait, bool(decrement)
-
-
-def _is_int_scalar(aval: Any) -> bool:
-  return getattr(aval, "shape", None) == () and np.issubdtype(
-    aval.dtype, np.integer
-  )
-
-
-def _step(body: core.Jaxpr, carry: core.Var, out: Any) -> int | None:
-  """``c`` when ``body`` returns ``carry + c`` for this carry (literal c)."""
-  producer = next((e for e in body.eqns if out in e.outvars), None)
-  if producer is None or producer.primitive.name != "add":
-    return None
-  a, b = producer.invars
-  other = b if a is carry else a if b is carry else None
-  if not isinstance(other, core.Literal):
-    return None
-  return int(other.val)
-
-
-def prove(jaxpr: core.Jaxpr, axis_sizes: dict[Any, int]) -> set[int]:
-  """Ids of the equations of ``jaxpr`` (nested ones too) whose run-time
-  check cannot fail: ``dma_start``s in bounds, satisfied scoped waits.
-
-  ``axis_sizes``: the kernel mesh's axes, in order (``program_id`` counts
-  them), then any device axes of an enclosing ``shard_map``.
-  """
-  prover = _Prover(axis_sizes)
-  prover.walk(jaxpr)
-  return prover.proven
 
 
 def _escape(text: str) -> str:
@@ -714,7 +337,7 @@ class Checks:
     (static ones in bounds cost nothing)."""
     if id(eqn) in self.proven:
       return
-    for role, static_ref, ref in _dma_sides(eqn, invals):
+    for role, static_ref, ref in dma_sides(eqn, invals):
       root, windows = _windows(static_ref, ref, self.refs)
       if all(d.static and d.in_bounds() for _, ds in windows for d in ds):
         continue
@@ -749,7 +372,7 @@ class Checks:
   def wait(self, eqn: core.JaxprEqn, sem: Any, ok: Any) -> None:
     """Reports a wait on a ``pl.run_scoped`` semaphore that found it short
     (``sem``: the semaphore operand of the waiting equation)."""
-    root, _ = _indexers(sem)
+    root, _ = ref_indexers(sem)
     if root not in self.refs.scoped or id(eqn) in self.proven:
       return
     args: list[Any] = []

@@ -29,6 +29,7 @@ from mpmd.lowering import (
   lockstep,
   merge,
   paths,
+  ranges,
   watchdog,
 )
 from mpmd.primitives import mpmd_map as prim
@@ -224,7 +225,7 @@ def _fast_programs(num_in: int, params):
     refs = bounds.trace_refs(
       jaxpr, bounds.operand_names(traced, num_in, num_out)
     )
-    proven = bounds.prove(jaxpr, sizes)
+    proven = ranges.prove(jaxpr, sizes)
     sparsecore_axis = merge.sparsecore_axis(mesh)
     for program in range(math.prod(sizes.values())):
       values = jaxpr_util.literal_axis_values(sizes, program)

@@ -44,7 +44,7 @@ from mpmd._jax import (
   state_types,
   tree_util,
 )
-from mpmd.lowering import bounds, common, jaxpr_util, paths, watchdog
+from mpmd.lowering import bounds, common, jaxpr_util, paths, ranges, watchdog
 from mpmd.lowering.exchange import (
   Devices,
   Exchanges,
@@ -213,7 +213,7 @@ def lower(
     checks = bounds.Checks(
       traced.debug_info.func_src_info,
       bounds.trace_refs(jaxpr, bounds.operand_names(traced, num_in, num_out)),
-      bounds.prove(jaxpr, {**mesh.shape, **sizes}),
+      ranges.prove(jaxpr, {**mesh.shape, **sizes}),
       path="lockstep path (devices run in step)",
       where=functools.partial(_where, devices.all_axes),
     )
