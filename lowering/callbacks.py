@@ -21,7 +21,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from mpmd import _jax, targets
+from mpmd import _patches, targets
 from mpmd._jax import tree_util
 from mpmd.lowering import errors, watchdog
 
@@ -33,7 +33,7 @@ _OUR_MODULES = ("mpmd.lowering.",)
 
 
 def _module(flat_callback) -> str:
-  fn = _jax.patches().callback_function(flat_callback)
+  fn = _patches.callback_function(flat_callback)
   while isinstance(fn, functools.partial):
     fn = fn.func
   return getattr(fn, "__module__", "") or ""
@@ -68,4 +68,4 @@ def _choose(flat_callback):
 def install() -> None:
   """Routes the simulators' callbacks and ours through ``_call`` (on first
   use of a simulator); every other ``io_callback`` runs as JAX wrote it."""
-  _jax.patches().route_io_callbacks(_choose)
+  _patches.route_io_callbacks(_choose)

@@ -9,10 +9,9 @@ import contextlib
 import threading
 from typing import Any
 
-from mpmd import _jax
+from mpmd import _jax, _patches
 from mpmd._jax import core, gpu, mlir, pallas_core, source_info_util
 from mpmd.lowering import callbacks, common, watchdog
-from mpmd.lowering.gpu import scoped_scratch
 
 
 @contextlib.contextmanager
@@ -74,15 +73,14 @@ def lower(
   ranges: tuple[watchdog.MeshRange, ...] | None = None,
 ):
   """Lowers one (possibly merged) GPU mesh kernel to the simulator."""
-  patches = _jax.patches()
-  patches.watch_gpu_barrier_waits(_watch_wait)
-  patches.let_gpu_simulator_take_numpy()
+  _patches.watch_gpu_barrier_waits(_watch_wait)
+  _patches.let_gpu_simulator_take_numpy()
   callbacks.install()
   num_operands = len(in_nodes) + len(params["out_avals"])
   # Barriers as kernel scratch fail in the simulator (trap 6); the rest
   # stays kernel scratch, which the simulator allocates at its logical
   # shape, given its layout transforms.
-  jaxpr, kept = scoped_scratch(
+  jaxpr, kept = common.scoped_scratch(
     jaxpr, num_operands, mesh, params["meshes"], _is_barrier
   )
   transforms = tuple(params["scratch_transforms"][i] for i in kept)

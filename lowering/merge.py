@@ -38,7 +38,7 @@ from mpmd._jax import (
   state,
   tree_util,
 )
-from mpmd.lowering import addressing, jaxpr_util, watchdog
+from mpmd.lowering import addressing, jaxpr_util, paths, watchdog
 from mpmd.primitives import mpmd_map as prim
 
 SUPER_AXIS = "_mpmd_programs"
@@ -438,8 +438,6 @@ def _check_no_dma_to_program(layout: Layout, jaxprs) -> None:
 
 def merge_for_simulator(params, path):
   """Merges for a CPU simulator; also returns which programs are whose."""
-  from mpmd.lowering import paths
-
   if path.kind == paths.GPU_SIMULATOR:
     layout = _gpu_layout(params["meshes"])
     mesh, jaxpr, params = merge_for_gpu(params)

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from mpmd import _jax
 from mpmd._jax import core, pallas_primitives, sharding_impls
 from mpmd.lowering import addressing, jaxpr_util
-from mpmd.primitives import mpmd_map as prim
 
 FAST = "fast"
 LOCKSTEP = "lockstep"
@@ -31,12 +30,22 @@ TPU_SIMULATOR = "tpu-simulator"
 GPU_SIMULATOR = "gpu-simulator"
 
 
+KINDS = (FAST, LOCKSTEP, TPU_SIMULATOR, GPU_SIMULATOR)
+
+
 @dataclasses.dataclass(frozen=True)
 class Path:
+  """How the CPU fallback runs a launch: decided once, where the launch is
+  traced (:func:`choose`), and carried as the ``cpu_path`` param of
+  ``mpmd_map_p``; its effects and the CPU lowering follow from it."""
+
   kind: str
   reason: str
-  # The simulator's settings (None on the fast path).
+  # The simulator's settings (None on the fast and lockstep paths).
   params: Any = None
+  # The lockstep path: the enclosing shard_map's axes (its devices exchange
+  # data along them).
+  manual_axes: tuple[Any, ...] = ()
 
 
 def is_semaphore(aval: Any) -> bool:
@@ -210,7 +219,9 @@ def choose(
   if why_not is None:
     # Also for interpret=True: like upstream's HLO interpreter, every
     # device runs its program and remote DMAs become collectives.
-    return Path(LOCKSTEP, f"{reason}, in step on every device")
+    return Path(
+      LOCKSTEP, f"{reason}, in step on every device", manual_axes=manual_axes
+    )
   if interpret is True:
     raise NotImplementedError(
       "mpmd_map: interpret=True runs each device's programs in the HLO "
@@ -235,8 +246,8 @@ def fully_manual_axes(names: Sequence[Any], manual: Any) -> tuple[Any, ...]:
 def traced_manual_axes() -> tuple[Any, ...]:
   """``fully_manual_axes`` of the shard_map being traced.
 
-  The same as the lowering's axis context gives (``lockstep.manual_axes``),
-  so effects declared here match the path the lowering takes.
+  What the lowering's axis context gives (:func:`manual_axes`) for the
+  same shard_map; the CPU lowering checks that they agree.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -244,25 +255,21 @@ def traced_manual_axes() -> tuple[Any, ...]:
   return fully_manual_axes(mesh.axis_names, getattr(mesh, "manual_axes", ()))
 
 
-def simulator_effects(
-  jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any], interpret: Any
-) -> set[core.Effect]:
-  """The io_callback effects the CPU fallback's simulator path needs.
+def runs_callbacks(path: Path, jaxprs: Sequence[core.Jaxpr]) -> bool:
+  """Whether the CPU lowering of a launch on ``path`` runs host callbacks
+  (whose effects the launch declares where it is traced).
 
   They depend on the kernel (and on the enclosing shard_map), not on the
   host: one export may carry a CPU lowering next to the TPU / CUDA one, and
-  the native lowerings simply pass the effect tokens on.
+  the native lowerings simply pass the effect tokens on. The lockstep path
+  reports deadlocks, and the fast path short semaphores, from a callback
+  after the run. The fast path's checks of DMA windows declare no effect:
+  a launch whose results go unused may be dropped, checks and all, as it
+  would be on hardware.
   """
-  path = choose(jaxprs, meshes, interpret, traced_manual_axes())
-  # The lockstep path reports deadlocks, and the fast path short semaphores,
-  # from a callback after the run. The fast path's checks of DMA windows
-  # declare no effect: a launch whose results go unused may be dropped,
-  # checks and all, as it would be on hardware.
-  if path.kind == FAST and not any(
+  return path.kind != FAST or any(
     is_semaphore(v.aval) for v in jaxprs[0].invars
-  ):
-    return set()
-  return {prim.host_callback_effect}
+  )
 
 
 # Nesting under which devices may disagree on whether (or how often) an

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from mpmd import _jax
+from mpmd import _jax, _patches
 from mpmd._jax import (
   core,
   mlir,
@@ -116,9 +116,8 @@ def lower(
       "semaphore's count from one launch to the next. The CPU fallback's "
       "default paths can: pass interpret=None."
     )
-  patches = _jax.patches()
-  patches.watch_tpu_semaphore_waits(_watch_wait)
-  patches.cache_tpu_simulator_programs(watchdog.launch_running)
+  _patches.watch_tpu_semaphore_waits(_watch_wait)
+  _patches.cache_tpu_simulator_programs(watchdog.launch_running)
   callbacks.install()
   [core_axis] = mesh.shape
   with prim.tracing_context(mesh, params["meshes"]):

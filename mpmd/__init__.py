@@ -7,8 +7,8 @@ fallback on CPU.
 """
 
 from mpmd import _jax as _jax  # checks the jax pin before anything else
-from mpmd import lowering as _lowering  # registers the per-platform rules
 from mpmd.api import mpmd_map as mpmd_map
+from mpmd.lowering import register as _register  # the per-platform rules
 from mpmd.lowering.errors import DeadlockError as DeadlockError
 from mpmd.lowering.errors import LaunchError as LaunchError
 from mpmd.lowering.errors import OutOfBoundsError as OutOfBoundsError
@@ -51,7 +51,7 @@ __all__ = [
   "typed_errors",
 ]
 
-del _lowering
+del _register
 
 
 def __getattr__(name: str):

@@ -424,11 +424,3 @@ def gpu_simulator_races_found() -> bool:
   """Whether the Mosaic GPU simulator's race detector found a race."""
   races = gpu().simulator_callbacks._races
   return races is not None and races.races_found
-
-
-def patches():
-  """Where jax-mpmd changes what JAX does (``mpmd/_patches.py``), each
-  adaptation installed on first use; imported on first use."""
-  from mpmd import _patches
-
-  return _patches

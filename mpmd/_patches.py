@@ -1,6 +1,6 @@
 """Where jax-mpmd changes what JAX does: every adaptation, in one place.
 
-This module belongs to ``mpmd/_jax.py`` (reach it as ``_jax.patches()``).
+It sits behind ``mpmd/_jax.py``: it reaches JAX internals through it only.
 ``import mpmd`` installs none of it. Each adaptation
 
 - is installed on first use of the feature that needs it (the TPU targets on

@@ -208,6 +208,9 @@ def mpmd_map(
     if interpret is not None:
       # Interpreted on every platform: what no CPU path runs fails now.
       paths.check_simulable(jaxprs)
+    cpu_path = paths.choose(
+      jaxprs, meshes, interpret, paths.traced_manual_axes()
+    )
     if debug:
       for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
         print(f"mpmd_map: kernel jaxpr for mesh {dict(mesh.shape)}:\n{jaxpr}")
@@ -222,6 +225,7 @@ def mpmd_map(
         input_output_aliases=aliases,
         compiler_params=compiler_params,
         interpret=interpret,
+        cpu_path=cpu_path,
         debug=debug,
         cost_estimate=cost_estimate,
         name=name,

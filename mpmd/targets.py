@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import jax
 
-from mpmd import _jax
+from mpmd import _jax, _patches
 from mpmd._jax import config, mesh_lib
 
 
@@ -148,4 +148,4 @@ def answering() -> contextlib.AbstractContextManager[None]:
   "Unsupported TPU device kind: cpu". ``tpu_target`` enters this, and so do
   the tracing and lowering of every kernel. Outside, JAX answers as usual.
   """
-  return _jax.patches().tpu_queries_answered(_answer)
+  return _patches.tpu_queries_answered(_answer)

@@ -10,6 +10,13 @@ Params (all hashable):
   compiler_params, interpret, debug, cost_estimate, name, metadata: as for
     ``pallas_call``; ``interpret=None`` means "native where there is hardware,
     the CPU fallback on CPU".
+  cpu_path: the ``mpmd.lowering.paths.Path`` the CPU fallback takes, decided
+    once where the launch is traced (it depends on the kernels, the meshes,
+    ``interpret`` and the enclosing shard_map). The launch's effects and
+    its CPU lowering follow from it. Rules that rebuild the kernels keep
+    it: discharge only turns Ref operands into aliased outputs, batching
+    launches the same kernels per batch element, and neither changes what
+    decides the path.
 
 The rules follow, one after another: impl, abstract eval, typecheck,
 discharge, DCE, partial eval, batching. Lowering lives in ``mpmd.lowering``.
@@ -39,6 +46,7 @@ from mpmd._jax import (
   state,
   util,
 )
+from mpmd.lowering import errors, paths
 
 mpmd_map_p = core.Primitive("mpmd_map")
 mpmd_map_p.multiple_results = True
@@ -151,8 +159,6 @@ def _mpmd_map_impl(*args, **params):
     )
   # Cached per params, so eager calls with the same kernel compile once.
   # Waited for, so that a failed launch raises its own error type here.
-  from mpmd.lowering import errors
-
   jitted = _jitted_launch(tuple(sorted(params.items())))
   with config.disable_jit(False), errors.typed_errors():
     return jax.block_until_ready(jitted(*args))
@@ -185,14 +191,6 @@ def _kernel_effects(in_avals, jaxprs, meshes) -> set[core.Effect]:
   return effs
 
 
-def _simulator_effects(jaxprs, meshes, interpret) -> set[core.Effect]:
-  # The simulators run through io_callbacks whose effects must be declared
-  # before lowering; the CPU fallback picks its path from the kernel itself.
-  from mpmd.lowering import paths
-
-  return paths.simulator_effects(jaxprs, meshes, interpret)
-
-
 @mpmd_map_p.def_effectful_abstract_eval
 def _mpmd_map_abstract_eval(
   *in_avals,
@@ -200,11 +198,14 @@ def _mpmd_map_abstract_eval(
   meshes,
   out_avals,
   input_output_aliases,
-  interpret,
+  cpu_path,
   **_,
 ):
   effs = _kernel_effects(in_avals, jaxprs, meshes)
-  effs |= _simulator_effects(jaxprs, meshes, interpret)
+  # The CPU fallback's host callbacks: declared where the launch is traced,
+  # whatever platform lowers it (one export may carry several).
+  if paths.runs_callbacks(cpu_path, jaxprs):
+    effs.add(host_callback_effect)
   out_to_in = {o: i for i, o in input_output_aliases.items()}
   # An aliased output keeps its input's type (weak type, sharding), but it
   # is always an array, never the Ref a discharged input came from.
@@ -233,6 +234,12 @@ def _mpmd_map_typecheck(ctx_factory, *in_atoms, **params):
   if len(jaxprs) != len(params["meshes"]):
     raise core.JaxprTypeError(
       f"mpmd_map: {len(jaxprs)} jaxprs for {len(params['meshes'])} meshes"
+    )
+  cpu_path = params["cpu_path"]
+  if not isinstance(cpu_path, paths.Path) or cpu_path.kind not in paths.KINDS:
+    raise core.JaxprTypeError(
+      f"mpmd_map: cpu_path must be a mpmd.lowering.paths.Path of kind "
+      f"{' / '.join(paths.KINDS)}, got {cpu_path!r}"
     )
   arity = len(jaxprs[0].invars)
   for jaxpr in jaxprs:

@@ -139,10 +139,7 @@ def kernel_path(f, *args) -> paths.Path:
 
   visit(jaxpr.jaxpr)
   assert found, "no mpmd_map launch in the jaxpr"
-  eqn = found[0]
-  return paths.choose(
-    eqn.params["jaxprs"], eqn.params["meshes"], eqn.params["interpret"]
-  )
+  return found[0].params["cpu_path"]
 
 
 # Shared shapes: K and N ragged against the tile, several K tiles.

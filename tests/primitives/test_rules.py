@@ -9,6 +9,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
+from mpmd.lowering import paths
 
 SHAPE = (8, 128)
 
@@ -357,3 +358,79 @@ def test_trace_cache_respects_the_tpu_target():
     with mpmd.tpu_target(target):
       jax.make_jaxpr(f)(x)
   assert seen == ["TPU_V5E", "TPU_V6E"]  # the second v5e trace is cached
+
+
+# -- the CPU path: decided once, a param of the launch ------------------------
+
+
+def _launch_eqn(f, *args):
+  """The one mpmd_map launch in ``f``'s jaxpr (nested ones too)."""
+  found = []
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive is mpmd.mpmd_map_p:
+        found.append(eqn)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        visit(sub)
+
+  visit(jax.make_jaxpr(f)(*args).jaxpr)
+  [eqn] = found
+  return eqn
+
+
+def test_cpu_path_is_decided_once_and_equal_for_equal_launches():
+  x = jnp.zeros(SHAPE, jnp.float32)
+  first, second = _launch_eqn(affine, x), _launch_eqn(affine, x)
+  path = first.params["cpu_path"]
+  assert path.kind == paths.FAST, path
+  assert path == second.params["cpu_path"]
+  assert hash(path) == hash(second.params["cpu_path"])
+
+
+def test_vmap_keeps_the_cpu_path():
+  x = jnp.zeros(SHAPE, jnp.float32)
+  batched = _launch_eqn(jax.vmap(affine), jnp.zeros((2, *SHAPE)))
+  assert batched.params["cpu_path"] == _launch_eqn(affine, x).params["cpu_path"]
+
+
+def _rebound(eqn, **params):
+  """Runs ``eqn``'s launch again with some params replaced."""
+  new = {**eqn.params, **params}
+  return jax.jit(lambda *a: mpmd.mpmd_map_p.bind(*a, **new))
+
+
+def test_the_cpu_lowering_runs_the_path_in_the_param(rng, capsys):
+  x = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
+  eqn = _launch_eqn(affine, x)
+  forced = paths.Path(
+    paths.TPU_SIMULATOR, "forced by the test", pltpu.InterpretParams()
+  )
+  [out] = _rebound(eqn, cpu_path=forced, debug=True)(x)
+  assert "takes the tpu-simulator path: forced by the test" in (
+    capsys.readouterr().out
+  )
+  np.testing.assert_array_equal(out, affine(x))
+
+
+def test_a_lockstep_path_lowered_outside_its_shard_map_is_an_internal_error():
+  x = jnp.zeros(SHAPE, jnp.float32)
+  eqn = _launch_eqn(affine, x)
+  wrong = paths.Path(paths.LOCKSTEP, "forced", manual_axes=("x",))
+  with pytest.raises(
+    RuntimeError, match=r"internal error: .* manual over axes"
+  ):
+    _rebound(eqn, cpu_path=wrong).lower(x)
+
+
+@pytest.mark.parametrize(
+  "cpu_path", ["fast", None, paths.Path("teleport", "no such path")]
+)
+def test_typecheck_rejects_a_bad_cpu_path(cpu_path):
+  closed = jax.make_jaxpr(affine)(jnp.zeros(SHAPE, jnp.float32))
+  [eqn] = closed.jaxpr.eqns
+  bad = closed.jaxpr.replace(
+    eqns=[eqn.replace(params={**eqn.params, "cpu_path": cpu_path})]
+  )
+  with pytest.raises(Exception, match="cpu_path must be a mpmd.lowering"):
+    jax.extend.core.check_jaxpr(bad)

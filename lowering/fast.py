@@ -1,0 +1,257 @@
+"""The CPU fallback's fast path: programs unrolled one after another through
+the HLO interpreter, axis indices as literals, state discharged. Exact for
+kernels whose programs do not wait on each other (local DMAs and a program's
+own semaphores complete in program order)."""
+
+import functools
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from mpmd import _jax
+from mpmd._jax import (
+  callback,
+  core,
+  hlo_interpreter,
+  mlir,
+  pallas_core,
+  pallas_primitives,
+  state,
+  tpu,
+  tree_util,
+)
+from mpmd.lowering import (
+  bounds,
+  common,
+  jaxpr_util,
+  lockstep,
+  merge,
+  paths,
+  ranges,
+  watchdog,
+)
+from mpmd.primitives import mpmd_map as prim
+
+
+def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
+  programs, labels, num_checks, sparsecores = _fast_programs(
+    len(in_nodes), params
+  )
+  run = functools.partial(
+    _run_unrolled,
+    programs=programs,
+    labels=labels,
+    num_checks=num_checks,
+    sparsecores=sparsecores,
+    **_buffers(len(in_nodes), params, programs[0]),
+  )
+  # Kernels are traced without varying-axes types: under a
+  # shard_map(check_vma=True) their index arithmetic mixes varying and
+  # invariant values, and checkify's conditionals would tell them apart.
+  with _jax.no_vma_check():
+    return mlir.lower_fun(run, multiple_results=True)(
+      ctx.replace(avals_in=common.plain_avals(ctx.avals_in)), *in_nodes
+    )
+
+
+# Who shares a scratch buffer on the fast path: every program of the device
+# (HBM / ANY), the programs of one SparseCore (VMEM_SHARED), or nobody.
+_DEVICE, _SPARSECORE = "device", "sparsecore"
+
+
+def _sharing(aval) -> str | None:
+  space = getattr(aval, "memory_space", None)
+  tpu_spaces = tpu().core.MemorySpace
+  if space in (pallas_core.MemorySpace.ANY, tpu_spaces.HBM, None):
+    return _DEVICE
+  if space is tpu_spaces.VMEM_SHARED:
+    return _SPARSECORE
+  return None
+
+
+def _buffers(num_in: int, params, program):
+  kernel = params["jaxprs"][0]
+  num_out = len(params["out_avals"])
+  # Physical avals (semaphores as integers) come from a discharged program.
+  physical = [v.aval for v in program.jaxpr.invars]
+  return dict(
+    num_in=num_in,
+    out_avals=tuple(physical[num_in : num_in + num_out]),
+    out_sources={o: i for i, o in params["input_output_aliases"].items()},
+    scratch=tuple(
+      (aval, _sharing(v.aval))
+      for v, aval in zip(
+        kernel.invars[num_in + num_out :],
+        physical[num_in + num_out :],
+        strict=True,
+      )
+    ),
+    is_ref=tuple(isinstance(v.aval, state.AbstractRef) for v in kernel.invars),
+    semaphores=tuple(
+      k for k, v in enumerate(kernel.invars) if paths.is_semaphore(v.aval)
+    ),
+  )
+
+
+def _fast_programs(num_in: int, params):
+  """One pure jaxpr per program, in launch order, axis indices literal; a
+  label for each (``mesh 1 program 0 (core=0)``); how many run-time checks
+  they make (``bounds.Checks``); the SparseCore each runs on (0 for other
+  programs), whose VMEM_SHARED it sees.
+
+  DMAs and semaphores go through the lockstep path's rewrite: semaphores
+  count bytes in int32 (Pallas' discharge rules count elements in int16,
+  which several large pending DMAs wrap), and DMA windows are checked.
+  """
+  meshes = params["meshes"]
+  aliases = dict(params["input_output_aliases"])
+  num_out = len(params["out_avals"])
+  programs, labels, num_checks, sparsecores = [], [], 0, []
+  # Meshes by position, never `meshes.index(mesh)`: upstream meshes compare
+  # with `==`, which is elementwise (and ambiguous) for a multi-core
+  # TensorCoreMesh on jax 0.10.2, and a mesh may appear twice.
+  kernels = zip(meshes, params["jaxprs"], strict=True)
+  for i, (mesh, traced) in enumerate(kernels):
+    jaxpr = common.alias_refs(traced, num_in, aliases, mesh, meshes)
+    sizes = dict(mesh.shape)
+    with prim.tracing_context(mesh, meshes):
+      jaxpr, consts = hlo_interpreter.resolve_physical_types(jaxpr, ())
+      if consts:
+        raise NotImplementedError("mpmd_map: kernel captured constants")
+      jaxpr = jaxpr_util.map_avals(jaxpr, lockstep.widen)
+    refs = bounds.trace_refs(
+      jaxpr, bounds.operand_names(traced, num_in, num_out)
+    )
+    proven = ranges.prove(jaxpr, sizes)
+    sparsecore_axis = merge.sparsecore_axis(mesh)
+    for program in range(math.prod(sizes.values())):
+      values = jaxpr_util.literal_axis_values(sizes, program)
+      sparsecores.append(
+        0 if sparsecore_axis is None else int(values[sparsecore_axis])
+      )
+      coords = ", ".join(f"{a}={int(v)}" for a, v in values.items())
+      label = f"mesh {i} program {program} ({coords})"
+      checks = bounds.Checks(
+        traced.debug_info.func_src_info,
+        refs,
+        proven,
+        path="fast path (programs run one after another)",
+        where=lambda args, label=label: f", {label}",
+      )
+      rule = lockstep.sync_rule(
+        checks, first=jaxpr_util.axis_index_rule(values.get, sizes)
+      )
+      with prim.tracing_context(mesh, meshes):
+        unrolled = jaxpr_util.rewrite(jaxpr, rule)
+        programs.append(_jax.discharge_state(_jax.closed_jaxpr(unrolled)))
+      labels.append(label)
+      num_checks += checks.count
+  return programs, labels, num_checks, tuple(sparsecores)
+
+
+def _uninitialized(aval):
+  return pallas_primitives.uninitialized_value(aval.shape, aval.dtype)
+
+
+def _run_unrolled(
+  *args,
+  programs,
+  labels,
+  num_checks,
+  sparsecores,
+  num_in,
+  out_avals,
+  out_sources,
+  scratch,
+  is_ref,
+  semaphores,
+):
+  num_out = len(out_avals)
+
+  def fresh(k, aval):
+    # ``k`` counts operands. Semaphores start at zero (uninitialised int32
+    # would be a sentinel); semaphore inputs bring the count their launch
+    # left.
+    if k in semaphores:
+      return jnp.zeros(aval.shape, aval.dtype)
+    return _uninitialized(aval)
+
+  def launch(*args):
+    outs = [
+      args[out_sources[o]] if o in out_sources else fresh(num_in + o, aval)
+      for o, aval in enumerate(out_avals)
+    ]
+
+    def shared_key(k, program):
+      sharing = scratch[k][1]
+      if sharing == _DEVICE:
+        return k
+      return (k, sparsecores[program]) if sharing == _SPARSECORE else None
+
+    shared = {
+      shared_key(k, p): _uninitialized(aval)
+      for p in range(len(programs))
+      for k, (aval, sharing) in enumerate(scratch)
+      if sharing is not None
+    }
+    stuck = []
+    for p, program in enumerate(programs):
+      keys = [shared_key(k, p) for k in range(len(scratch))]
+      operands = [
+        *args,
+        *outs,
+        *(
+          fresh(num_in + num_out + k, aval) if key is None else shared[key]
+          for k, ((aval, _), key) in enumerate(zip(scratch, keys, strict=True))
+        ),
+      ]
+      # The discharged program returns the final value of each Ref operand.
+      updated = iter(core.eval_jaxpr(program.jaxpr, program.consts, *operands))
+      operands = [
+        next(updated) if r else x for x, r in zip(operands, is_ref, strict=True)
+      ]
+      outs = operands[num_in : num_in + num_out]
+      for k, key in enumerate(keys):
+        if key is not None:
+          shared[key] = operands[num_in + num_out + k]
+      # A wait that found its semaphore short poisoned it (negative): on
+      # hardware that program would wait forever.
+      stuck.append(
+        functools.reduce(
+          jnp.logical_or,
+          [jnp.any(operands[k] < 0) for k in semaphores],
+          jnp.bool_(False),
+        )
+      )
+    return outs, jnp.stack(stuck)
+
+  error, (outs, stuck) = bounds.checked(launch, num_checks)(*args)
+  if semaphores or error is not None:
+    failed = jnp.any(stuck)
+    if error is not None:
+      failed = jnp.logical_or(failed, bounds.failed(error))
+    leaves, treedef = tree_util.tree_flatten(error)
+    raise_error = functools.partial(
+      _raise_for, labels, treedef if leaves else None
+    )
+    # Python runs only to raise: a callback per launch costs milliseconds.
+    lax.cond(
+      failed,
+      lambda: callback.io_callback(raise_error, None, stuck, *leaves),
+      lambda: None,
+    )
+  return outs
+
+
+def _raise_for(labels, treedef, stuck, *leaves) -> None:
+  failure = bounds.first_failure(treedef, leaves)
+  if failure is not None:
+    raise failure
+  waiting = [label for label, s in zip(labels, stuck, strict=True) if s]
+  if waiting:
+    raise watchdog.DeadlockError(
+      "mpmd_map deadlock: on the CPU fast path (programs run one after "
+      "another) these programs waited on a semaphore more than it was "
+      f"signalled, so on hardware they would wait forever: {waiting}"
+    )
