@@ -609,19 +609,25 @@ GROUPED_MATMUL_CASES = [
     "num_actual_groups_zero",
     lambda: tgmm(LHS.T, LHS, SIZES, num_actual_groups=0),
     ValueError,
-    r"tgmm: expected 'num_actual_groups' in \[1, 4\] \(num_groups\), got 0",
+    r"tgmm: expected 'num_actual_groups' >= 1, got 0",
+  ),
+  Case(
+    "num_actual_groups_above_num_groups",
+    lambda: tgmm(LHS.T, LHS, SIZES, num_actual_groups=5),
+    ValueError,
+    r"tgmm: expected 'num_actual_groups' in \[1, 4\] \(num_groups\), got 5",
   ),
   Case(
     "num_actual_groups_float",
     lambda: tgmm(LHS.T, LHS, SIZES, num_actual_groups=2.0),
     TypeError,
-    r"tgmm: expected 'num_actual_groups' to be an int, got float",
+    r"tgmm: expected 'num_actual_groups' to be an int, got 2.0",
   ),
   Case(
     "transpose_rhs_as_a_str",
     lambda: gmm(LHS, RHS, SIZES, transpose_rhs="yes"),
     TypeError,
-    r"gmm: expected 'transpose_rhs' to be a bool, got str",
+    r"gmm: expected 'transpose_rhs' to be a bool, got 'yes'",
   ),
 ]
 
@@ -688,7 +694,8 @@ COLLECTIVE_MATMUL_CASES = [
     "lhs_of_rank_3",
     lambda: rs(A[None], B[:128], axis_name="x"),
     ValueError,
-    r"matmul_reduce_scatter: expected 'lhs' of rank 2, got shape",
+    r"matmul_reduce_scatter: expected 'lhs' of rank 2, got rank 3 with shape "
+    r"\(1, 16, 128\)",
   ),
   Case(
     "lhs_with_a_zero_dimension",
@@ -737,7 +744,7 @@ COLLECTIVE_MATMUL_CASES = [
     "no_buffering",
     lambda: rs(A, B[:128], axis_name="x", buffering=0),
     ValueError,
-    r"expected 'buffering' >= 1 .* got 0",
+    r"expected 'buffering' >= 1, got 0",
   ),
   Case(
     "block_sizes_a_tuple",

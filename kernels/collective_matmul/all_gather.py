@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mpmd.kernels.collective_matmul.checks import BlockSizes, pick_block
+from mpmd.kernels.collective_matmul.checks import BlockSizes, pick_blocks
 from mpmd.kernels.collective_matmul.ring import (
   Ring,
   RingCoords,
@@ -52,9 +52,7 @@ def ag_kernel_call(
   out_dtype = config.out_dtype
   streams = make_streams(n, config.bidirectional) if num > 1 else ()
   rows = streams[0].size if streams else n
-  bn = pick_block(fn_name, "block_n", rows, config.block_sizes.block_n)
-  bk = pick_block(fn_name, "block_k", k_local, config.block_sizes.block_k)
-  bm = pick_block(fn_name, "block_m", m, config.block_sizes.block_m)
+  bn, bk, bm = pick_blocks(fn_name, config.block_sizes, rows, k_local, m)
   # Slots beyond the number of transfers would never be used.
   slots = min(config.buffering, max(num - 1, 1))
   last = num - 2  # index of the last ring transfer

@@ -10,14 +10,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mpmd.kernels import _common
 from mpmd.kernels.collective_matmul.all_gather import AgConfig, ag_kernel_call
 from mpmd.kernels.collective_matmul.checks import (
   BlockSizes,
   check_block_sizes,
-  check_buffering,
-  check_flag,
   check_operands,
-  pick_block,
+  pick_blocks,
 )
 from mpmd.kernels.collective_matmul.reduce_scatter import (
   RsConfig,
@@ -148,8 +147,8 @@ def all_gather_matmul(
     )
   config = AgConfig(
     ring=ring_,
-    bidirectional=check_flag(fn_name, "bidirectional", bidirectional),
-    buffering=check_buffering(fn_name, buffering),
+    bidirectional=_common.check_bool(fn_name, "bidirectional", bidirectional),
+    buffering=_common.check_int(fn_name, "buffering", buffering),
     out_dtype=out_dtype,
     block_sizes=check_block_sizes(fn_name, block_sizes),
     interpret=interpret,
@@ -157,9 +156,7 @@ def all_gather_matmul(
   # Check the tiles now, not deep inside the kernel trace.
   streams = make_streams(n, config.bidirectional) if ring_.size > 1 else ()
   rows = streams[0].size if streams else n
-  pick_block(fn_name, "block_n", rows, config.block_sizes.block_n)
-  pick_block(fn_name, "block_k", k_local, config.block_sizes.block_k)
-  pick_block(fn_name, "block_m", rhs.shape[1], config.block_sizes.block_m)
+  pick_blocks(fn_name, config.block_sizes, rows, k_local, rhs.shape[1])
   return _ag_matmul(config, lhs, rhs)
 
 
@@ -300,14 +297,12 @@ def matmul_reduce_scatter(
   config = RsConfig(
     ring=ring_,
     scatter_dimension=scatter_dimension,
-    bidirectional=check_flag(fn_name, "bidirectional", bidirectional),
-    buffering=check_buffering(fn_name, buffering),
+    bidirectional=_common.check_bool(fn_name, "bidirectional", bidirectional),
+    buffering=_common.check_int(fn_name, "buffering", buffering),
     out_dtype=out_dtype,
     block_sizes=check_block_sizes(fn_name, block_sizes),
     interpret=interpret,
   )
   _, _, region = rs_geometry(config, n, m)
-  pick_block(fn_name, "block_n", region[0], config.block_sizes.block_n)
-  pick_block(fn_name, "block_k", k, config.block_sizes.block_k)
-  pick_block(fn_name, "block_m", region[1], config.block_sizes.block_m)
+  pick_blocks(fn_name, config.block_sizes, region[0], k, region[1])
   return _rs_matmul(config, lhs, rhs)

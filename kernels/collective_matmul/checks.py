@@ -5,25 +5,24 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
-import numpy as np
 
 from mpmd import targets
+from mpmd.kernels import _common
 
 # Tile edge the local pipelines aim for. On TPU, (512, 512) tiles of bf16
 # keep two double-buffered operand tiles and an f32 accumulator at about
 # 3 MiB of VMEM, well inside the scoped-VMEM default of every TPU
 # generation, and make each tile matmul large enough to keep the MXU busy.
 # On the CPU fallback every tile is a loop iteration with its copies and
-# accumulator round trip, so fewer, larger tiles win: all_gather_matmul at
-# D=4, n=m=1024, K=2048 bf16 measured 1.63x XLA with 512 and 1.24x with
-# whole-dimension tiles (one interleaved run).
+# accumulator round trip, so fewer, larger tiles win
+# (benchmarks/collective_matmul.py measures it).
 _DEFAULT_BLOCK = {"tpu": 512}
 
 
 _DEFAULT_BLOCK_ELSEWHERE = 2048
 
 
-_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 class BlockSizes(NamedTuple):
@@ -42,64 +41,19 @@ class BlockSizes(NamedTuple):
 
 
 def check_operands(fn_name: str, lhs: Any, rhs: Any, out_dtype: Any):
+  """Checks ``lhs``/``rhs`` (2-D, float32 or bfloat16, one dtype) and returns
+  the output dtype ``preferred_element_type`` names."""
   for arg_name, x in (("lhs", lhs), ("rhs", rhs)):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise TypeError(
-        f"{fn_name}: expected '{arg_name}' to be an array, got "
-        f"{type(x).__name__}"
-      )
-    if len(x.shape) != 2:
-      raise ValueError(
-        f"{fn_name}: expected '{arg_name}' of rank 2, got shape "
-        f"{tuple(x.shape)}"
-      )
-    if 0 in x.shape:
-      raise ValueError(
-        f"{fn_name}: expected '{arg_name}' with no zero-sized dimension, "
-        f"got shape {tuple(x.shape)}"
-      )
-    if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
-      raise TypeError(
-        f"{fn_name}: expected '{arg_name}' of dtype float32 or bfloat16, "
-        f"got {jnp.dtype(x.dtype).name}"
-      )
+    _common.check_array(fn_name, arg_name, x, rank=2, nonempty=True)
+    _common.check_dtype(fn_name, arg_name, x, SUPPORTED_DTYPES)
   if lhs.dtype != rhs.dtype:
     raise TypeError(
       f"{fn_name}: expected 'lhs' and 'rhs' of the same dtype, got "
       f"{jnp.dtype(lhs.dtype).name} and {jnp.dtype(rhs.dtype).name}"
     )
-  try:
-    out_dtype = jnp.dtype(out_dtype)
-  except TypeError:
-    raise TypeError(
-      f"{fn_name}: expected 'preferred_element_type' to be a dtype, got "
-      f"{out_dtype!r}"
-    ) from None
-  if out_dtype not in _SUPPORTED_DTYPES:
-    raise TypeError(
-      f"{fn_name}: expected 'preferred_element_type' float32 or bfloat16, "
-      f"got {out_dtype.name}"
-    )
-  return out_dtype
-
-
-def check_flag(fn_name: str, what: str, value: Any) -> bool:
-  if not isinstance(value, bool | np.bool_):
-    raise TypeError(f"{fn_name}: expected '{what}' to be a bool, got {value!r}")
-  return bool(value)
-
-
-def check_buffering(fn_name: str, buffering: Any) -> int:
-  if isinstance(buffering, bool) or not isinstance(buffering, int):
-    raise TypeError(
-      f"{fn_name}: expected 'buffering' to be an int, got {buffering!r}"
-    )
-  if buffering < 1:
-    raise ValueError(
-      f"{fn_name}: expected 'buffering' >= 1 (receive slots per ring "
-      f"direction), got {buffering}"
-    )
-  return buffering
+  return _common.as_dtype(
+    fn_name, "preferred_element_type", out_dtype, SUPPORTED_DTYPES
+  )
 
 
 def pick_block(
@@ -112,12 +66,8 @@ def pick_block(
   """The tile edge for a dimension: requested (checked) or automatic, for
   ``platform`` (default: the one kernels are being built for)."""
   if requested is not None:
-    if isinstance(requested, bool) or not isinstance(requested, int):
-      raise TypeError(
-        f"{fn_name}: expected block_sizes.{what} to be an int, got "
-        f"{requested!r}"
-      )
-    if requested <= 0 or dim % requested:
+    requested = _common.check_int(fn_name, f"block_sizes.{what}", requested)
+    if dim % requested:
       raise ValueError(
         f"{fn_name}: expected block_sizes.{what} to divide the dimension "
         f"it tiles ({dim}), got {requested}"
@@ -132,6 +82,18 @@ def pick_block(
     if dim % block == 0:
       return block
   return dim
+
+
+def pick_blocks(
+  fn_name: str, block_sizes: BlockSizes, rows: int, k: int, cols: int
+) -> tuple[int, int, int]:
+  """``(block_n, block_k, block_m)`` tiling a ``(rows, k) @ (k, cols)``
+  matmul: the requested sizes (checked) or automatic ones."""
+  return (
+    pick_block(fn_name, "block_n", rows, block_sizes.block_n),
+    pick_block(fn_name, "block_k", k, block_sizes.block_k),
+    pick_block(fn_name, "block_m", cols, block_sizes.block_m),
+  )
 
 
 def check_block_sizes(fn_name: str, block_sizes: Any) -> BlockSizes:

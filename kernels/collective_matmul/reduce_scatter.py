@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mpmd.kernels.collective_matmul.checks import BlockSizes, pick_block
+from mpmd.kernels.collective_matmul.checks import BlockSizes, pick_blocks
 from mpmd.kernels.collective_matmul.ring import (
   Ring,
   RingCoords,
@@ -74,9 +74,7 @@ def rs_kernel_call(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
   out_dtype = config.out_dtype
   dim = config.scatter_dimension
   block, streams, region = rs_geometry(config, n, m)
-  bn = pick_block(fn_name, "block_n", region[0], config.block_sizes.block_n)
-  bk = pick_block(fn_name, "block_k", k, config.block_sizes.block_k)
-  bm = pick_block(fn_name, "block_m", region[1], config.block_sizes.block_m)
+  bn, bk, bm = pick_blocks(fn_name, config.block_sizes, region[0], k, region[1])
   slots = min(config.buffering, max(num - 1, 1))
   last = num - 2
 

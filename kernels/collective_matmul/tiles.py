@@ -13,8 +13,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mpmd import meshes
 from mpmd.api import mpmd_map
+from mpmd.kernels import _common
 from mpmd.kernels.collective_matmul.ring import Ring
 from mpmd.types import Interpret
 
@@ -34,9 +34,8 @@ def launch(
   bytes_accessed: int,
   transcendentals: int = 0,
 ) -> Callable[..., Any]:
-  mesh = meshes.tensorcore_mesh("core", num_cores=1)
   return mpmd_map(
-    [(mesh, body)],
+    [(_common.single_core_mesh(), body)],
     out_types=out_types,
     scratch_types=scratch_types,
     compiler_params=pltpu.CompilerParams(
@@ -61,16 +60,10 @@ def out_type(
   axes: even the all-gather matmul's copies on the ring's devices agree only
   up to rounding (each device sums the shards in its own order).
   """
-  varying = frozenset().union(
-    *(jax.typeof(x).manual_axis_type.varying for x in operands)
-  )
+  varying = _common.varying_axes(*operands)
   if varying:  # check_vma=True: every manual axis is tracked
     varying |= frozenset(ring.axes)
-  return jax.ShapeDtypeStruct(
-    shape,
-    dtype,
-    manual_axis_type=jax.sharding.ManualAxisType(varying=varying),
-  )
+  return _common.out_type(shape, dtype, varying)
 
 
 class TileBuffers(NamedTuple):

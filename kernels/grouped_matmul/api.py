@@ -8,16 +8,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from mpmd.kernels import _common
 from mpmd.kernels.grouped_matmul.checks import (
-  check_array,
+  SUPPORTED_DTYPES,
   check_existing_out,
-  check_float,
+  check_float_operand,
   check_group_offset,
   check_group_sizes,
-  check_out_dtype,
 )
 from mpmd.kernels.grouped_matmul.kernels import (
   GmmConfig,
@@ -182,17 +181,11 @@ def gmm(
     (256, 32)
   """
   name = "gmm"
-  check_array(name, "lhs", lhs, 2, "(m, k)")
+  transpose_rhs = _common.check_bool(name, "transpose_rhs", transpose_rhs)
   rhs_doc = "(num_groups, n, k)" if transpose_rhs else "(num_groups, k, n)"
-  check_array(name, "rhs", rhs, 3, rhs_doc)
-  check_float(name, "lhs", lhs)
-  check_float(name, "rhs", rhs)
+  check_float_operand(name, "lhs", lhs, 2, "(m, k)")
+  check_float_operand(name, "rhs", rhs, 3, rhs_doc)
   check_group_sizes(name, group_sizes)
-  if not isinstance(transpose_rhs, bool | np.bool_):
-    raise TypeError(
-      f"{name}: expected 'transpose_rhs' to be a bool, got "
-      f"{type(transpose_rhs).__name__}"
-    )
   m, k = lhs.shape
   rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -212,13 +205,15 @@ def gmm(
       f"{name}: expected 'rhs' to hold at most num_groups={num_groups} "
       f"groups (the length of 'group_sizes'), got {rhs.shape[0]}"
     )
-  out_dtype = check_out_dtype(name, preferred_element_type)
+  out_dtype = _common.as_dtype(
+    name, "preferred_element_type", preferred_element_type, SUPPORTED_DTYPES
+  )
   offset = check_group_offset(name, group_offset, num_groups, rhs.shape[0])
   check_existing_out(name, existing_out, (m, n), out_dtype)
   cfg = GmmConfig(
     tiling=resolve_tiling(name, tiling, m, k, n, num_groups),
     preferred_element_type=out_dtype,
-    transpose_rhs=bool(transpose_rhs),
+    transpose_rhs=transpose_rhs,
     interpret=interpret,
     buffer_count=default_buffer_count(),
   )
@@ -282,10 +277,8 @@ def tgmm(
     (4, 64, 32)
   """
   name = "tgmm"
-  check_array(name, "lhs", lhs, 2, "(k, m)")
-  check_array(name, "rhs", rhs, 2, "(m, n)")
-  check_float(name, "lhs", lhs)
-  check_float(name, "rhs", rhs)
+  check_float_operand(name, "lhs", lhs, 2, "(k, m)")
+  check_float_operand(name, "rhs", rhs, 2, "(m, n)")
   check_group_sizes(name, group_sizes)
   k, m = lhs.shape
   n = rhs.shape[1]
@@ -297,19 +290,17 @@ def tgmm(
   num_groups = group_sizes.shape[0]
   if num_actual_groups is None:
     num_actual_groups = num_groups
-  if not isinstance(num_actual_groups, int | np.integer) or isinstance(
-    num_actual_groups, bool
-  ):
-    raise TypeError(
-      f"{name}: expected 'num_actual_groups' to be an int, got "
-      f"{type(num_actual_groups).__name__}"
-    )
-  if not 1 <= num_actual_groups <= num_groups:
+  num_actual_groups = _common.check_int(
+    name, "num_actual_groups", num_actual_groups
+  )
+  if num_actual_groups > num_groups:
     raise ValueError(
       f"{name}: expected 'num_actual_groups' in [1, {num_groups}] "
       f"(num_groups), got {num_actual_groups}"
     )
-  out_dtype = check_out_dtype(name, preferred_element_type)
+  out_dtype = _common.as_dtype(
+    name, "preferred_element_type", preferred_element_type, SUPPORTED_DTYPES
+  )
   offset = check_group_offset(
     name, group_offset, num_groups, int(num_actual_groups)
   )

@@ -8,48 +8,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_SUPPORTED_DTYPES = (
+from mpmd.kernels import _common
+
+SUPPORTED_DTYPES = (
   jnp.dtype(jnp.float32),
   jnp.dtype(jnp.bfloat16),
   jnp.dtype(jnp.float16),
 )
 
 
-def check_array(name: str, arg: str, x: Any, rank: int, shape_doc: str):
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(
-      f"{name}: expected '{arg}' to be an array {shape_doc}, got "
-      f"{type(x).__name__}"
-    )
-  if x.ndim != rank:
-    raise ValueError(
-      f"{name}: expected '{arg}' of rank {rank} {shape_doc}, got rank "
-      f"{x.ndim} with shape {tuple(x.shape)}"
-    )
-  if any(d == 0 for d in x.shape):
-    raise ValueError(
-      f"{name}: expected '{arg}' {shape_doc} with no zero-sized "
-      f"dimension, got shape {tuple(x.shape)}"
-    )
-
-
-def check_float(name: str, arg: str, x: Any):
-  if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
-    raise TypeError(
-      f"{name}: expected '{arg}' of dtype float32, bfloat16 or float16, "
-      f"got {jnp.dtype(x.dtype).name}"
-    )
+def check_float_operand(name: str, arg: str, x: Any, rank: int, shape_doc: str):
+  """A non-empty float32/bfloat16/float16 array of ``rank``."""
+  _common.check_array(
+    name, arg, x, rank=rank, shape_doc=shape_doc, nonempty=True
+  )
+  _common.check_dtype(name, arg, x, SUPPORTED_DTYPES)
 
 
 def check_group_sizes(name: str, group_sizes: Any):
   """Checks the type; a concrete array's sizes must be non-negative (traced
   ones cannot be checked: ``group_rows`` says what they mean)."""
-  check_array(name, "group_sizes", group_sizes, 1, "(num_groups,)")
-  if jnp.dtype(group_sizes.dtype) != jnp.int32:
-    raise TypeError(
-      f"{name}: expected 'group_sizes' of dtype int32, got "
-      f"{jnp.dtype(group_sizes.dtype).name}"
-    )
+  _common.check_array(
+    name,
+    "group_sizes",
+    group_sizes,
+    rank=1,
+    shape_doc="(num_groups,)",
+    nonempty=True,
+  )
+  _common.check_dtype(name, "group_sizes", group_sizes, (jnp.int32,))
   if not isinstance(group_sizes, jax.Array | np.ndarray):
     return
   try:
@@ -110,32 +97,12 @@ def check_group_offset(
   return jnp.reshape(jnp.asarray(group_offset, jnp.int32), ())
 
 
-def check_out_dtype(name: str, preferred_element_type: Any) -> jnp.dtype:
-  try:
-    dtype = jnp.dtype(preferred_element_type)
-  except TypeError:
-    raise TypeError(
-      f"{name}: expected 'preferred_element_type' to be a dtype, got "
-      f"{preferred_element_type!r}"
-    ) from None
-  if dtype not in _SUPPORTED_DTYPES:
-    raise TypeError(
-      f"{name}: expected 'preferred_element_type' float32, bfloat16 or "
-      f"float16, got {dtype.name}"
-    )
-  return dtype
-
-
 def check_existing_out(
   name: str, existing_out: Any, shape: tuple[int, ...], dtype: jnp.dtype
 ):
   if existing_out is None:
     return
-  if not hasattr(existing_out, "shape") or not hasattr(existing_out, "dtype"):
-    raise TypeError(
-      f"{name}: expected 'existing_out' to be an array, got "
-      f"{type(existing_out).__name__}"
-    )
+  _common.check_array(name, "existing_out", existing_out)
   if tuple(existing_out.shape) != shape:
     raise ValueError(
       f"{name}: expected 'existing_out' of shape {shape}, got "

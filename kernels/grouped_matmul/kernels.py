@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +10,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mpmd import meshes, targets
+from mpmd import targets
 from mpmd.api import mpmd_map
+from mpmd.kernels import _common
 from mpmd.kernels.grouped_matmul.checks import input_dtype
 from mpmd.kernels.grouped_matmul.metadata import (
   gmm_metadata,
@@ -21,20 +22,6 @@ from mpmd.kernels.grouped_matmul.metadata import (
 )
 from mpmd.kernels.grouped_matmul.tiling import Tiling
 from mpmd.types import Interpret
-
-
-def _out_type(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
-  """The output type, varying over the manual mesh axes its operands vary
-  over (needed inside ``jax.shard_map(..., check_vma=True)``)."""
-  varying = frozenset().union(
-    *(jax.typeof(x).manual_axis_type.varying for x in operands)
-  )
-  return jax.ShapeDtypeStruct(
-    shape,
-    dtype,
-    manual_axis_type=jax.sharding.ManualAxisType(varying=varying),
-  )
-
 
 # Kernel operands are (metadata, lhs, rhs, existing_out): the output is
 # written in place of existing_out.
@@ -64,8 +51,26 @@ def _block_specs(buffer_count: int):
   return spec
 
 
-def _mesh():
-  return meshes.tensorcore_mesh("core", num_cores=1)
+class _KernelRefs(NamedTuple):
+  """A grouped matmul kernel's refs, its metadata copied to SMEM."""
+
+  lhs: Any  # HBM
+  rhs: Any  # HBM
+  existing: Any  # HBM, or None
+  out: Any  # HBM
+  meta: Any  # SMEM: the group metadata
+  accs: list[Any]  # VMEM: one f32 accumulator per strip
+  num_visits: jax.Array  # (tile, group) visits of this launch
+
+  @classmethod
+  def unpack(cls, refs, has_existing: bool) -> _KernelRefs:
+    """Operands (metadata, lhs, rhs[, existing_out]), the output, scratch
+    (metadata in SMEM, accumulators)."""
+    meta_hbm, lhs, rhs, *refs = refs
+    existing = refs.pop(0) if has_existing else None
+    out, meta, *accs = refs
+    pltpu.sync_copy(meta_hbm, meta)
+    return cls(lhs, rhs, existing, out, meta, accs, meta[0])
 
 
 class GmmConfig(NamedTuple):
@@ -113,11 +118,9 @@ def gmm_call(
     return block_spec((None, bk, bn), kmap)
 
   def kernel(*refs):
-    meta_hbm, lhs_hbm, rhs_hbm, *refs = refs
-    existing_hbm = refs.pop(0) if has_existing else None
-    out_hbm, meta_s, *accs = refs
-    pltpu.sync_copy(meta_hbm, meta_s)
-    num_visits = meta_s[0]
+    r = _KernelRefs.unpack(refs, has_existing)
+    lhs_hbm, rhs_hbm, existing_hbm, out_hbm = r.lhs, r.rhs, r.existing, r.out
+    meta_s, accs, num_visits = r.meta, r.accs, r.num_visits
 
     def lhs_map(n_i, v, k_i):
       return meta_s[layout.tile + v], k_i
@@ -249,8 +252,10 @@ def gmm_call(
     ),
   )
   call = mpmd_map(
-    [(_mesh(), kernel)],
-    out_types=_out_type((m, n), out_dtype, *operands),
+    [(_common.single_core_mesh(), kernel)],
+    out_types=_common.out_type(
+      (m, n), out_dtype, _common.varying_axes(*operands)
+    ),
     input_output_aliases={_EXISTING_OUT_INDEX: 0} if has_existing else {},
     scratch_types=scratch,
     interpret=cfg.interpret,
@@ -297,11 +302,9 @@ def tgmm_call(
   ]
 
   def kernel(*refs):
-    meta_hbm, lhs_hbm, rhs_hbm, *refs = refs
-    existing_hbm = refs.pop(0) if has_existing else None
-    out_hbm, meta_s, *accs = refs
-    pltpu.sync_copy(meta_hbm, meta_s)
-    num_visits = meta_s[0]
+    r = _KernelRefs.unpack(refs, has_existing)
+    lhs_hbm, rhs_hbm, existing_hbm, out_hbm = r.lhs, r.rhs, r.existing, r.out
+    meta_s, accs, num_visits = r.meta, r.accs, r.num_visits
 
     def lhs_map(n_i, k_i, v):
       return k_i, meta_s[layout.tile + v]
@@ -403,8 +406,10 @@ def tgmm_call(
     ),
   )
   call = mpmd_map(
-    [(_mesh(), kernel)],
-    out_types=_out_type((num_local, k, n), out_dtype, *operands),
+    [(_common.single_core_mesh(), kernel)],
+    out_types=_common.out_type(
+      (num_local, k, n), out_dtype, _common.varying_axes(*operands)
+    ),
     input_output_aliases={_EXISTING_OUT_INDEX: 0} if has_existing else {},
     scratch_types=scratch,
     interpret=cfg.interpret,

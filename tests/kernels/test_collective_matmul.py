@@ -626,7 +626,8 @@ class TestErrors:
 
   @pytest.mark.parametrize("buffering", [0, -1])
   def test_bad_buffering(self, buffering):
-    with pytest.raises(ValueError, match=r"'buffering' >= 1 .*got"):
+    match = rf"'buffering' >= 1, got {buffering}\b"
+    with pytest.raises(ValueError, match=match):
       trace_sharded(
         functools.partial(
           matmul_reduce_scatter, axis_name="x", buffering=buffering
