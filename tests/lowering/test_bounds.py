@@ -512,6 +512,22 @@ def _scoped_wait_before_signal(kind: str):
   return kernel
 
 
+def _assert_deadlock(f, x, capsys, path: str, who: str) -> None:
+  """``f(x)`` ends with a DeadlockError on ``path`` naming ``who`` and the
+  early wait of kernel ``early_wait``."""
+  with pytest.raises(mpmd.DeadlockError) as info, mpmd.typed_errors():
+    jax.block_until_ready(f(x))
+  assert path in capsys.readouterr().out
+  message = str(info.value)
+  for part in (
+    f"mpmd_map deadlock: on the CPU {path}",
+    "kernel early_wait at ",
+    who,
+    "waited on pl.run_scoped allocation 0",
+  ):
+    assert part in message, (part, message)
+
+
 @pytest.mark.parametrize("kind", ["regular", "dma"])
 def test_fast_path_scoped_wait_before_its_signal_is_a_deadlock(kind, capsys):
   mesh = mpmd.tensorcore_mesh("core", num_cores=2)
@@ -521,20 +537,13 @@ def test_fast_path_scoped_wait_before_its_signal_is_a_deadlock(kind, capsys):
     name="early_wait",
     debug=True,
   )
-  with pytest.raises(Exception) as info:
-    jax.block_until_ready(f(_rows()))
-  assert "fast path" in capsys.readouterr().out
-  message = str(info.value)
-  assert isinstance(info.value, mpmd.DeadlockError) or (
-    "DeadlockError" in message
-  )
-  for part in (
-    "mpmd_map deadlock: on the CPU fast path",
-    "kernel early_wait at ",
+  _assert_deadlock(
+    f,
+    _rows(),
+    capsys,
+    "fast path",
     "mesh 0 program 0 (core=0)",
-    "waited on pl.run_scoped allocation 0",
-  ):
-    assert part in message, (part, message)
+  )
   _still_healthy(test_fast_path_scoped_signal_then_wait_runs)
 
 
@@ -603,18 +612,7 @@ def test_lockstep_scoped_wait_before_its_signal_is_a_deadlock(capsys):
       per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
     )
   )
-  with pytest.raises(Exception) as info:
-    jax.block_until_ready(f(_sharded_rows(mesh)))
-  assert "lockstep path" in capsys.readouterr().out
-  message = str(info.value)
-  assert isinstance(info.value, mpmd.DeadlockError) or (
-    "DeadlockError" in message
+  _assert_deadlock(
+    f, _sharded_rows(mesh), capsys, "lockstep path", "device (x=0)"
   )
-  for part in (
-    "mpmd_map deadlock: on the CPU lockstep path",
-    "kernel early_wait at ",
-    "device (x=0)",
-    "waited on pl.run_scoped allocation 0",
-  ):
-    assert part in message, (part, message)
   _still_healthy(functools.partial(_lockstep_in_bounds, "source"))
