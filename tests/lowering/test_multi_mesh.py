@@ -233,7 +233,10 @@ def test_race_detector_flags_a_racy_kernel_and_passes_a_synchronised_one():
   np.testing.assert_allclose(
     producer_consumer(x, interpret=detect), pc_reference(x)
   )
-  with pytest.raises(Exception, match="race detector found programs racing"):
+  with (
+    pytest.raises(mpmd.RaceError, match="race detector found programs racing"),
+    mpmd.typed_errors(),
+  ):
     jax.block_until_ready(producer_consumer(x, wait=False, interpret=detect))
 
 
@@ -677,5 +680,9 @@ def test_fast_path_deadlock_label_counts_meshes_by_position():
     jax.ShapeDtypeStruct((2, *ROWS), jnp.float32),
     scratch_types=[pltpu.SemaphoreType.REGULAR @ mesh],
   )
-  with pytest.raises(Exception, match=r"\['mesh 1 program 1 \(core=1\)'\]"):
+  stuck_program = r"\['mesh 1 program 1 \(core=1\)'\]"
+  with (
+    pytest.raises(mpmd.DeadlockError, match=stuck_program),
+    mpmd.typed_errors(),
+  ):
     jax.block_until_ready(f(jnp.ones((2, *ROWS), jnp.float32)))

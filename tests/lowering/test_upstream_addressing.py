@@ -150,7 +150,10 @@ def test_a_signal_to_the_wrong_subcore_leaves_a_waiter_stuck():
       interpret=pltpu.InterpretParams(),
     )
     with mpmd.deadlock_timeout(2.0):
-      with pytest.raises(Exception, match=r"deadlock") as info:
+      with (
+        pytest.raises(mpmd.DeadlockError, match=r"deadlock") as info,
+        mpmd.typed_errors(),
+      ):
         jax.block_until_ready(f())
   message = str(info.value)
   assert "_mpmd_programs" not in message
