@@ -24,7 +24,7 @@ loop step's fixed cost dominates and the ratios are larger.
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -71,7 +71,14 @@ def _group_sizes(rng: np.random.Generator, m: int, groups: int) -> np.ndarray:
   return sizes
 
 
-def run_case(case: Case, rounds: int) -> dict[str, float]:
+class _Operands(NamedTuple):
+  lhs: jax.Array  # (m, k)
+  rhs: jax.Array  # (groups, k, n)
+  dy: jax.Array  # (m, n), the loss's cotangent
+  sizes: jax.Array  # (groups,) int32
+
+
+def _operands(case: Case) -> _Operands:
   rng = np.random.default_rng(0)
   dtype = jnp.dtype(case.dtype)
   m, k, n, g = case.m, case.k, case.n, case.groups
@@ -82,76 +89,114 @@ def run_case(case: Case, rounds: int) -> dict[str, float]:
     sizes = jnp.asarray(_group_sizes(rng, m, g))
   else:
     sizes = jnp.asarray(case.sizes, jnp.int32)
+  return _Operands(lhs, rhs, dy, sizes)
+
+
+class _Functions(NamedTuple):
+  """Ours and the references, jitted, all with f32 results."""
+
+  gmm: Callable[..., jax.Array]
+  ragged_dot: Callable[..., jax.Array]
+  dense: Callable[..., jax.Array]
+  tgmm: Callable[..., jax.Array]
+  ragged_dot_general: Callable[..., jax.Array]
+  gmm_grad: Callable[..., tuple[jax.Array, jax.Array]]
+  ragged_dot_grad: Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def _functions(dy: jax.Array) -> _Functions:
   f32 = jnp.float32
 
-  ours = jax.jit(lambda a, b, s: gm.gmm(a, b, s, preferred_element_type=f32))
-  ref = jax.jit(
-    lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=f32)
-  )
-  dense = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=f32))
-  ours_t = jax.jit(lambda x, y, s: gm.tgmm(x, y, s, preferred_element_type=f32))
+  def gmm(a, b, s):
+    return gm.gmm(a, b, s, preferred_element_type=f32)
+
+  def ragged_dot(a, b, s):
+    return lax.ragged_dot(a, b, s, preferred_element_type=f32)
+
   ragged_contract = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])),
     lhs_ragged_dimensions=[0],
     rhs_group_dimensions=[],
   )
-  ref_t = jax.jit(
-    lambda x, y, s: lax.ragged_dot_general(
-      x, y, s, ragged_contract, preferred_element_type=f32
-    )
-  )
 
-  def loss(matmul):
+  def loss_grad(matmul):
     def f(a, b, s):
       return jnp.sum(matmul(a, b, s).astype(f32) * dy.astype(f32))
 
     return jax.jit(jax.grad(f, argnums=(0, 1)))
 
-  ours_grad = loss(lambda a, b, s: gm.gmm(a, b, s, preferred_element_type=f32))
-  ref_grad = loss(
-    lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=f32)
+  return _Functions(
+    gmm=jax.jit(gmm),
+    ragged_dot=jax.jit(ragged_dot),
+    dense=jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=f32)),
+    tgmm=jax.jit(lambda x, y, s: gm.tgmm(x, y, s, preferred_element_type=f32)),
+    ragged_dot_general=jax.jit(
+      lambda x, y, s: lax.ragged_dot_general(
+        x, y, s, ragged_contract, preferred_element_type=f32
+      )
+    ),
+    gmm_grad=loss_grad(gmm),
+    ragged_dot_grad=loss_grad(ragged_dot),
   )
 
-  # Same answers before timing anything.
+
+def _check_answers(fns: _Functions, ops: _Operands) -> None:
+  """Same answers before timing anything."""
+  lhs, rhs, dy, sizes = ops
   np.testing.assert_allclose(
-    ours(lhs, rhs, sizes), ref(lhs, rhs, sizes), rtol=2e-2, atol=2e-2
-  )
-  np.testing.assert_allclose(
-    ours_t(lhs.T, dy, sizes),
-    ref_t(lhs, dy, sizes),
+    fns.gmm(lhs, rhs, sizes),
+    fns.ragged_dot(lhs, rhs, sizes),
     rtol=2e-2,
-    atol=2e-2 * np.sqrt(m),
+    atol=2e-2,
+  )
+  np.testing.assert_allclose(
+    fns.tgmm(lhs.T, dy, sizes),
+    fns.ragged_dot_general(lhs, dy, sizes),
+    rtol=2e-2,
+    atol=2e-2 * np.sqrt(lhs.shape[0]),
   )
 
-  # Each comparison is timed interleaved with its own references; the
-  # backward passes (tens of MB of temporaries) get their own group so that
-  # they do not evict the forward kernels' operands between rounds.
+
+def _time(fns: _Functions, ops: _Operands, rounds: int) -> dict[str, float]:
+  """Seconds per call, by name. Each comparison is timed interleaved with
+  its own references; the backward passes (tens of MB of temporaries) get
+  their own group so that they do not evict the forward kernels' operands
+  between rounds."""
+  lhs, rhs, dy, sizes = ops
   rhs0, lhs_t = rhs[0], lhs.T
   t = time_interleaved(
     {
-      "gmm": lambda: ours(lhs, rhs, sizes),
-      "ragged_dot": lambda: ref(lhs, rhs, sizes),
-      "dense": lambda: dense(lhs, rhs0),
+      "gmm": lambda: fns.gmm(lhs, rhs, sizes),
+      "ragged_dot": lambda: fns.ragged_dot(lhs, rhs, sizes),
+      "dense": lambda: fns.dense(lhs, rhs0),
     },
     rounds,
   )
   t |= time_interleaved(
     {
-      "tgmm": lambda: ours_t(lhs_t, dy, sizes),
-      "ragged_dot_general": lambda: ref_t(lhs, dy, sizes),
-      "dense_t": lambda: dense(lhs_t, dy),
+      "tgmm": lambda: fns.tgmm(lhs_t, dy, sizes),
+      "ragged_dot_general": lambda: fns.ragged_dot_general(lhs, dy, sizes),
+      "dense_t": lambda: fns.dense(lhs_t, dy),
     },
     rounds,
   )
   t |= time_interleaved(
     {
-      "gmm fwd+bwd": lambda: ours_grad(lhs, rhs, sizes),
-      "ragged_dot fwd+bwd": lambda: ref_grad(lhs, rhs, sizes),
+      "gmm fwd+bwd": lambda: fns.gmm_grad(lhs, rhs, sizes),
+      "ragged_dot fwd+bwd": lambda: fns.ragged_dot_grad(lhs, rhs, sizes),
     },
     rounds,
   )
+  return t
+
+
+def run_case(case: Case, rounds: int) -> dict[str, float]:
+  ops = _operands(case)
+  fns = _functions(ops.dy)
+  _check_answers(fns, ops)
+  t = _time(fns, ops, rounds)
   return {
-    "tiling": gm.default_tiling(m, k, n, num_groups=g),
+    "tiling": gm.default_tiling(case.m, case.k, case.n, num_groups=case.groups),
     "gmm_ms": t["gmm"] * 1e3,
     "gmm/ragged_dot": t["gmm"] / t["ragged_dot"],
     "gmm/dense": t["gmm"] / t["dense"],

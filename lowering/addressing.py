@@ -18,9 +18,10 @@ programs of one launch name each other, and we follow it on every path:
   mesh lacks is an error, as upstream's.
 * Naming an axis that the target mesh lacks is an error.
 
-The checks run when the kernels are traced (``mpmd.api``), so every path
-reports the same error; the CPU fallback's merge (``mpmd.lowering.merge``)
-computes the target program from the same resolution.
+The checks run when the kernels are traced (``mpmd.kernel_checks``), so
+every path reports the same error; the CPU fallback's merge
+(``mpmd.lowering.merge``) computes the target program from the same
+resolution.
 """
 
 import dataclasses

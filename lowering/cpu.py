@@ -12,9 +12,11 @@ from mpmd.lowering import (
   callbacks,
   common,
   fast,
+  gpu_simulator,
   lockstep,
   merge,
   paths,
+  tpu_simulator,
 )
 
 
@@ -48,10 +50,8 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     # Even one mesh goes through the merge: it resolves programs named by
     # mesh axes (device_id={"core": 1}) and shares GPU scratch collectively.
     mesh, jaxpr, params, ranges = merge.merge_for_simulator(params, path)
-  if path.kind == paths.TPU_SIMULATOR:
-    from mpmd.lowering import tpu_simulator as simulator
-  else:
-    from mpmd.lowering import gpu_simulator as simulator
+  tpu = path.kind == paths.TPU_SIMULATOR
+  simulator = tpu_simulator if tpu else gpu_simulator
   return simulator.lower(
     ctx,
     *in_nodes,
@@ -119,6 +119,3 @@ def _check_one_process(jaxprs, path: paths.Path, axis_context: Any) -> None:
     "or run it in one process (simulated devices: "
     'jax.config.update("jax_num_cpu_devices", n)).'
   )
-
-
-# -- the fast path ------------------------------------------------------------

@@ -304,9 +304,9 @@ class _Send(NamedTuple):
 
 class Exchanges:
   """Remote operations, batched: each exchange is one rendezvous of every
-  device (about 0.1 ms with 4 simulated devices on 2 cores, 0.3 ms with
-  8), and kernels issue them in runs (both neighbours' handshake signals,
-  both ring directions' transfers and capacity signals).
+  device (a fixed cost that grows with the number of devices), and kernels
+  issue them in runs (both neighbours' handshake signals, both ring
+  directions' transfers and capacity signals).
 
   An issued operation lands on its receiver at the latest when the
   receiver's next equation touches a Ref it writes (a wait on its

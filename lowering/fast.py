@@ -5,6 +5,7 @@ own semaphores complete in program order)."""
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -43,8 +44,7 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     programs=programs,
     labels=labels,
     num_checks=num_checks,
-    sparsecores=sparsecores,
-    **_buffers(len(in_nodes), params, programs[0]),
+    buffers=_buffers(len(in_nodes), params, programs[0], sparsecores),
   )
   # Kernels are traced without varying-axes types: under a
   # shard_map(check_vma=True) their index arithmetic mixes varying and
@@ -70,12 +70,47 @@ def _sharing(aval) -> str | None:
   return None
 
 
-def _buffers(num_in: int, params, program):
+class _Buffers(NamedTuple):
+  """The unrolled programs' operands ``(*inputs, *outputs, *scratch)``."""
+
+  num_in: int
+  out_avals: tuple[Any, ...]
+  # Output index -> the input it aliases (and starts as).
+  out_sources: dict[int, int]
+  # Per scratch operand: its physical aval, and who shares it (_sharing).
+  scratch: tuple[tuple[Any, str | None], ...]
+  # Per operand: whether the kernel takes it as a Ref.
+  is_ref: tuple[bool, ...]
+  # The operand indices of semaphores.
+  semaphores: tuple[int, ...]
+  # Per program: the SparseCore it runs on (0 for other programs).
+  sparsecores: tuple[int, ...]
+
+  def fresh(self, k: int, aval):
+    """A new buffer for operand ``k``. Semaphores start at zero
+    (uninitialised int32 would be a sentinel); semaphore inputs bring the
+    count their launch left."""
+    if k in self.semaphores:
+      return jnp.zeros(aval.shape, aval.dtype)
+    return _uninitialized(aval)
+
+  def shared_key(self, k: int, program: int):
+    """Which shared buffer scratch operand ``k`` of ``program`` is (None:
+    its own)."""
+    sharing = self.scratch[k][1]
+    if sharing == _DEVICE:
+      return k
+    if sharing == _SPARSECORE:
+      return (k, self.sparsecores[program])
+    return None
+
+
+def _buffers(num_in: int, params, program, sparsecores) -> _Buffers:
   kernel = params["jaxprs"][0]
   num_out = len(params["out_avals"])
   # Physical avals (semaphores as integers) come from a discharged program.
   physical = [v.aval for v in program.jaxpr.invars]
-  return dict(
+  return _Buffers(
     num_in=num_in,
     out_avals=tuple(physical[num_in : num_in + num_out]),
     out_sources={o: i for i, o in params["input_output_aliases"].items()},
@@ -91,6 +126,7 @@ def _buffers(num_in: int, params, program):
     semaphores=tuple(
       k for k, v in enumerate(kernel.invars) if paths.is_semaphore(v.aval)
     ),
+    sparsecores=sparsecores,
   )
 
 
@@ -154,94 +190,83 @@ def _uninitialized(aval):
   return pallas_primitives.uninitialized_value(aval.shape, aval.dtype)
 
 
-def _run_unrolled(
-  *args,
-  programs,
-  labels,
-  num_checks,
-  sparsecores,
-  num_in,
-  out_avals,
-  out_sources,
-  scratch,
-  is_ref,
-  semaphores,
-):
-  num_out = len(out_avals)
-
-  def fresh(k, aval):
-    # ``k`` counts operands. Semaphores start at zero (uninitialised int32
-    # would be a sentinel); semaphore inputs bring the count their launch
-    # left.
-    if k in semaphores:
-      return jnp.zeros(aval.shape, aval.dtype)
-    return _uninitialized(aval)
-
-  def launch(*args):
-    outs = [
-      args[out_sources[o]] if o in out_sources else fresh(num_in + o, aval)
-      for o, aval in enumerate(out_avals)
-    ]
-
-    def shared_key(k, program):
-      sharing = scratch[k][1]
-      if sharing == _DEVICE:
-        return k
-      return (k, sparsecores[program]) if sharing == _SPARSECORE else None
-
-    shared = {
-      shared_key(k, p): _uninitialized(aval)
-      for p in range(len(programs))
-      for k, (aval, sharing) in enumerate(scratch)
-      if sharing is not None
-    }
-    stuck = []
-    for p, program in enumerate(programs):
-      keys = [shared_key(k, p) for k in range(len(scratch))]
-      operands = [
-        *args,
-        *outs,
-        *(
-          fresh(num_in + num_out + k, aval) if key is None else shared[key]
-          for k, ((aval, _), key) in enumerate(zip(scratch, keys, strict=True))
-        ),
-      ]
-      # The discharged program returns the final value of each Ref operand.
-      updated = iter(core.eval_jaxpr(program.jaxpr, program.consts, *operands))
-      operands = [
-        next(updated) if r else x for x, r in zip(operands, is_ref, strict=True)
-      ]
-      outs = operands[num_in : num_in + num_out]
-      for k, key in enumerate(keys):
-        if key is not None:
-          shared[key] = operands[num_in + num_out + k]
-      # A wait that found its semaphore short poisoned it (negative): on
-      # hardware that program would wait forever.
-      stuck.append(
-        functools.reduce(
-          jnp.logical_or,
-          [jnp.any(operands[k] < 0) for k in semaphores],
-          jnp.bool_(False),
-        )
-      )
-    return outs, jnp.stack(stuck)
-
+def _run_unrolled(*args, programs, labels, num_checks, buffers: _Buffers):
+  launch = functools.partial(_launch, programs=programs, buffers=buffers)
   error, (outs, stuck) = bounds.checked(launch, num_checks)(*args)
-  if semaphores or error is not None:
-    failed = jnp.any(stuck)
-    if error is not None:
-      failed = jnp.logical_or(failed, bounds.failed(error))
-    leaves, treedef = tree_util.tree_flatten(error)
-    raise_error = functools.partial(
-      _raise_for, labels, treedef if leaves else None
-    )
-    # Python runs only to raise: a callback per launch costs milliseconds.
-    lax.cond(
-      failed,
-      lambda: callback.io_callback(raise_error, None, stuck, *leaves),
-      lambda: None,
-    )
+  if buffers.semaphores or error is not None:
+    _raise_if_failed(error, stuck, labels)
   return outs
+
+
+def _launch(*args, programs, buffers: _Buffers):
+  """Runs the programs one after another; the outputs, and per program
+  whether it waited on a semaphore more than it was signalled."""
+  b = buffers
+  outs = [
+    args[b.out_sources[o]] if o in b.out_sources else b.fresh(b.num_in + o, a)
+    for o, a in enumerate(b.out_avals)
+  ]
+  shared = {
+    b.shared_key(k, p): _uninitialized(aval)
+    for p in range(len(programs))
+    for k, (aval, sharing) in enumerate(b.scratch)
+    if sharing is not None
+  }
+  stuck = []
+  for p, program in enumerate(programs):
+    outs, program_stuck = _run_program(program, p, args, outs, shared, b)
+    stuck.append(program_stuck)
+  return outs, jnp.stack(stuck)
+
+
+def _run_program(program, p: int, args, outs, shared, b: _Buffers):
+  """Runs program ``p`` on the inputs, the outputs so far and its scratch
+  (writing the buffers it shares back to ``shared``); its outputs, and
+  whether it is stuck."""
+  num_in, num_out = b.num_in, len(b.out_avals)
+  keys = [b.shared_key(k, p) for k in range(len(b.scratch))]
+  operands = [
+    *args,
+    *outs,
+    *(
+      b.fresh(num_in + num_out + k, aval) if key is None else shared[key]
+      for k, ((aval, _), key) in enumerate(zip(b.scratch, keys, strict=True))
+    ),
+  ]
+  # The discharged program returns the final value of each Ref operand.
+  updated = iter(core.eval_jaxpr(program.jaxpr, program.consts, *operands))
+  operands = [
+    next(updated) if r else x for x, r in zip(operands, b.is_ref, strict=True)
+  ]
+  for k, key in enumerate(keys):
+    if key is not None:
+      shared[key] = operands[num_in + num_out + k]
+  # A wait that found its semaphore short poisoned it (negative): on
+  # hardware that program would wait forever.
+  stuck = functools.reduce(
+    jnp.logical_or,
+    [jnp.any(operands[k] < 0) for k in b.semaphores],
+    jnp.bool_(False),
+  )
+  return operands[num_in : num_in + num_out], stuck
+
+
+def _raise_if_failed(error, stuck, labels) -> None:
+  """Raises, when the launch has run, the first failed check, or else a
+  deadlock naming the stuck programs."""
+  failed = jnp.any(stuck)
+  if error is not None:
+    failed = jnp.logical_or(failed, bounds.failed(error))
+  leaves, treedef = tree_util.tree_flatten(error)
+  raise_error = functools.partial(
+    _raise_for, labels, treedef if leaves else None
+  )
+  # Python runs only to raise: a callback per launch costs milliseconds.
+  lax.cond(
+    failed,
+    lambda: callback.io_callback(raise_error, None, stuck, *leaves),
+    lambda: None,
+  )
 
 
 def _raise_for(labels, treedef, stuck, *leaves) -> None:

@@ -2,13 +2,11 @@
 
 from mpmd import _jax
 from mpmd._jax import mlir
-from mpmd.lowering import common, paths
+from mpmd.lowering import common, cpu, merge, paths
 
 
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   if params["interpret"] is not None:
-    from mpmd.lowering import cpu
-
     return cpu.lower(ctx, *in_nodes, **params)
   meshes, jaxprs = params["meshes"], params["jaxprs"]
   if not all(paths.is_gpu_mesh(m) for m in meshes):
@@ -17,8 +15,6 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
       f"{[type(m).__name__ for m in meshes]}"
     )
   if len(meshes) > 1:
-    from mpmd.lowering import merge
-
     mesh, jaxpr, params = merge.merge_for_gpu(params)
   else:
     [mesh], [jaxpr] = meshes, jaxprs

@@ -4,7 +4,7 @@ import jax
 
 from mpmd import _jax
 from mpmd._jax import mlir, pallas_core, tpu
-from mpmd.lowering import jaxpr_util
+from mpmd.lowering import addressing, cpu, jaxpr_util, merge
 from mpmd.primitives import mpmd_map as prim
 
 
@@ -42,8 +42,6 @@ def _check_subcore_dmas(meshes, jaxprs) -> None:
   vector subcore. Say so instead of lowering a DMA to the wrong program."""
   if _jax.JAX_VERSION >= (0, 12):
     return
-  from mpmd.lowering import addressing, merge
-
   layout = merge.Layout(tuple(meshes), tuple(dict(m.shape) for m in meshes))
   found = merge.dma_to_program(layout, jaxprs)
   if found is not None:
@@ -60,16 +58,12 @@ def _check_subcore_dmas(meshes, jaxprs) -> None:
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   if params["interpret"] is not None:
     # interpret= forces interpretation on any platform.
-    from mpmd.lowering import cpu
-
     return cpu.lower(ctx, *in_nodes, **params)
   meshes, jaxprs = params["meshes"], params["jaxprs"]
   core_types = {m.core_type for m in meshes}
   tensorcore = tpu().core.CoreType.TC
   if len(meshes) > 1 and core_types == {tensorcore}:
     # Mosaic has no MPMD across TensorCores: one SPMD kernel over all cores.
-    from mpmd.lowering import merge
-
     mesh, jaxpr, params = merge.merge_for_tpu(params)
     meshes, jaxprs = (mesh,), (jaxpr,)
   elif len(meshes) > 1 and tensorcore in core_types:

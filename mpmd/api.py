@@ -157,14 +157,8 @@ def mpmd_map(
   """
   meshes, fns = check_meshes_and_fns(meshes_and_fns)
   gpu = paths.is_gpu_mesh(meshes[0])
-  flat_out_types, out_tree = tree_util.tree_flatten(out_types)
-  flat_out_types = [as_out_type(t, i) for i, t in enumerate(flat_out_types)]
-  flat_scratch, scratch_tree = tree_util.tree_flatten(scratch_types)
-  scratch_avals = [
-    canonical_owner(scratch_aval(t, i)) for i, t in enumerate(flat_scratch)
-  ]
-  check_scratch_owners(scratch_avals, meshes)
-  check_scratch_spaces(scratch_avals, gpu)
+  flat_out_types, out_tree = _flat_out_types(out_types)
+  scratch_avals, scratch_tree = _checked_scratch(scratch_types, meshes, gpu)
   check_options(
     name=name,
     compiler_params=compiler_params,
@@ -172,22 +166,22 @@ def mpmd_map(
     metadata=metadata,
     gpu=gpu,
   )
-  # Layout transforms of scratch (swizzled / tiled SMEM): the simulators
-  # allocate the logical buffer and need them.
-  scratch_transforms = tuple(
-    a.transforms if isinstance(a, state_types.TransformedRef) else ()
-    for a in scratch_avals
+  launch = _Launch(
+    meshes=meshes,
+    input_output_aliases=check_aliases_arg(input_output_aliases),
+    compiler_params=compiler_params,
+    interpret=_checked_interpret(interpret, meshes),
+    debug=debug,
+    cost_estimate=cost_estimate,
+    name=name,
+    metadata=metadata,
+    scratch_transforms=_scratch_transforms(scratch_avals),
   )
-  aliases = check_aliases_arg(input_output_aliases)
-  if interpret is False:
-    interpret = None  # CPU has no native path: False means "the default".
-  check_interpret(interpret, meshes)
-  is_output_sequence = isinstance(out_types, Sequence)
   spec = dict(
     meshes=meshes,
     fns=tuple(fns),
     out_tree=out_tree,
-    is_output_sequence=is_output_sequence,
+    is_output_sequence=isinstance(out_types, Sequence),
     scratch_avals=tuple(scratch_avals),
     scratch_tree=scratch_tree,
     name=name,
@@ -195,46 +189,116 @@ def mpmd_map(
 
   def wrapper(*args):
     flat_args, in_tree = tree_util.tree_flatten(args)
-    check_refs_passed_once(flat_args)
-    flat_avals = tuple(core.typeof(x) for x in flat_args)
-    for i, aval in enumerate(flat_avals):
-      check_lojax(aval, f"input {i}")
+    flat_avals = _input_avals(flat_args)
     out_avals = output_avals(flat_out_types, flat_avals)
-    check_aliases(aliases, flat_avals, out_avals)
+    check_aliases(launch.input_output_aliases, flat_avals, out_avals)
     kernels = _KernelSpec(out_avals=out_avals, **spec)
     jaxprs, consts = _trace(kernels, flat_avals, in_tree)
     check_consts_not_passed(consts, flat_args)
     check_inferred_vma(flat_out_types, flat_avals, jaxprs, meshes)
-    if interpret is not None:
-      # Interpreted on every platform: what no CPU path runs fails now.
-      paths.check_simulable(jaxprs)
-    cpu_path = paths.choose(
-      jaxprs, meshes, interpret, paths.traced_manual_axes()
+    cpu_path = _choose_cpu_path(jaxprs, launch)
+    flat_outs = _bind(
+      launch, (*flat_args, *consts), jaxprs, out_avals, cpu_path
     )
-    if debug:
-      for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
-        print(f"mpmd_map: kernel jaxpr for mesh {dict(mesh.shape)}:\n{jaxpr}")
-    scope = jax.named_scope(name) if name else contextlib.nullcontext()
-    with scope:
-      flat_outs = prim.bind(
-        *flat_args,
-        *consts,
-        jaxprs=jaxprs,
-        meshes=meshes,
-        out_avals=out_avals,
-        input_output_aliases=aliases,
-        compiler_params=compiler_params,
-        interpret=interpret,
-        cpu_path=cpu_path,
-        debug=debug,
-        cost_estimate=cost_estimate,
-        name=name,
-        metadata=FrozenDict(metadata) if metadata is not None else None,
-        scratch_transforms=scratch_transforms,
-      )
     return out_tree.unflatten(flat_outs)
 
   return wrapper
+
+
+# -- the steps of mpmd_map, in the order it takes them ----------------------
+
+
+def _flat_out_types(out_types):
+  """The output types, flattened and each checked; their tree."""
+  flat, tree = tree_util.tree_flatten(out_types)
+  return [as_out_type(t, i) for i, t in enumerate(flat)], tree
+
+
+def _checked_scratch(scratch_types, meshes, gpu: bool):
+  """The scratch types as avals (owned where they must be), checked against
+  the meshes and the platform's memory spaces; their tree."""
+  flat, tree = tree_util.tree_flatten(scratch_types)
+  avals = [canonical_owner(scratch_aval(t, i)) for i, t in enumerate(flat)]
+  check_scratch_owners(avals, meshes)
+  check_scratch_spaces(avals, gpu)
+  return avals, tree
+
+
+def _checked_interpret(interpret: Interpret, meshes) -> Interpret:
+  if interpret is False:
+    interpret = None  # CPU has no native path: False means "the default".
+  check_interpret(interpret, meshes)
+  return interpret
+
+
+def _scratch_transforms(scratch_avals) -> tuple[Any, ...]:
+  # Layout transforms of scratch (swizzled / tiled SMEM): the simulators
+  # allocate the logical buffer and need them.
+  return tuple(
+    a.transforms if isinstance(a, state_types.TransformedRef) else ()
+    for a in scratch_avals
+  )
+
+
+class _Launch(NamedTuple):
+  """What ``mpmd_map`` was given besides the kernels, checked; the same for
+  every call of the function it returns."""
+
+  meshes: tuple[Any, ...]
+  input_output_aliases: Any
+  compiler_params: Any
+  interpret: Interpret
+  debug: bool
+  cost_estimate: Any
+  name: str | None
+  metadata: Mapping[str, str] | None
+  scratch_transforms: tuple[Any, ...]
+
+
+def _input_avals(flat_args) -> tuple[Any, ...]:
+  check_refs_passed_once(flat_args)
+  flat_avals = tuple(core.typeof(x) for x in flat_args)
+  for i, aval in enumerate(flat_avals):
+    check_lojax(aval, f"input {i}")
+  return flat_avals
+
+
+def _choose_cpu_path(jaxprs, launch: _Launch):
+  if launch.interpret is not None:
+    # Interpreted on every platform: what no CPU path runs fails now.
+    paths.check_simulable(jaxprs)
+  return paths.choose(
+    jaxprs, launch.meshes, launch.interpret, paths.traced_manual_axes()
+  )
+
+
+def _bind(launch: _Launch, operands, jaxprs, out_avals, cpu_path):
+  if launch.debug:
+    for mesh, jaxpr in zip(launch.meshes, jaxprs, strict=True):
+      print(f"mpmd_map: kernel jaxpr for mesh {dict(mesh.shape)}:\n{jaxpr}")
+  metadata = launch.metadata
+  scope = (
+    jax.named_scope(launch.name) if launch.name else contextlib.nullcontext()
+  )
+  with scope:
+    return prim.bind(
+      *operands,
+      jaxprs=jaxprs,
+      meshes=launch.meshes,
+      out_avals=out_avals,
+      input_output_aliases=launch.input_output_aliases,
+      compiler_params=launch.compiler_params,
+      interpret=launch.interpret,
+      cpu_path=cpu_path,
+      debug=launch.debug,
+      cost_estimate=launch.cost_estimate,
+      name=launch.name,
+      metadata=FrozenDict(metadata) if metadata is not None else None,
+      scratch_transforms=launch.scratch_transforms,
+    )
+
+
+# -- tracing the kernels ------------------------------------------------------
 
 
 class _KernelSpec(NamedTuple):
@@ -273,6 +337,34 @@ def _trace(spec: _KernelSpec, flat_in_avals, in_tree):
 
 
 def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
+  views = _kernel_views(spec, flat_in_avals, in_tree)
+  traced = [
+    _trace_kernel(spec, caller, views, len(flat_in_avals))
+    for caller in range(len(spec.meshes))
+  ]
+  jaxprs, all_consts = _unify_consts(
+    traced, spec.meshes, len(flat_in_avals), views.flat_avals
+  )
+  check_static_windows(
+    jaxprs,
+    spec.meshes,
+    len(flat_in_avals) + len(all_consts),
+    len(spec.out_avals),
+  )
+  return jaxprs, all_consts
+
+
+class _Views(NamedTuple):
+  """What every kernel is called with: ``(*inputs, *outputs, *scratch)``
+  as the kernel sees them (``flat``, unflattened by ``tree``), and as they
+  are traced (``flat_avals``)."""
+
+  flat: list[Any]
+  tree: Any
+  flat_avals: list[Any]
+
+
+def _kernel_views(spec: _KernelSpec, flat_in_avals, in_tree) -> _Views:
   meshes = spec.meshes
   kernel_avals = [kernel_aval(a, meshes) for a in flat_in_avals]
   out_refs = [kernel_aval(a, meshes) for a in spec.out_avals]
@@ -293,58 +385,55 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
     v.ref if isinstance(v, state_types.TransformedRef) else v
     for v in flat_views
   ]
-  traced = []
-  for caller, (mesh, fn) in enumerate(zip(meshes, spec.fns, strict=True)):
-    debug_info = api_util.debug_info("mpmd_map", fn, flat_kernel_avals, {})
-    if spec.name is not None:
-      debug_info = debug_info.replace_func_name(spec.name)
-    returned = []
+  return _Views(flat_views, kernel_tree, flat_kernel_avals)
 
-    def flat_fn(*refs, fn=fn, returned=returned):
-      refs = [
-        state_types.TransformedRef(r, v.transforms)
-        if isinstance(v, state_types.TransformedRef)
-        else r
-        for r, v in zip(refs, flat_views, strict=True)
-      ]
-      args, kwargs = kernel_tree.unflatten(refs)
-      returned.append(fn(*args, **kwargs))
-      return []
 
-    try:
-      with prim.tracing_context(mesh, meshes):
-        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-          lu.wrap_init(flat_fn, debug_info=debug_info), flat_kernel_avals
-        )
-    except NameError as e:
-      raise_if_unbound_axis(e, mesh, meshes, debug_info)
-      raise
-    if returned[0] is not None:
-      raise ValueError(
-        f"mpmd_map: kernel {debug_info.func_src_info}: must return None "
-        "(write to its output refs), but it returned "
-        f"{tree_util.tree_structure(returned[0])}"
+def _trace_kernel(spec: _KernelSpec, caller: int, views: _Views, num_in: int):
+  """The jaxpr of mesh ``caller``'s kernel, checked, and its consts."""
+  mesh, fn, meshes = spec.meshes[caller], spec.fns[caller], spec.meshes
+  debug_info = api_util.debug_info("mpmd_map", fn, views.flat_avals, {})
+  if spec.name is not None:
+    debug_info = debug_info.replace_func_name(spec.name)
+  returned = []
+
+  def flat_fn(*refs):
+    refs = [
+      state_types.TransformedRef(r, v.transforms)
+      if isinstance(v, state_types.TransformedRef)
+      else r
+      for r, v in zip(refs, views.flat, strict=True)
+    ]
+    args, kwargs = views.tree.unflatten(refs)
+    returned.append(fn(*args, **kwargs))
+    return []
+
+  try:
+    with prim.tracing_context(mesh, meshes):
+      jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+        lu.wrap_init(flat_fn, debug_info=debug_info), views.flat_avals
       )
-    check_consts(consts, debug_info)
-    check_kernel(
-      jaxpr,
-      caller,
-      meshes,
-      Roles(
-        debug_info,
-        len(flat_in_avals),
-        len(spec.out_avals),
-        num_consts=len(jaxpr.invars) - len(flat_kernel_avals),
-      ),
+  except NameError as e:
+    raise_if_unbound_axis(e, mesh, meshes, debug_info)
+    raise
+  if returned[0] is not None:
+    raise ValueError(
+      f"mpmd_map: kernel {debug_info.func_src_info}: must return None "
+      "(write to its output refs), but it returned "
+      f"{tree_util.tree_structure(returned[0])}"
     )
-    traced.append((jaxpr, consts))
-  jaxprs, all_consts = _unify_consts(
-    traced, meshes, len(flat_in_avals), flat_kernel_avals
+  check_consts(consts, debug_info)
+  check_kernel(
+    jaxpr,
+    caller,
+    meshes,
+    Roles(
+      debug_info,
+      num_in,
+      len(spec.out_avals),
+      num_consts=len(jaxpr.invars) - len(views.flat_avals),
+    ),
   )
-  check_static_windows(
-    jaxprs, meshes, len(flat_in_avals) + len(all_consts), len(spec.out_avals)
-  )
-  return jaxprs, all_consts
+  return jaxpr, consts
 
 
 def _unify_consts(traced, meshes, num_in, flat_kernel_avals):

@@ -7,33 +7,25 @@ mpmd bench NAME [args...]                benchmarks/NAME.py, as ratios
 
 import argparse
 import importlib.util
-import os
 import platform
 import sys
 import time
 import traceback
 from pathlib import Path
 
-# Shard_map demos need several devices; set before any backend starts.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jaxlib
+
+import mpmd
+from mpmd import demos, registry
+
+# Shard_map demos need several devices: main() asks for them before any
+# command starts a backend (importing this module changes nothing).
 _NUM_CPU_DEVICES = 8
-
-
-def _jax():
-  import jax
-
-  jax.config.update("jax_num_cpu_devices", _NUM_CPU_DEVICES)
-  return jax
 
 
 def _check(args) -> int:
   del args
-  jax = _jax()
-  import jaxlib
-
-  import mpmd
-  from mpmd import demos, registry
-
   print(f"jax-mpmd {mpmd.__version__}")
   print(f"python   {platform.python_version()}")
   print(f"jax      {jax.__version__}   jaxlib {jaxlib.__version__}")
@@ -62,14 +54,11 @@ def _check(args) -> int:
 
 
 def _lowered_text(demo, target: str) -> str:
-  jax = _jax()
   traced = jax.jit(demo.fn).trace(*demo.args)
   return traced.lower(lowering_platforms=(target,)).as_text()
 
 
 def _load_demo(name: str):
-  from mpmd import demos
-
   if name.endswith(".py"):
     path = Path(name)
     if not path.exists():
@@ -92,7 +81,6 @@ def _load_demo(name: str):
 
 
 def _lower(args) -> int:
-  _jax()
   demo = _load_demo(args.name)
   text = _lowered_text(demo, args.platform)
   if args.output:
@@ -104,7 +92,6 @@ def _lower(args) -> int:
 
 
 def _bench(args) -> int:
-  _jax()
   root = Path(__file__).resolve().parent.parent / "benchmarks"
   path = root / f"{args.name}.py"
   if not path.exists():
@@ -143,6 +130,7 @@ def main(argv=None) -> int:
   bench.add_argument("rest", nargs=argparse.REMAINDER)
   args = parser.parse_args(argv)
   try:
+    jax.config.update("jax_num_cpu_devices", _NUM_CPU_DEVICES)
     return {"check": _check, "lower": _lower, "bench": _bench}[args.command](
       args
     )

@@ -8,6 +8,9 @@ factory runs only when asked for, so registering costs nothing at import.
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
+import numpy as np
+
 
 class Demo(NamedTuple):
   """A lowerable demo: ``jax.jit(fn).trace(*args).lower(...)``."""
@@ -48,9 +51,6 @@ def registered() -> dict[str, DemoFactory]:
 
 def check(demo: Demo) -> str:
   """Runs a demo and compares it with its reference: ``"max |err| 0"``."""
-  import jax
-  import numpy as np
-
   got = jax.jit(demo.fn)(*demo.args)
   if demo.reference is None:
     return "ran (no reference)"

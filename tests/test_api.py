@@ -145,9 +145,6 @@ def test_tpu_target_names_the_generation():
     with mpmd.tpu_target(target):
       text = jax.jit(f).trace(x).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
-  with pytest.raises(ValueError, match=r"tpu_target: expected 'name' in"):
-    with mpmd.tpu_target("v99"):
-      pass
 
 
 # -- bad input ----------------------------------------------------------------
@@ -160,56 +157,124 @@ def _noop(*refs):
 OUT = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
 
 
-def test_error_empty_list():
-  with pytest.raises(ValueError, match="at least one .mesh, fn. pair"):
-    mpmd.mpmd_map([], OUT)
-
-
-def test_error_not_a_sequence():
-  with pytest.raises(TypeError, match="'meshes_and_fns' to be a sequence"):
-    mpmd.mpmd_map(_noop, OUT)
-
-
-def test_error_not_a_mesh():
-  with pytest.raises(
-    TypeError,
-    match=r"meshes_and_fns\[0\]\[0\] to be a "
-    r"Pallas mesh .* got dict",
-  ):
-    mpmd.mpmd_map([({"x": 2}, _noop)], OUT)
-
-
-def test_error_fn_not_callable():
-  with pytest.raises(
-    TypeError,
-    match=r"meshes_and_fns\[0\]\[1\] to be "
-    "callable, got int",
-  ):
-    mpmd.mpmd_map([(tc_mesh(), 3)], OUT)
-
-
-def test_error_fn_returns_a_value():
+def _returns_a_value():
   def returns(x_ref, o_ref):
     return x_ref[...]
 
-  f = mpmd.mpmd_map([(tc_mesh(), returns)], OUT)
-  with pytest.raises(ValueError, match="must return None"):
-    f(jnp.zeros(SHAPE, jnp.float32))
+  mpmd.mpmd_map([(tc_mesh(), returns)], OUT)(jnp.zeros(SHAPE, jnp.float32))
 
 
-def test_error_closed_over_array():
+def _closes_over_an_array():
   captured = jnp.ones(SHAPE, jnp.float32)
 
   def closes(x_ref, o_ref):
     o_ref[...] = x_ref[...] + captured
 
-  f = mpmd.mpmd_map([(tc_mesh(), closes)], OUT)
-  with pytest.raises(
+  mpmd.mpmd_map([(tc_mesh(), closes)], OUT)(jnp.zeros(SHAPE, jnp.float32))
+
+
+def _unknown_tpu_target():
+  with mpmd.tpu_target("v99"):
+    pass
+
+
+# (id, a call with bad input, the error it raises, its message's regex)
+BAD_INPUT = [
+  pytest.param(
+    lambda: mpmd.mpmd_map([], OUT),
     ValueError,
-    match=r"closes over arrays \['f32\[16,128\]'"
-    r"\]; pass them as inputs",
-  ):
-    f(jnp.zeros(SHAPE, jnp.float32))
+    "at least one .mesh, fn. pair",
+    id="empty_list",
+  ),
+  pytest.param(
+    lambda: mpmd.mpmd_map(_noop, OUT),
+    TypeError,
+    "'meshes_and_fns' to be a sequence",
+    id="not_a_sequence",
+  ),
+  pytest.param(
+    lambda: mpmd.mpmd_map([({"x": 2}, _noop)], OUT),
+    TypeError,
+    r"meshes_and_fns\[0\]\[0\] to be a Pallas mesh .* got dict",
+    id="not_a_mesh",
+  ),
+  pytest.param(
+    lambda: mpmd.mpmd_map([(tc_mesh(), 3)], OUT),
+    TypeError,
+    r"meshes_and_fns\[0\]\[1\] to be callable, got int",
+    id="fn_not_callable",
+  ),
+  pytest.param(
+    _returns_a_value, ValueError, "must return None", id="fn_returns_a_value"
+  ),
+  pytest.param(
+    _closes_over_an_array,
+    ValueError,
+    r"closes over arrays \['f32\[16,128\]'\]; pass them as inputs",
+    id="closed_over_array",
+  ),
+  pytest.param(
+    lambda: mpmd.mpmd_map(
+      [(tc_mesh(), _noop), (tc_mesh(num_cores=2), _noop)], OUT
+    ),
+    ValueError,
+    "axis 'core' has size 1 in mesh 0 but size 2 in mesh 1",
+    id="conflicting_axis_sizes",
+  ),
+  pytest.param(
+    lambda: mpmd.mpmd_map([(tc_mesh(), _noop)], "f32[16,128]"),
+    TypeError,
+    r"out_types leaf 0 to be a jax.ShapeDtypeStruct, a JAX type .* got str",
+    id="out_types_not_shape_dtype",
+  ),
+  pytest.param(
+    lambda: mpmd.mpmd_map(
+      [
+        (tc_mesh(), _noop),
+        (plgpu.Mesh(num_threads=1, thread_name="wg"), _noop),
+      ],
+      OUT,
+    ),
+    ValueError,
+    "cannot mix GPU meshes",
+    id="mixed_tpu_and_gpu_meshes",
+  ),
+  pytest.param(
+    lambda: mpmd.mpmd_map(
+      [(tc_mesh(), _noop)], OUT, input_output_aliases={0: 0}
+    )(jnp.zeros((8,), jnp.float32)),
+    ValueError,
+    r"input 0 \(f32\[8\]\) cannot alias output 0 \(f32\[16,128\]\)",
+    id="bad_alias",
+  ),
+  pytest.param(
+    lambda: mpmd.mpmd_map(
+      [(tc_mesh(), _noop)], OUT, interpret=mpmd.GPUInterpretParams()
+    ),
+    ValueError,
+    r"expected 'interpret' for TPU meshes \(pltpu.InterpretParams\), got "
+    r"InterpretGPUParams",
+    id="interpret_params_of_the_wrong_platform",
+  ),
+  pytest.param(
+    lambda: mpmd.mpmd_map([(tc_mesh(), _noop)], OUT, interpret="yes"),
+    TypeError,
+    "expected 'interpret' to be None, True",
+    id="interpret_of_the_wrong_kind",
+  ),
+  pytest.param(
+    _unknown_tpu_target,
+    ValueError,
+    r"tpu_target: expected 'name' in",
+    id="unknown_tpu_target",
+  ),
+]
+
+
+@pytest.mark.parametrize("call, error, match", BAD_INPUT)
+def test_bad_input(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
 
 
 def test_closed_over_scalar_is_fine():
@@ -225,22 +290,6 @@ def test_closed_over_scalar_is_fine():
   )
   x = jnp.ones(SHAPE, jnp.float32)
   np.testing.assert_allclose(f(x), x * 2.5)
-
-
-def test_error_conflicting_axis_sizes():
-  with pytest.raises(
-    ValueError, match="axis 'core' has size 1 in mesh 0 but size 2 in mesh 1"
-  ):
-    mpmd.mpmd_map([(tc_mesh(), _noop), (tc_mesh(num_cores=2), _noop)], OUT)
-
-
-def test_error_out_types_not_shape_dtype():
-  with pytest.raises(
-    TypeError,
-    match="out_types leaf 0 to be a "
-    r"jax.ShapeDtypeStruct, a JAX type .* got str",
-  ):
-    mpmd.mpmd_map([(tc_mesh(), _noop)], "f32[16,128]")
 
 
 def _copy(x_hbm, o_hbm):
@@ -301,22 +350,6 @@ def test_out_type_of_a_traced_value_keeps_its_varying_axes():
   np.testing.assert_array_equal(f(x, r), r)
 
 
-def test_error_mixed_tpu_and_gpu_meshes():
-  gpu = plgpu.Mesh(num_threads=1, thread_name="wg")
-  with pytest.raises(ValueError, match="cannot mix GPU meshes"):
-    mpmd.mpmd_map([(tc_mesh(), _noop), (gpu, _noop)], OUT)
-
-
-def test_error_bad_alias():
-  f = mpmd.mpmd_map([(tc_mesh(), _noop)], OUT, input_output_aliases={0: 0})
-  with pytest.raises(
-    ValueError,
-    match=r"input 0 \(f32\[8\]\) cannot alias "
-    r"output 0 \(f32\[16,128\]\)",
-  ):
-    f(jnp.zeros((8,), jnp.float32))
-
-
 def test_gpu_kernel_closing_over_a_scalar(rng):
   offset = jnp.float32(10.0)
   mesh = plgpu.Mesh(num_threads=2, thread_name="wg")
@@ -331,16 +364,3 @@ def test_gpu_kernel_closing_over_a_scalar(rng):
   np.testing.assert_allclose(f(x), x + 10.0)
   text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
-
-
-def test_error_interpret_params_of_the_wrong_platform():
-  with pytest.raises(
-    ValueError,
-    match=r"expected 'interpret' for TPU meshes "
-    r"\(pltpu.InterpretParams\), got InterpretGPUParams",
-  ):
-    mpmd.mpmd_map(
-      [(tc_mesh(), _noop)], OUT, interpret=mpmd.GPUInterpretParams()
-    )
-  with pytest.raises(TypeError, match="expected 'interpret' to be None, True"):
-    mpmd.mpmd_map([(tc_mesh(), _noop)], OUT, interpret="yes")

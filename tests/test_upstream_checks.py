@@ -57,57 +57,60 @@ def vector_mesh(core_axis="sc", num_cores=2, subcore_axis="subcore"):
   )
 
 
-@pytest.mark.parametrize(
-  "meshes",
-  [
+SAME_CORE_AXIS = (
+  r"the ScalarSubcoreMesh meshes_and_fns\[0\]\[0\] should have the same core "
+  r"axis name and number of cores as the VectorSubcoreMesh "
+  r"meshes_and_fns\[1\]\[0\]"
+)
+AXES_UNLIKE_THE_TENSORCORE = (
+  r"the ScalarSubcoreMesh meshes_and_fns\[\d\]\[0\] should have axis "
+  r"names different from the TensorCoreMesh meshes_and_fns\[\d\]\[0\]: "
+  r"both name \['sc'\]"
+)
+
+# (id, the meshes (made under a SparseCore target), the ValueError's regex)
+BAD_MESHES = [
+  # SparseCore meshes share their core axis: its name and number of cores.
+  pytest.param(
     lambda: (scalar_mesh("sc"), vector_mesh("core")),
+    SAME_CORE_AXIS,
+    id="core_axis_names",
+  ),
+  pytest.param(
     lambda: (scalar_mesh(num_cores=1), vector_mesh(num_cores=2)),
-  ],
-  ids=["core_axis_names", "numbers_of_cores"],
-)
-def test_sparsecore_meshes_must_share_the_core_axis(sparsecores, meshes):
-  scalar, vector = meshes()
-  with pytest.raises(
-    ValueError,
-    match=r"the ScalarSubcoreMesh meshes_and_fns\[0\]\[0\] should have the "
-    r"same core axis name and number of cores as the VectorSubcoreMesh "
-    r"meshes_and_fns\[1\]\[0\]",
-  ):
-    mpmd.mpmd_map([(scalar, idle), (vector, idle)], OUT)
+    SAME_CORE_AXIS,
+    id="numbers_of_cores",
+  ),
+  # One SparseCore mesh of each kind.
+  pytest.param(
+    lambda: (scalar_mesh(), scalar_mesh("other")),
+    r"expected at most one ScalarSubcoreMesh in 'meshes_and_fns'",
+    id="two_scalar_meshes",
+  ),
+  pytest.param(
+    lambda: (vector_mesh(), vector_mesh(subcore_axis="s2")),
+    r"expected at most one VectorSubcoreMesh in 'meshes_and_fns'",
+    id="two_vector_meshes",
+  ),
+  # SparseCore axes are not named like the TensorCore mesh's axis, whichever
+  # comes first.
+  pytest.param(
+    lambda: (tc("sc", 2), scalar_mesh("sc", 2)),
+    AXES_UNLIKE_THE_TENSORCORE,
+    id="tensorcore_axis_name_tensorcore_first",
+  ),
+  pytest.param(
+    lambda: (scalar_mesh("sc", 2), tc("sc", 2)),
+    AXES_UNLIKE_THE_TENSORCORE,
+    id="tensorcore_axis_name_tensorcore_second",
+  ),
+]
 
 
-@pytest.mark.parametrize(
-  "meshes, kind",
-  [
-    (lambda: (scalar_mesh(), scalar_mesh("other")), "ScalarSubcoreMesh"),
-    (
-      lambda: (vector_mesh(), vector_mesh(subcore_axis="s2")),
-      "VectorSubcoreMesh",
-    ),
-  ],
-  ids=["scalar", "vector"],
-)
-def test_one_sparsecore_mesh_of_each_kind(sparsecores, meshes, kind):
-  with pytest.raises(
-    ValueError, match=rf"expected at most one {kind} in 'meshes_and_fns'"
-  ):
+@pytest.mark.parametrize("meshes, match", BAD_MESHES)
+def test_bad_sparsecore_meshes(sparsecores, meshes, match):
+  with pytest.raises(ValueError, match=match):
     mpmd.mpmd_map([(m, idle) for m in meshes()], OUT)
-
-
-@pytest.mark.parametrize("first_tensorcore", [True, False])
-def test_sparsecore_axes_are_not_named_like_the_tensorcore_axis(
-  sparsecores, first_tensorcore
-):
-  meshes = [tc("sc", 2), scalar_mesh("sc", 2)]
-  if not first_tensorcore:
-    meshes.reverse()
-  with pytest.raises(
-    ValueError,
-    match=r"the ScalarSubcoreMesh meshes_and_fns\[\d\]\[0\] should have axis "
-    r"names different from the TensorCoreMesh meshes_and_fns\[\d\]\[0\]: "
-    r"both name \['sc'\]",
-  ):
-    mpmd.mpmd_map([(m, idle) for m in meshes], OUT)
 
 
 def test_several_tensorcore_meshes_are_our_extension():
@@ -137,39 +140,44 @@ def test_several_tensorcore_meshes_are_our_extension():
 # -- Refs ---------------------------------------------------------------------
 
 
-def test_the_same_ref_passed_twice():
-  @jax.jit
-  def f(x):
-    ref = jax.new_ref(x)
-    mpmd.mpmd_map([(tc(), copy)])(ref, ref)
-    return jax.freeze(ref)
-
-  with pytest.raises(
-    NotImplementedError,
-    match=r"cannot pass the same Ref into a mpmd_map more than once: inputs "
-    r"0 and 1 are one Ref",
-  ):
-    f.trace(jnp.ones(ROWS, jnp.float32))
+def passes_one_ref_twice(x):
+  ref = jax.new_ref(x)
+  mpmd.mpmd_map([(tc(), copy)])(ref, ref)
+  return jax.freeze(ref)
 
 
-def test_a_ref_closed_over_and_passed():
-  @jax.jit
-  def f(x):
-    ref, out = jax.new_ref(x), jax.empty_ref(jax.typeof(x))
+def closes_over_a_passed_ref(x):
+  ref, out = jax.new_ref(x), jax.empty_ref(jax.typeof(x))
 
-    def kernel(x_hbm, o_hbm):
-      del x_hbm
-      pltpu.sync_copy(ref, o_hbm)
+  def kernel(x_hbm, o_hbm):
+    del x_hbm
+    pltpu.sync_copy(ref, o_hbm)
 
-    mpmd.mpmd_map([(tc(), kernel)])(ref, out)
-    return jax.freeze(out)
+  mpmd.mpmd_map([(tc(), kernel)])(ref, out)
+  return jax.freeze(out)
 
-  with pytest.raises(
-    NotImplementedError,
-    match=r"closes over the Ref it is also passed as input 0; closed-over "
-    r"Refs that alias a passed-in Ref are not supported",
-  ):
-    f.trace(jnp.ones(ROWS, jnp.float32))
+
+# (id, a program of an array, the NotImplementedError's regex)
+BAD_REFS = [
+  pytest.param(
+    passes_one_ref_twice,
+    r"cannot pass the same Ref into a mpmd_map more than once: inputs 0 and "
+    r"1 are one Ref",
+    id="the_same_ref_passed_twice",
+  ),
+  pytest.param(
+    closes_over_a_passed_ref,
+    r"closes over the Ref it is also passed as input 0; closed-over Refs "
+    r"that alias a passed-in Ref are not supported",
+    id="a_ref_closed_over_and_passed",
+  ),
+]
+
+
+@pytest.mark.parametrize("program, match", BAD_REFS)
+def test_bad_refs(program, match):
+  with pytest.raises(NotImplementedError, match=match):
+    jax.jit(program).trace(jnp.ones(ROWS, jnp.float32))
 
 
 def test_distinct_refs_passed_and_closed_over_run():
@@ -253,25 +261,38 @@ def in_shard_map(fn, out_specs, in_specs=REPLICATED):
   )(x)
 
 
-@pytest.mark.parametrize("out_specs", [P(), P("x")])
-def test_check_vma_an_output_that_cannot_be_inferred(out_specs):
-  """Upstream requires manual_axis_type under check_vma; we infer it from
-  the inputs, except where the kernel names an axis the inputs do not vary
-  over: it used to be inferred replicated and came out wrong with P()."""
-  with pytest.raises(
-    ValueError,
-    match=r"under shard_map\(check_vma=True\), out_types leaf 0 must say how "
-    r"it varies across mesh axes .*manual_axis_type.* the kernels name "
-    r"shard_map axes \['x'\]",
-  ):
-    in_shard_map(adds_device_index(OUT), out_specs)
+CANNOT_BE_INFERRED = (
+  r"under shard_map\(check_vma=True\), out_types leaf 0 must say how it "
+  r"varies across mesh axes .*manual_axis_type.* the kernels name shard_map "
+  r"axes \['x'\]"
+)
+
+# (id, the output type, shard_map's out_specs, the ValueError's regex)
+BAD_VMA = [
+  # Upstream requires manual_axis_type under check_vma; we infer it from the
+  # inputs, except where the kernel names an axis the inputs do not vary
+  # over: it used to be inferred replicated and came out wrong with P().
+  pytest.param(
+    OUT, P(), CANNOT_BE_INFERRED, id="cannot_be_inferred_out_specs_replicated"
+  ),
+  pytest.param(
+    OUT, P("x"), CANNOT_BE_INFERRED, id="cannot_be_inferred_out_specs_sharded"
+  ),
+  # The kernel says its output varies over x; out_specs says replicated:
+  # shard_map's own check_vma error, as upstream.
+  pytest.param(
+    VARYING,
+    P(),
+    r"out_specs which require replication",
+    id="declared_type_that_out_specs_contradicts",
+  ),
+]
 
 
-def test_check_vma_a_declared_type_that_out_specs_contradicts():
-  """The kernel says its output varies over x; out_specs says replicated:
-  shard_map's own check_vma error, as upstream."""
-  with pytest.raises(ValueError, match=r"out_specs which require replication"):
-    in_shard_map(adds_device_index(VARYING), P())
+@pytest.mark.parametrize("out_type, out_specs, match", BAD_VMA)
+def test_check_vma_errors(out_type, out_specs, match):
+  with pytest.raises(ValueError, match=match):
+    in_shard_map(adds_device_index(out_type), out_specs)
 
 
 def test_check_vma_a_declared_type_runs():

@@ -12,7 +12,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
-from mpmd import _jax, registry
+from mpmd import _jax, cli, registry
 from mpmd.lowering import watchdog
 
 ROWS = (8, 128)
@@ -103,21 +103,12 @@ def test_two_independent_meshes_write_their_own_outputs(rng, capsys):
 
   a, b = tc("a", 1), tc("b", 1)
   out = jax.ShapeDtypeStruct(ROWS, jnp.float32)
-  o2, o3 = (
-    mpmd.mpmd_map(
-      [(a, doubles), (b, triples)],
-      (out, out),
-      scratch_types=[pltpu.VMEM(ROWS, jnp.float32) @ a],
-      debug=True,
-    )
-    if False
-    else mpmd.mpmd_map(
-      [(a, doubles), (b, triples)],
-      (out, out),
-      scratch_types=[(pltpu.VMEM @ a)(ROWS, jnp.float32)],
-      debug=True,
-    )(x)
-  )
+  o2, o3 = mpmd.mpmd_map(
+    [(a, doubles), (b, triples)],
+    (out, out),
+    scratch_types=[(pltpu.VMEM @ a)(ROWS, jnp.float32)],
+    debug=True,
+  )(x)
   assert "takes the fast path" in capsys.readouterr().out
   np.testing.assert_allclose(o2, 2.0 * x)
   np.testing.assert_allclose(o3, 3.0 * x)
@@ -415,8 +406,6 @@ def test_error_gpu_meshes_with_different_grids():
   ],
 )
 def test_mpmd_lower_on_the_examples(tmp_path, example, platform, marker):
-  from mpmd import cli
-
   out = tmp_path / "module.mlir"
   assert (
     cli.main(["lower", example, "--platform", platform, "-o", str(out)]) == 0
@@ -432,8 +421,6 @@ def test_mpmd_lower_on_the_examples(tmp_path, example, platform, marker):
   ],
 )
 def test_examples_run_correctly_on_cpu(example):
-  from mpmd import cli
-
   demo = cli._load_demo(example)
   assert registry.check(demo) == "max |error| 0"
 
