@@ -1,7 +1,6 @@
 """Several (mesh, function) pairs in one launch: CPU fallback and lowering."""
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -270,67 +269,6 @@ def test_race_policy_and_get_races_are_validated(monkeypatch):
     mpmd.get_races()
 
 
-# -- GPU ----------------------------------------------------------------------
-
-
-def gpu_two_meshes(x):
-  memory = plgpu.Mesh(num_threads=1, thread_name="memory")
-  compute = plgpu.Mesh(num_threads=2, thread_name="compute")
-
-  def load(x_ref, o_ref, smem, loaded):
-    plgpu.copy_gmem_to_smem(x_ref, smem, loaded)
-
-  def scale(x_ref, o_ref, smem, loaded):
-    rows = pl.ds(jax.lax.axis_index("compute") * 64, 64)
-    plgpu.barrier_wait(loaded)
-    o_ref[rows, :] = smem[rows, :] * 2.0
-
-  return mpmd.mpmd_map(
-    [(memory, load), (compute, scale)],
-    jax.ShapeDtypeStruct(x.shape, x.dtype),
-    scratch_types=[plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier(num_arrivals=1)],
-  )(x)
-
-
-def test_gpu_two_meshes_run_in_the_simulator_and_lower_for_cuda(rng):
-  x = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
-  np.testing.assert_allclose(gpu_two_meshes(x), 2.0 * x)
-  text = (
-    jax.jit(gpu_two_meshes)
-    .trace(x)
-    .lower(lowering_platforms=("cuda",))
-    .as_text()
-  )
-  assert re.search(r"custom_call @mosaic_gpu", text)
-  [eqn] = jax.make_jaxpr(gpu_two_meshes)(x).eqns
-  assert [m.thread_name for m in eqn.params["meshes"]] == ["memory", "compute"]
-
-
-def test_gpu_barrier_deadlock_names_the_warpgroup():
-  memory = plgpu.Mesh(num_threads=1, thread_name="memory")
-  compute = plgpu.Mesh(num_threads=2, thread_name="compute")
-
-  def idle(x_ref, o_ref, loaded):
-    pass  # never arrives
-
-  def waits(x_ref, o_ref, loaded):
-    plgpu.barrier_wait(loaded)
-    o_ref[...] = x_ref[...]
-
-  f = mpmd.mpmd_map(
-    [(memory, idle), (compute, waits)],
-    jax.ShapeDtypeStruct((128, 128), jnp.float32),
-    scratch_types=[plgpu.Barrier(num_arrivals=1)],
-  )
-  with watchdog.deadlock_timeout(1.0):
-    with pytest.raises(
-      Exception,
-      match=r"mpmd_map deadlock(.|\n)*mesh 1 "
-      r"program \d \(compute=\d\) waits on a barrier",
-    ):
-      jax.block_until_ready(f(jnp.ones((128, 128), jnp.float32)))
-
-
 # -- validation ---------------------------------------------------------------
 
 
@@ -423,75 +361,6 @@ def test_mpmd_lower_on_the_examples(tmp_path, example, platform, marker):
 def test_examples_run_correctly_on_cpu(example):
   demo = cli._load_demo(example)
   assert registry.check(demo) == "max |error| 0"
-
-
-def test_gpu_swizzled_smem_scratch_shared_by_two_meshes(rng):
-  memory = plgpu.Mesh(num_threads=1, thread_name="memory")
-  compute = plgpu.Mesh(num_threads=1, thread_name="compute")
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-  def load(x_ref, o_ref, smem, loaded):
-    plgpu.copy_gmem_to_smem(x_ref, smem, loaded)
-
-  def use(x_ref, o_ref, smem, loaded):
-    plgpu.barrier_wait(loaded)
-    # Back to GMEM through the TMA: Mosaic GPU 0.12 finds no GMEM transfer
-    # plan for a value in the swizzled layout (its own kernels fail alike).
-    smem[...] = smem[...] + 1.0
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(smem, o_ref)
-    plgpu.wait_smem_to_gmem(0)
-
-  def f(x):
-    return mpmd.mpmd_map(
-      [(memory, load), (compute, use)],
-      jax.ShapeDtypeStruct(x.shape, x.dtype),
-      scratch_types=[
-        plgpu.SMEM(x.shape, x.dtype, transforms=swizzled),
-        plgpu.Barrier(num_arrivals=1),
-      ],
-    )(x)
-
-  x = jnp.asarray(rng.standard_normal((128, 64)), jnp.float16)
-  np.testing.assert_array_equal(f(x), x + 1.0)
-  text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
-
-
-def _gpu_scoped_body(x_ref, o_ref):
-  def scoped(smem, bar):
-    wg = jax.lax.axis_index("wg")
-
-    @pl.when(wg == 0)
-    def _():
-      plgpu.copy_gmem_to_smem(x_ref, smem, bar)
-
-    plgpu.barrier_wait(bar)
-    rows = pl.ds(wg * 64, 64)
-    o_ref[rows, :] = smem[rows, :] * 3.0
-
-  pl.run_scoped(
-    scoped,
-    plgpu.SMEM((128, 128), jnp.float32),
-    plgpu.Barrier(num_arrivals=1),
-    collective_axes="wg",
-  )
-
-
-def test_gpu_collective_scope_over_a_mesh_thread_axis(rng):
-  mesh = plgpu.Mesh(num_threads=2, thread_name="wg")
-  out = jax.ShapeDtypeStruct((128, 128), jnp.float32)
-  x = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
-  f = mpmd.mpmd_map([(mesh, _gpu_scoped_body)], out)
-  np.testing.assert_allclose(f(x), 3.0 * x)
-  other = plgpu.Mesh(num_threads=1, thread_name="other")
-  g = mpmd.mpmd_map([(mesh, _gpu_scoped_body), (other, _noop)], out)
-  with pytest.raises(
-    NotImplementedError,
-    match=r"run_scoped\(collective_axes"
-    r"=\('wg',\)\) allocates over the warpgroups of mesh 0",
-  ):
-    g(x)
 
 
 # -- TPU core types -----------------------------------------------------------
