@@ -1,18 +1,26 @@
 """Collective matmul kernels vs plain-JAX references, under jax.shard_map.
 
-One test base per execution path: ``CpuFallbackTest`` runs the kernels on
-simulated CPU devices (their devices exchange data in step, so the CPU
-fallback runs them on the lockstep path, remote DMAs as XLA collectives) and
-compares them with the f32 HIGHEST-precision product of the global operands
-(some cases also in the threaded TPU simulator); ``TpuLoweringTest``
-cross-lowers them for TPU from this CPU host. Ring lengths 2, 3, 4 and 8,
-both directions, 1/2/4 receive slots, f32 and bf16, 1-D and 2-D meshes,
-explicit ring orders, multi-tile pipelines and gradients are covered; the
-8-device cases are marked slow (CI runs them).
+``CollectiveMatmulTest`` is the test base: the correctness cases, built on
+``KernelRunner``, which binds the kernels to one execution path through its
+``interpret``; each case compares a kernel with the f32 HIGHEST-precision
+product of the global operands (or, for gradients, with a plain-JAX
+collective). One class per execution path:
+
+* ``TestCpuFallback`` runs every case on simulated CPU devices with
+  interpret=None: their devices exchange data in step, so the CPU fallback
+  runs them on the lockstep path (remote DMAs as XLA collectives);
+* ``TestTpuSimulator`` reruns a selection of the base's cases in the threaded
+  TPU simulator with its race detector on (every case there would take many
+  minutes, so it reuses the base's methods rather than subclassing it);
+* ``TestTpuLowering`` cross-lowers the kernels for TPU from this CPU host.
+
+Ring lengths 2, 3, 4 and 8, both directions, 1/2/4 receive slots, f32 and
+bf16, 1-D and 2-D meshes, explicit ring orders, multi-tile pipelines and
+gradients are covered; the 8-device cases are marked slow (CI runs them).
+Bad arguments are in ``test_collective_matmul_errors.py``.
 """
 
 import functools
-import math
 import os
 import re
 import subprocess
@@ -22,82 +30,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from collective_matmul_util import (
+  HIGHEST,
+  assert_close,
+  make_mesh,
+  operands,
+  reference_matmul,
+  sharded,
+  trace_sharded,
+)
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from kernel_test_util import kernel_path
 
 import mpmd
 from mpmd import demos
 from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter
 from mpmd.kernels import collective_matmul as cm
 from mpmd.kernels.collective_matmul import checks
-
-HIGHEST = lax.Precision.HIGHEST
-
-
-def tolerances(dtype) -> dict[str, float]:
-  """assert_allclose tolerances for kernel outputs of ``dtype``.
-
-  Operands are O(1) with rhs scaled by 1/sqrt(K), so outputs are O(1); the
-  reference sees exactly the kernel's inputs upcast to f32, and a product of
-  two bf16 values is exact in f32, so input rounding is common to both sides.
-  What differs:
-  * float32: the kernel sums shard products in ring order and tiles in
-    pipeline order; the HIGHEST reference sums in one dot. Reordering a sum
-    of K <= 2048 O(1/sqrt(K)) terms in f32 moves it by about
-    sqrt(K) * eps(f32) ~ 5e-6; 3e-5 leaves margin.
-  * bfloat16 (the output dtype): the f32 accumulator is rounded once to
-    bf16 on store, half an ulp = 2**-9 relative (~2e-3); 8e-3 allows one ulp
-    either way, on rtol and atol (outputs near zero).
-  """
-  dtype = jnp.dtype(dtype)
-  if dtype == jnp.float32:
-    return dict(rtol=3e-5, atol=3e-5)
-  if dtype == jnp.bfloat16:
-    return dict(rtol=8e-3, atol=8e-3)
-  raise ValueError(f"tolerances: no tolerance for {dtype}")
-
-
-def reference_matmul(lhs, rhs):
-  return jnp.dot(
-    lhs.astype(jnp.float32), rhs.astype(jnp.float32), precision=HIGHEST
-  )
-
-
-def make_mesh(sizes, names):
-  return jax.make_mesh(sizes, names, devices=jax.devices()[: math.prod(sizes)])
-
-
-def operands(rng, lhs_shape, rhs_shape, dtype):
-  """O(1) lhs, rhs scaled by 1/sqrt(K): O(1) products (f32 numpy)."""
-  lhs = rng.standard_normal(lhs_shape, np.float32)
-  rhs = rng.standard_normal(rhs_shape, np.float32) / np.sqrt(rhs_shape[0])
-  return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
-
-
-def sharded(fn, mesh, in_specs, out_specs, *args, check_vma=False):
-  """jit(shard_map(fn)) applied to args placed with in_specs."""
-  placed = [
-    jax.device_put(a, NamedSharding(mesh, s))
-    for a, s in zip(args, in_specs, strict=True)
-  ]
-  f = jax.shard_map(
-    fn,
-    mesh=mesh,
-    in_specs=in_specs,
-    out_specs=out_specs,
-    check_vma=check_vma,
-  )
-  return jax.jit(f)(*placed)
-
-
-def assert_close(got, want, dtype):
-  np.testing.assert_allclose(
-    np.asarray(got, np.float32),
-    np.asarray(want, np.float32),
-    **tolerances(dtype),
-  )
+from mpmd.lowering import paths
 
 
 class KernelRunner:
@@ -116,8 +69,8 @@ class KernelRunner:
     )
 
 
-class CpuFallbackTest(KernelRunner):
-  """Kernels run on simulated CPU devices (interpret=None: CPU fallback)."""
+class CollectiveMatmulTest(KernelRunner):
+  """The correctness cases; subclasses pick the execution path."""
 
   # -- all_gather_matmul ----------------------------------------------------
 
@@ -428,12 +381,34 @@ class CpuFallbackTest(KernelRunner):
     assert_close(out, reference_matmul(lhs, rhs), jnp.float32)
 
 
-class TestCpuFallback(CpuFallbackTest):
-  pass
+def ring_of_two_path(kernel, rhs_spec) -> paths.Path:
+  """The CPU-fallback path of ``kernel`` on a ring of 2 under shard_map."""
+  mesh = make_mesh((2,), ("x",))
+  in_specs = (P(None, "x"), rhs_spec)
+  f = jax.shard_map(
+    kernel, mesh=mesh, in_specs=in_specs, out_specs=P("x"), check_vma=False
+  )
+  shapes = ((16, 2 * 128), (2 * 128, 128))
+  args = [
+    jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, spec))
+    for s, spec in zip(shapes, in_specs, strict=True)
+  ]
+  return kernel_path(f, *args)
 
 
-class TestRaceDetector(KernelRunner):
-  """The kernels in the TPU simulator with its race detector on.
+class TestCpuFallback(CollectiveMatmulTest):
+  """Every case on simulated CPU devices (interpret=None: CPU fallback)."""
+
+  @pytest.mark.parametrize("kernel", ["ag", "rs"])
+  def test_takes_lockstep_path(self, kernel):
+    rhs_spec = P("x") if kernel == "rs" else P()
+    path = ring_of_two_path(getattr(self, kernel)(axis_name="x"), rhs_spec)
+    assert path.kind == paths.LOCKSTEP, path
+    assert path.manual_axes == ("x",), path
+
+
+class TestTpuSimulator(KernelRunner):
+  """Base cases in the TPU simulator with its race detector on.
 
   A race makes the launch raise (mpmd's simulator path turns the detector's
   verdict into an error), so these pass only if the flow control (capacity
@@ -442,22 +417,26 @@ class TestRaceDetector(KernelRunner):
 
   interpret = pltpu.InterpretParams(detect_races=True)
 
+  def test_takes_simulator_path(self):
+    path = ring_of_two_path(self.ag(axis_name="x"), P())
+    assert path.kind == paths.TPU_SIMULATOR, path
+
   @pytest.mark.parametrize("buffering", [1, 2])
   def test_all_gather_matmul_no_race(self, rng, buffering):
-    CpuFallbackTest.test_all_gather_matmul(
+    CollectiveMatmulTest.test_all_gather_matmul(
       self, rng, 4, True, buffering, jnp.float32, 16
     )
 
   @pytest.mark.parametrize("buffering", [1, 2])
   def test_matmul_reduce_scatter_no_race(self, rng, buffering):
-    CpuFallbackTest.test_matmul_reduce_scatter(
+    CollectiveMatmulTest.test_matmul_reduce_scatter(
       self, rng, 4, 0, True, buffering, jnp.float32
     )
 
   @pytest.mark.slow
   def test_no_race_on_2d_mesh(self, rng):
-    CpuFallbackTest.test_all_gather_matmul_2d_mesh(self, rng, "y")
-    CpuFallbackTest.test_matmul_reduce_scatter_2d_mesh(self, rng, "x")
+    CollectiveMatmulTest.test_all_gather_matmul_2d_mesh(self, rng, "y")
+    CollectiveMatmulTest.test_matmul_reduce_scatter_2d_mesh(self, rng, "x")
 
   def test_detector_finds_a_ring_race(self):
     # Control: a ring exchange *without* flow control (each device reads its
@@ -513,199 +492,6 @@ f = jax.shard_map(racy, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
 jax.block_until_ready(jax.jit(f)(x))
 jax.effects_barrier()
 """
-
-
-# -- errors (raised while tracing, before anything is lowered) ---------------
-
-
-def trace_sharded(fn, mesh, in_specs, out_specs, *shapes):
-  args = [
-    jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
-    for (s, d), spec in zip(shapes, in_specs, strict=True)
-  ]
-  f = jax.shard_map(
-    fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-  )
-  return jax.jit(f).trace(*args)
-
-
-class TestErrors:
-  f32 = jnp.float32
-
-  def test_axis_name_not_in_mesh(self):
-    with pytest.raises(
-      ValueError, match=r"'axis_name' 'z' is not an axis of the enclosing"
-    ):
-      trace_sharded(
-        functools.partial(all_gather_matmul, axis_name="z"),
-        make_mesh((2,), ("x",)),
-        (P(None, "x"), P()),
-        P(),
-        ((8, 256), self.f32),
-        ((256, 128), self.f32),
-      )
-
-  @pytest.mark.parametrize("fn", [all_gather_matmul, matmul_reduce_scatter])
-  def test_bidirectional_must_be_a_bool(self, fn):
-    with pytest.raises(TypeError, match=r"'bidirectional' to be a bool, got"):
-      trace_sharded(
-        functools.partial(fn, axis_name="x", bidirectional="no"),
-        make_mesh((2,), ("x",)),
-        (P(None, "x"), P("x") if fn is matmul_reduce_scatter else P()),
-        P(),
-        ((8, 256), self.f32),
-        ((256, 128), self.f32),
-      )
-
-  def test_rhs_rows_mismatch(self):
-    with pytest.raises(
-      ValueError,
-      match=r"k_local \* ring = 128 \* 2 = 256 rows .* = 384",
-    ):
-      trace_sharded(
-        functools.partial(all_gather_matmul, axis_name="x"),
-        make_mesh((2,), ("x",)),
-        (P(None, "x"), P()),
-        P(),
-        ((8, 256), self.f32),
-        ((384, 128), self.f32),
-      )
-
-  @pytest.mark.parametrize("fn", [all_gather_matmul, matmul_reduce_scatter])
-  def test_unsupported_dtype(self, fn):
-    with pytest.raises(
-      TypeError, match=r"'lhs' of dtype float32 or bfloat16, got int32"
-    ):
-      trace_sharded(
-        functools.partial(fn, axis_name="x"),
-        make_mesh((2,), ("x",)),
-        (P(None, "x"), P()),
-        P(),
-        ((8, 256), jnp.int32),
-        ((256, 128), jnp.int32),
-      )
-
-  def test_unsupported_output_dtype(self):
-    with pytest.raises(
-      TypeError, match=r"'preferred_element_type' float32 or bfloat16, got"
-    ):
-      trace_sharded(
-        functools.partial(
-          all_gather_matmul, axis_name="x", preferred_element_type=jnp.float16
-        ),
-        make_mesh((2,), ("x",)),
-        (P(None, "x"), P()),
-        P(),
-        ((8, 256), self.f32),
-        ((512, 128), self.f32),
-      )
-
-  @pytest.mark.parametrize("fn", [all_gather_matmul, matmul_reduce_scatter])
-  def test_outside_shard_map(self, fn):
-    with pytest.raises(
-      ValueError, match=r"must be called inside jax.shard_map"
-    ):
-      jax.jit(functools.partial(fn, axis_name="x")).trace(
-        jax.ShapeDtypeStruct((8, 128), self.f32),
-        jax.ShapeDtypeStruct((128, 128), self.f32),
-      )
-
-  def test_bad_ring(self):
-    with pytest.raises(
-      ValueError,
-      match=r"'ring' to be a permutation of range\(4\).*\(0, 1, 1, 2\)",
-    ):
-      trace_sharded(
-        functools.partial(all_gather_matmul, axis_name="x", ring=(0, 1, 1, 2)),
-        make_mesh((4,), ("x",)),
-        (P(None, "x"), P()),
-        P(),
-        ((8, 512), self.f32),
-        ((512, 128), self.f32),
-      )
-
-  @pytest.mark.parametrize("buffering", [0, -1])
-  def test_bad_buffering(self, buffering):
-    match = rf"'buffering' >= 1, got {buffering}\b"
-    with pytest.raises(ValueError, match=match):
-      trace_sharded(
-        functools.partial(
-          matmul_reduce_scatter, axis_name="x", buffering=buffering
-        ),
-        make_mesh((2,), ("x",)),
-        (P(None, "x"), P("x")),
-        P("x"),
-        ((8, 256), self.f32),
-        ((256, 128), self.f32),
-      )
-
-  def test_block_size_must_divide(self):
-    with pytest.raises(
-      ValueError,
-      match=r"block_sizes.block_k to divide the dimension .*\(128\), got 96",
-    ):
-      trace_sharded(
-        functools.partial(
-          all_gather_matmul,
-          axis_name="x",
-          block_sizes=cm.BlockSizes(block_k=96),
-        ),
-        make_mesh((2,), ("x",)),
-        (P(None, "x"), P()),
-        P(),
-        ((8, 256), self.f32),
-        ((256, 128), self.f32),
-      )
-
-  def test_scatter_dimension_divisible(self):
-    with pytest.raises(
-      ValueError, match=r"dimension 0 of lhs @ rhs \(9\) to be divisible by the"
-    ):
-      trace_sharded(
-        functools.partial(matmul_reduce_scatter, axis_name="x"),
-        make_mesh((2,), ("x",)),
-        (P(None, "x"), P("x")),
-        P("x"),
-        ((9, 256), self.f32),
-        ((256, 128), self.f32),
-      )
-
-  def test_contraction_mismatch(self):
-    with pytest.raises(ValueError, match=r"lhs.shape\[1\] = 128 rows"):
-      trace_sharded(
-        functools.partial(matmul_reduce_scatter, axis_name="x"),
-        make_mesh((2,), ("x",)),
-        (P(None, "x"), P("x")),
-        P("x"),
-        ((8, 256), self.f32),
-        ((512, 128), self.f32),
-      )
-
-  def test_scatter_dimension_value(self):
-    with pytest.raises(ValueError, match=r"'scatter_dimension' 0 or 1, got 2"):
-      trace_sharded(
-        functools.partial(
-          matmul_reduce_scatter, axis_name="x", scatter_dimension=2
-        ),
-        make_mesh((2,), ("x",)),
-        (P(None, "x"), P("x")),
-        P("x"),
-        ((8, 256), self.f32),
-        ((256, 128), self.f32),
-      )
-
-  def test_mismatched_dtypes(self):
-    with pytest.raises(
-      TypeError, match=r"same dtype, got float32 and bfloat16"
-    ):
-      trace_sharded(
-        functools.partial(all_gather_matmul, axis_name="x"),
-        make_mesh((2,), ("x",)),
-        (P(None, "x"), P()),
-        P(),
-        ((8, 256), self.f32),
-        ((256, 128), jnp.bfloat16),
-      )
 
 
 # -- TPU cross-lowering from this CPU host -----------------------------------
