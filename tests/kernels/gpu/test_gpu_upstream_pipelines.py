@@ -807,7 +807,7 @@ class TestUpstreamPipelineErrors:
       match=r"'memory_thread_idx' an int in \[0, num_compute_wgs=1\], got 2",
     ):
       _ws(_add_one, grid=(2,), memory_thread_idx=2)
-    with pytest.raises(ValueError, match=r"'num_compute_wgs' an int >= 1"):
+    with pytest.raises(ValueError, match=r"'num_compute_wgs' >= 1, got 0"):
       _ws(_add_one, grid=(2,), num_compute_wgs=0)
 
   def test_ws_smem_outputs_with_two_compute_wgs(self):
