@@ -22,7 +22,7 @@ ROWS = 64
 BLOCK = 64  # f32 blocks of (ROWS, BLOCK): 16 KiB per slot.
 
 
-def _column_specs(grid_ndim=1):
+def _column_specs():
   """Block j of the columns (the last grid index) of a (ROWS, n) operand."""
   return pl.BlockSpec((ROWS, BLOCK), lambda *idx: (0, idx[-1]))
 
@@ -481,7 +481,7 @@ class TestPipelineErrors:
     with pytest.raises(TypeError, match=r"in_specs\[0\]: expected a pl.Block"):
       gpu.pipeline(_add_one, grid=(2,), in_specs=[(ROWS, BLOCK)])
 
-  def test_block_does_not_divide_operand(self, rng):
+  def test_block_does_not_divide_operand(self):
     x = jnp.zeros((ROWS, BLOCK + 8), jnp.float32)
     with pytest.raises(ValueError, match=r"input\[0\] expected a shape divis"):
       _software_call(
