@@ -81,9 +81,8 @@ def fused_matmul(
       f"fused_matmul: expected 'activation' None or one of "
       f"{sorted(ACTIVATIONS)}, got {activation!r}"
     )
-  if c is not None and (not hasattr(c, "shape") or not hasattr(c, "dtype")):
-    raise TypeError(f"fused_matmul: expected 'c' to be an array, got {c!r}")
   config = matmul_lib.check_config(
+    "fused_matmul",
     a,
     b,
     c=c,

@@ -26,6 +26,15 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from mpmd.kernels._common import (
+  as_dtype,
+  check_array,
+  check_bool,
+  check_dtype,
+  check_int,
+  out_type,
+  varying_axes,
+)
 from mpmd.kernels.gpu.launch import warp_specialized_kernel
 from mpmd.kernels.gpu.pipeline import pipeline
 from mpmd.kernels.gpu.warp_specialized import warp_specialized_pipeline
@@ -70,30 +79,52 @@ class _Config:
   num_compute_wgs: int
   in_dtype: Any
   out_dtype: Any
+  # Manual mesh axes the operands vary over (inside a shard_map).
+  varying: frozenset[Any] = frozenset()
 
   @property
   def wg_n(self) -> int:
-    return (
-      self.block_n // self.num_compute_wgs
-      if self.warp_specialized
-      else (self.block_n)
-    )
+    if self.warp_specialized:
+      return self.block_n // self.num_compute_wgs
+    return self.block_n
 
   @property
   def k_steps(self) -> int:
     return self.k // self.block_k
 
 
-def _check_block(name: str, value: Any, multiple: int, why: str) -> int:
-  if not isinstance(value, int) or value <= 0 or value % multiple:
-    raise ValueError(
-      f"matmul: expected '{name}' to be a positive multiple of {multiple} "
-      f"({why}), got {value}"
+def _check_operands(fn: str, a: Any, b: Any, c: Any, out_dtype: Any):
+  """(a's dtype, the output dtype); raises on bad operands."""
+  check_array(fn, "a", a, rank=2, shape_doc="(m, k)")
+  check_array(fn, "b", b, rank=2, shape_doc="(k, n)")
+  in_dtype = check_dtype(fn, "a", a, INPUT_DTYPES)
+  if jnp.dtype(b.dtype) != in_dtype:
+    raise TypeError(
+      f"{fn}: expected 'b' of the dtype of 'a' ({in_dtype.name}), got "
+      f"{jnp.dtype(b.dtype).name}"
     )
-  return value
+  (m, k), (k_b, n) = a.shape, b.shape
+  if k != k_b:
+    raise ValueError(
+      f"{fn}: expected 'b' with {k} rows (the columns of 'a'), got "
+      f"shape {tuple(b.shape)}"
+    )
+  out_dtype = as_dtype(
+    fn, "out_dtype", in_dtype if out_dtype is None else out_dtype, OUTPUT_DTYPES
+  )
+  if c is not None:
+    check_array(fn, "c", c, rank=2, shape_doc="(m, n)")
+    if tuple(c.shape) != (m, n):
+      raise ValueError(
+        f"{fn}: expected 'c' of shape (m, n) = {(m, n)}, got shape "
+        f"{tuple(c.shape)}"
+      )
+    check_dtype(fn, "c", c, (out_dtype,))
+  return in_dtype, out_dtype
 
 
 def check_config(
+  fn: str,
   a: Any,
   b: Any,
   *,
@@ -106,75 +137,29 @@ def check_config(
   num_compute_wgs: int,
   out_dtype: Any,
 ) -> _Config:
-  """Validates the operands and blocks; raises before anything is traced."""
-  for name, x in (("a", a), ("b", b)):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise TypeError(f"matmul: expected '{name}' to be an array, got {x!r}")
-    if len(x.shape) != 2:
-      raise ValueError(
-        f"matmul: expected '{name}' of rank 2, got shape {tuple(x.shape)}"
-      )
-  if jnp.dtype(a.dtype) not in INPUT_DTYPES:
-    raise TypeError(
-      f"matmul: expected 'a' of dtype float16 or bfloat16, got {a.dtype}"
-    )
-  if jnp.dtype(b.dtype) != jnp.dtype(a.dtype):
-    raise TypeError(
-      f"matmul: expected 'b' of the dtype of 'a' ({a.dtype}), got {b.dtype}"
-    )
-  (m, k), (k2, n) = a.shape, b.shape
-  if k != k2:
-    raise ValueError(
-      f"matmul: expected 'b' with {k} rows (the columns of 'a'), got "
-      f"shape {tuple(b.shape)}"
-    )
-  try:
-    out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
-  except TypeError:
-    raise TypeError(
-      f"matmul: expected 'out_dtype' to be a dtype, got {out_dtype!r}"
-    ) from None
-  if out_dtype not in OUTPUT_DTYPES:
-    raise ValueError(
-      "matmul: expected 'out_dtype' float16, bfloat16 or float32, got "
-      f"{out_dtype}"
-    )
-  if c is not None and (
-    tuple(c.shape) != (m, n) or jnp.dtype(c.dtype) != out_dtype
-  ):
-    raise ValueError(
-      f"matmul: expected 'c' of shape {(m, n)} and dtype {out_dtype}, got "
-      f"shape {tuple(c.shape)} and dtype {c.dtype}"
-    )
-  if not isinstance(warp_specialized, bool):
-    raise TypeError(
-      f"matmul: expected 'warp_specialized' to be a bool, got "
-      f"{warp_specialized!r}"
-    )
-  if (
-    isinstance(num_compute_wgs, bool)
-    or not isinstance(num_compute_wgs, int)
-    or num_compute_wgs < 1
-  ):
-    raise ValueError(
-      f"matmul: expected 'num_compute_wgs' an int >= 1, got {num_compute_wgs!r}"
-    )
-  if (
-    isinstance(max_concurrent_steps, bool)
-    or not isinstance(max_concurrent_steps, int)
-    or max_concurrent_steps < 1
-  ):
-    raise ValueError(
-      "matmul: expected 'max_concurrent_steps' an int >= 1, got "
-      f"{max_concurrent_steps!r}"
-    )
-  atom = SWIZZLE_BYTES // jnp.dtype(a.dtype).itemsize
-  _check_block("block_m", block_m, WGMMA_M, "one warpgroup's WGMMA rows")
-  _check_block("block_k", block_k, atom, "a 128-byte swizzle atom")
-  wgs = num_compute_wgs if warp_specialized else 1
-  _check_block(
-    "block_n", block_n, atom * wgs, f"a swizzle atom per warpgroup ({wgs})"
+  """Validates the operands and blocks of the public function ``fn``;
+  raises before anything is traced."""
+  in_dtype, out_dtype = _check_operands(fn, a, b, c, out_dtype)
+  warp_specialized = check_bool(fn, "warp_specialized", warp_specialized)
+  num_compute_wgs = check_int(fn, "num_compute_wgs", num_compute_wgs)
+  max_concurrent_steps = check_int(
+    fn, "max_concurrent_steps", max_concurrent_steps
   )
+  atom = SWIZZLE_BYTES // in_dtype.itemsize
+  atom_doc = f"a {SWIZZLE_BYTES}-byte swizzle atom"
+  wgs = num_compute_wgs if warp_specialized else 1
+  block_m = check_int(
+    fn, "block_m", block_m, multiple_of=WGMMA_M, why="one warpgroup's WGMMA"
+  )
+  block_n = check_int(
+    fn,
+    "block_n",
+    block_n,
+    multiple_of=atom * wgs,
+    why=atom_doc if wgs == 1 else f"{atom_doc} for each of {wgs} warpgroups",
+  )
+  block_k = check_int(fn, "block_k", block_k, multiple_of=atom, why=atom_doc)
+  (m, k), n = a.shape, b.shape[1]
   for dim, size, block in (
     ("M", m, block_m),
     ("N", n, block_n),
@@ -182,7 +167,7 @@ def check_config(
   ):
     if size % block:
       raise ValueError(
-        f"matmul: expected {dim}={size} to be a multiple of "
+        f"{fn}: expected {dim}={size} to be a multiple of "
         f"block_{dim.lower()}={block}, got remainder {size % block}"
       )
   config = _Config(
@@ -195,15 +180,16 @@ def check_config(
     max_concurrent_steps=min(max_concurrent_steps, k // block_k),
     warp_specialized=warp_specialized,
     num_compute_wgs=num_compute_wgs,
-    in_dtype=jnp.dtype(a.dtype),
+    in_dtype=in_dtype,
     out_dtype=out_dtype,
+    varying=varying_axes(a, b, *([] if c is None else [c])),
   )
   smem = _smem_bytes(config, has_c=c is not None)
   if smem > SMEM_BYTES:
     raise ValueError(
-      f"matmul: the blocks need {smem} bytes of shared memory, more than "
-      f"the {SMEM_BYTES} of a Hopper CTA; lower max_concurrent_steps or "
-      "the block sizes"
+      f"{fn}: expected blocks that fit the {SMEM_BYTES} bytes of shared "
+      f"memory of a Hopper CTA, got blocks that need {smem} bytes; lower "
+      "max_concurrent_steps or the block sizes"
     )
   return config
 
@@ -305,14 +291,16 @@ def _software_kernel(config: _Config, epilogue: Epilogue, has_c: bool):
   return kernel
 
 
-def _ws_pipeline(config: _Config, has_c: bool, body=None, context=None):
+def _ws_pipeline(config: _Config, has_c: bool):
+  # Placeholder body and context: each compute warpgroup passes its own to
+  # ``compute`` (the allocations and the memory side do not depend on them).
   return warp_specialized_pipeline(
-    body or (lambda *args: args[-1]),
+    lambda *args: args[-1],
     grid=(config.k_steps,),
     in_specs=_specs(config, has_c),
     max_concurrent_steps=config.max_concurrent_steps,
     num_compute_wgs=config.num_compute_wgs,
-    compute_context=context or (lambda run: None),
+    compute_context=lambda run: None,
   )
 
 
@@ -402,14 +390,14 @@ def build(
   import mpmd  # The kernels package is imported by mpmd; resolve late.
 
   grid = (config.m // config.block_m, config.n // config.block_n)
-  out_type = jax.ShapeDtypeStruct((config.m, config.n), config.out_dtype)
+  out = out_type((config.m, config.n), config.out_dtype, config.varying)
   if config.warp_specialized:
     compute_fn, memory_fn = _ws_fns(config, epilogue, has_c)
     return warp_specialized_kernel(
       _ws_pipeline(config, has_c),
       compute_fn=compute_fn,
       memory_fn=memory_fn,
-      out_types=out_type,
+      out_types=out,
       scratch_types=_ws_scratch(config, has_c),
       grid=grid,
       grid_names=GRID_NAMES,
@@ -422,7 +410,7 @@ def build(
   mesh = plgpu.Mesh(grid=grid, grid_names=GRID_NAMES)
   return mpmd.mpmd_map(
     [(mesh, _software_kernel(config, epilogue, has_c))],
-    out_types=out_type,
+    out_types=out,
     interpret=interpret,
     name=name,
   )
@@ -472,6 +460,7 @@ def matmul(
     c = matmul(a, b, warp_specialized=True)  # (256, 256) float16
   """
   config = check_config(
+    "matmul",
     a,
     b,
     block_m=block_m,

@@ -21,6 +21,7 @@ from mpmd.kernels.gpu.steps import (
   any_steps,
   count_steps,
   i32,
+  is_static,
   unravel,
   when,
 )
@@ -88,6 +89,16 @@ class Operand:
   transforms: tuple[Any, ...]
   delay_release: int
   invariant: bool  # The block does not depend on the grid indices.
+
+  @property
+  def streamed(self) -> bool:
+    """Copied block by block, through a ring of SMEM buffers."""
+    return self.in_smem and not self.invariant
+
+  @property
+  def once(self) -> bool:
+    """Copied once: its block does not depend on the grid indices."""
+    return self.in_smem and self.invariant
 
   def resolve(self, shape: Sequence[int]) -> tuple[_Dim, ...]:
     if self.dims is None:
@@ -207,19 +218,6 @@ def make_operands(where, specs, grid, kind) -> tuple[Operand, ...]:
   )
 
 
-def check_steps(where: str, max_concurrent_steps: Any) -> int:
-  if (
-    isinstance(max_concurrent_steps, bool)
-    or not isinstance(max_concurrent_steps, int)
-    or max_concurrent_steps < 1
-  ):
-    raise ValueError(
-      f"{where}: expected 'max_concurrent_steps' an int >= 1, got "
-      f"{max_concurrent_steps!r}"
-    )
-  return max_concurrent_steps
-
-
 def check_refs(
   where: str, operands: Sequence[Operand], refs: Sequence[Any], kind: str
 ) -> None:
@@ -251,6 +249,118 @@ def check_refs(
         )
 
 
+class Inputs:
+  """Copies input blocks from GMEM into SMEM buffers.
+
+  A streamed input (its block follows the grid) cycles through ``slots``
+  buffers: step ``s`` goes into slot ``s % slots`` and its copies arrive on
+  that slot's "loaded" barrier. An index-invariant input is copied once, into
+  one buffer, and arrives on the "loaded once" barrier. A GMEM input is
+  passed to the body as it is.
+
+  The "loaded" barriers are one array shared by every streamed input or, with
+  ``per_input_barriers``, one array per input (the body then waits on each
+  itself, and an input with nothing to copy gets an arrival instead).
+  """
+
+  def __init__(
+    self, operands, gmem_refs, scratch, grid, slots, per_input_barriers=False
+  ):
+    self.operands = operands
+    self.gmem_refs = gmem_refs
+    self.smem_refs = scratch["in_smem"]
+    self.loaded = scratch["loaded"]
+    self.loaded_once = scratch["loaded_once"]
+    self.grid = grid
+    self.slots = slots
+    self.per_input_barriers = per_input_barriers
+    self.streamed = [op.streamed for op in operands]
+
+  @staticmethod
+  def scratch_types(
+    operands, ref_types, slots, per_input_barriers=False
+  ) -> dict[str, Any]:
+    """The SMEM buffers and barriers of ``operands`` over ``ref_types``."""
+    num_streamed = sum(op.streamed for op in operands)
+    num_once = sum(op.once for op in operands)
+    if per_input_barriers:
+      loaded = [plgpu.Barrier(num_barriers=slots) for _ in operands]
+    elif num_streamed:
+      loaded = [plgpu.Barrier(num_arrivals=num_streamed, num_barriers=slots)]
+    else:
+      loaded = []
+    return dict(
+      in_smem=[
+        op.smem(slots if op.streamed else 1, t) if op.in_smem else None
+        for op, t in zip(operands, ref_types, strict=True)
+      ],
+      loaded=loaded,
+      loaded_once=plgpu.Barrier(num_arrivals=num_once) if num_once else None,
+    )
+
+  def slot(self, step: jax.Array) -> jax.Array:
+    return lax.rem(step, jnp.int32(self.slots))
+
+  def barrier(self, i: int, slot: jax.Array) -> Any:
+    """Input ``i``'s "loaded" barrier of ``slot`` (None: none is needed)."""
+    if not self.loaded:
+      return None
+    return self.loaded[i if self.per_input_barriers else 0].at[slot]
+
+  def load_once(self) -> None:
+    """Starts the copies of the index-invariant blocks."""
+    zeros = (jnp.int32(0),) * len(self.grid)
+    for op, gmem, smem in zip(
+      self.operands, self.gmem_refs, self.smem_refs, strict=True
+    ):
+      if op.once:
+        op.copy_in(gmem, zeros, smem.at[0], self.loaded_once)
+
+  def wait_once(self) -> None:
+    if self.loaded_once is not None:
+      plgpu.barrier_wait(self.loaded_once)
+
+  def copy(self, i: int, indices, slot: jax.Array) -> None:
+    """Starts the copy of streamed input ``i``'s block at ``indices``."""
+    self.operands[i].copy_in(
+      self.gmem_refs[i],
+      indices,
+      self.smem_refs[i].at[slot],
+      self.barrier(i, slot),
+    )
+
+  def load(self, step: jax.Array, delay: int | None = None) -> None:
+    """Starts the copies of ``step``'s streamed blocks (only those whose
+    ``delay_release`` is ``delay``, if given)."""
+    indices = unravel(step, self.grid)
+    slot = self.slot(step)
+    for i, op in enumerate(self.operands):
+      if op.streamed and (delay is None or op.delay_release == delay):
+        self.copy(i, indices, slot)
+
+  def fill(self, num_steps: GridEntry, fetch: Callable[[jax.Array], None]):
+    """Calls ``fetch(step)`` for the first ``slots`` steps (the prologue)."""
+    for step in range(self.slots):
+      # A traced grid may have fewer steps than slots.
+      when(
+        is_static(num_steps) or step < num_steps,
+        functools.partial(fetch, jnp.int32(step)),
+      )
+
+  def wait(self, slot: jax.Array) -> None:
+    """Waits for the streamed blocks of ``slot`` (shared barriers only)."""
+    if self.loaded and not self.per_input_barriers:
+      plgpu.barrier_wait(self.loaded[0].at[slot])
+
+  def body_refs(self, slot: jax.Array) -> list[Any]:
+    return [
+      smem.at[slot if op.streamed else 0] if op.in_smem else gmem
+      for op, gmem, smem in zip(
+        self.operands, self.gmem_refs, self.smem_refs, strict=True
+      )
+    ]
+
+
 def _differs(a: Sequence[jax.Array], b: Sequence[jax.Array]) -> jax.Array:
   return functools.reduce(
     jnp.logical_or,
@@ -274,7 +384,17 @@ class Outputs:
     self.smem_refs = smem_refs
     self.grid = grid
     self.num_steps = count_steps(grid)
-    self.streamed = [op.in_smem and not op.invariant for op in self.operands]
+    self.streamed = [op.streamed for op in operands]
+
+  @staticmethod
+  def scratch_types(operands, ref_types) -> dict[str, Any]:
+    """The SMEM buffers of ``operands`` over ``ref_types``."""
+    return dict(
+      out_smem=[
+        op.smem(1 if op.invariant else OUTPUT_SLOTS, t) if op.in_smem else None
+        for op, t in zip(operands, ref_types, strict=True)
+      ]
+    )
 
   def init_runs(self):
     return tuple(jnp.int32(0) for _ in self.operands)
@@ -342,7 +462,7 @@ class Outputs:
       for op, gmem, smem in zip(
         self.operands, self.gmem_refs, self.smem_refs, strict=True
       )
-      if op.in_smem and op.invariant
+      if op.once
     ]
 
     def store():

@@ -37,31 +37,31 @@ element, dropped from the SMEM block).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.experimental.pallas as pl
-import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from mpmd.kernels._common import check_int
 from mpmd.kernels.gpu.operands import (
-  OUTPUT_SLOTS,
+  Inputs,
+  Operand,
   Outputs,
   check_refs,
-  check_steps,
   make_operands,
 )
 from mpmd.kernels.gpu.steps import (
   GridEntry,
   check_grid,
   count_steps,
-  is_static,
   run_once,
   slot_count,
   unravel,
-  when,
 )
 
 
@@ -129,7 +129,9 @@ def pipeline(
   """
   where = "pipeline"
   grid = check_grid(where, grid)
-  max_concurrent_steps = check_steps(where, max_concurrent_steps)
+  max_concurrent_steps = check_int(
+    where, "max_concurrent_steps", max_concurrent_steps
+  )
   ins = make_operands(where, in_specs, grid, "in_specs")
   outs = make_operands(where, out_specs, grid, "out_specs")
   for i, op in enumerate(ins):
@@ -143,111 +145,99 @@ def pipeline(
     raise ValueError(
       f"{where}: expected init_carry or compute_context, got both"
     )
-  has_carry = init_carry is not None or compute_context is not None
   num_steps = count_steps(grid)
-  slots = slot_count(max_concurrent_steps, num_steps)
-  streamed = [op.in_smem and not op.invariant for op in ins]
-  once = [op.in_smem and op.invariant for op in ins]
+  return SoftwarePipeline(
+    body=body,
+    grid=grid,
+    ins=ins,
+    outs=outs,
+    num_steps=num_steps,
+    slots=slot_count(max_concurrent_steps, num_steps),
+    init_carry=init_carry,
+    compute_context=compute_context,
+    collective_axes=collective_axes,
+  )
 
-  def run(*gmem_refs):
-    in_refs, out_refs = gmem_refs[: len(ins)], gmem_refs[len(ins) :]
-    check_refs(where, ins, in_refs, "input")
-    check_refs(where, outs, out_refs, "output")
-    scratch = dict(
-      in_smem=[
-        op.smem(slots if s else 1, ref) if op.in_smem else None
-        for op, ref, s in zip(ins, in_refs, streamed, strict=True)
-      ],
-      out_smem=[
-        op.smem(1 if op.invariant else OUTPUT_SLOTS, ref)
-        if op.in_smem
-        else None
-        for op, ref in zip(outs, out_refs, strict=True)
-      ],
-      loaded=plgpu.Barrier(num_arrivals=sum(streamed), num_barriers=slots)
-      if any(streamed)
-      else None,
-      loaded_once=plgpu.Barrier(num_arrivals=sum(once)) if any(once) else None,
-    )
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SoftwarePipeline:
+  """The callable that :func:`pipeline` returns: ``run(*in_gmem_refs,
+  *out_gmem_refs)``, returning the final carry (or None)."""
+
+  body: Callable[..., Any]
+  grid: tuple[GridEntry, ...]
+  ins: tuple[Operand, ...]
+  outs: tuple[Operand, ...]
+  num_steps: GridEntry
+  slots: int
+  init_carry: Any
+  compute_context: Callable[..., Any] | None
+  collective_axes: str | tuple[str, ...]
+
+  @property
+  def _has_carry(self) -> bool:
+    return self.init_carry is not None or self.compute_context is not None
+
+  def __call__(self, *gmem_refs: Any) -> Any:
+    in_refs = gmem_refs[: len(self.ins)]
+    out_refs = gmem_refs[len(self.ins) :]
+    check_refs("pipeline", self.ins, in_refs, "input")
+    check_refs("pipeline", self.outs, out_refs, "output")
+    types = Inputs.scratch_types(self.ins, in_refs, self.slots)
+    types.update(Outputs.scratch_types(self.outs, out_refs))
     return pl.run_scoped(
-      lambda **refs: _run(in_refs, out_refs, **refs),
-      **scratch,
-      collective_axes=collective_axes,
+      lambda **scratch: self._run(in_refs, out_refs, scratch),
+      **types,
+      collective_axes=self.collective_axes,
     )
 
-  def _run(in_gmem, out_gmem, *, in_smem, out_smem, loaded, loaded_once):
-    def fetch(step, delay=None):
-      """Starts the copies of ``step``'s streamed blocks (one delay level)."""
-      indices = unravel(step, grid)
-      slot = lax.rem(step, jnp.int32(slots))
-      for op, gmem, smem, s in zip(
-        ins, in_gmem, in_smem, streamed, strict=True
-      ):
-        if s and (delay is None or op.delay_release == delay):
-          op.copy_in(gmem, indices, smem.at[slot], loaded.at[slot])
-
-    zeros = (jnp.int32(0),) * len(grid)
-    for op, gmem, smem, o in zip(ins, in_gmem, in_smem, once, strict=True):
-      if o:
-        op.copy_in(gmem, zeros, smem.at[0], loaded_once)
-    if any(streamed):
-      for step in range(slots):
-        # A traced grid may have fewer steps than slots.
-        when(
-          is_static(num_steps) or step < num_steps,
-          functools.partial(fetch, jnp.int32(step)),
-        )
-    if loaded_once is not None:
-      plgpu.barrier_wait(loaded_once)
-
-    outputs = Outputs(outs, out_gmem, out_smem, grid)
-    delays = sorted(
-      {op.delay_release for op, s in zip(ins, streamed, strict=True) if s}
-    )
-
-    def step_fn(step, carry):
-      runs, body_carry = carry
-      indices = unravel(step, grid)
-      slot = lax.rem(step, jnp.int32(slots))
-      if loaded is not None:
-        plgpu.barrier_wait(loaded.at[slot])
-      outputs.before_body()
-      blocks = []
-      for op, gmem, smem, s in zip(
-        ins, in_gmem, in_smem, streamed, strict=True
-      ):
-        if not op.in_smem:
-          blocks.append(gmem)
-        else:
-          blocks.append(smem.at[slot if s else 0])
-      blocks += outputs.body_refs(runs)
-      if has_carry:
-        new_carry = body(indices, *blocks, body_carry)
-      else:
-        body(indices, *blocks)
-        new_carry = None
-      runs = outputs.after_body(step, indices, runs)
-      # A slot is refilled ``delay`` steps after the body that last read it.
-      for delay in delays:
-        refill = step - delay + slots
-
-        @pl.when(jnp.logical_and(step >= delay, refill < num_steps))
-        def _refill(refill=refill, delay=delay):
-          fetch(refill, delay)
-
-      return runs, new_carry
+  def _run(self, in_gmem, out_gmem, scratch: dict[str, Any]) -> Any:
+    """Loads the first blocks, runs the steps, stores the last blocks."""
+    inputs = Inputs(self.ins, in_gmem, scratch, self.grid, self.slots)
+    inputs.load_once()
+    if inputs.loaded:
+      inputs.fill(self.num_steps, inputs.load)
+    inputs.wait_once()
+    outputs = Outputs(self.outs, out_gmem, scratch["out_smem"], self.grid)
+    step = functools.partial(self._step, inputs, outputs)
 
     def loop(carry=None):
       _, final = lax.fori_loop(
-        0, num_steps, step_fn, (outputs.init_runs(), carry)
+        0, self.num_steps, step, (outputs.init_runs(), carry)
       )
       return final
 
-    if compute_context is not None:
-      final_carry = run_once(where, compute_context, loop)
+    if self.compute_context is not None:
+      final_carry = run_once("pipeline", self.compute_context, loop)
     else:
-      final_carry = loop(init_carry)
+      final_carry = loop(self.init_carry)
     outputs.finish()
     return final_carry
 
-  return run
+  def _step(self, inputs: Inputs, outputs: Outputs, step, carry):
+    """One step: wait for its blocks, run the body, store, refill."""
+    runs, body_carry = carry
+    indices = unravel(step, self.grid)
+    slot = inputs.slot(step)
+    inputs.wait(slot)
+    outputs.before_body()
+    blocks = [*inputs.body_refs(slot), *outputs.body_refs(runs)]
+    if self._has_carry:
+      new_carry = self.body(indices, *blocks, body_carry)
+    else:
+      self.body(indices, *blocks)
+      new_carry = None
+    runs = outputs.after_body(step, indices, runs)
+    self._refill(inputs, step)
+    return runs, new_carry
+
+  def _refill(self, inputs: Inputs, step: jax.Array) -> None:
+    """Refills the slots that this step's body no longer reads."""
+    delays = sorted({op.delay_release for op in self.ins if op.streamed})
+    # A slot is refilled ``delay`` steps after the body that last read it.
+    for delay in delays:
+      refill = step - delay + self.slots
+
+      @pl.when(jnp.logical_and(step >= delay, refill < self.num_steps))
+      def _refill(refill=refill, delay=delay):
+        inputs.load(refill, delay)

@@ -17,6 +17,7 @@ import jax
 import jax.experimental.pallas as pl
 from jax import lax
 
+from mpmd.kernels._common import check_int
 from mpmd.kernels.gpu.pipeline import pipeline
 from mpmd.kernels.gpu.steps import GridEntry
 from mpmd.kernels.gpu.warp_specialized import (
@@ -289,11 +290,10 @@ def emit_pipeline_warp_specialized(
   )
   if memory_thread_idx is None:
     memory_thread_idx = num_compute_wgs
-  if (
-    isinstance(memory_thread_idx, bool)
-    or not isinstance(memory_thread_idx, int)
-    or not 0 <= memory_thread_idx <= num_compute_wgs
-  ):
+  memory_thread_idx = check_int(
+    where, "memory_thread_idx", memory_thread_idx, minimum=0
+  )
+  if memory_thread_idx > num_compute_wgs:
     raise ValueError(
       f"{where}: expected 'memory_thread_idx' an int in [0, "
       f"num_compute_wgs={num_compute_wgs}], got {memory_thread_idx!r}"

@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mpmd.kernels._common import check_int
 from mpmd.kernels.gpu.operands import (
-  OUTPUT_SLOTS,
+  Inputs,
   Operand,
   Outputs,
   check_refs,
-  check_steps,
   make_operands,
 )
 from mpmd.kernels.gpu.steps import (
@@ -119,18 +119,10 @@ class WarpSpecializedPipeline:
     return count_steps(self.grid)
 
   @property
-  def _streamed(self) -> list[bool]:
-    return [op.in_smem and not op.invariant for op in self.ins]
-
-  @property
-  def _once(self) -> list[bool]:
-    return [op.in_smem and op.invariant for op in self.ins]
-
-  @property
   def _synced(self) -> bool:
     """Whether the meshes meet through barriers at every step."""
     return (
-      any(self._streamed)
+      any(op.streamed for op in self.ins)
       or self.manual_consumed_barriers
       or self.manual_produced_barriers
     )
@@ -153,28 +145,12 @@ class WarpSpecializedPipeline:
     out_types = gmem_types[len(self.ins) :]
     check_refs(where, self.ins, in_types, "input")
     check_refs(where, self.outs, out_types, "output")
-    streamed, once = self._streamed, self._once
-    if self.manual_produced_barriers:
-      # One barrier per input; the body waits on them itself.
-      loaded = [plgpu.Barrier(num_barriers=self.slots) for _ in self.ins]
-    elif any(streamed):
-      loaded = [
-        plgpu.Barrier(num_arrivals=sum(streamed), num_barriers=self.slots)
-      ]
-    else:
-      loaded = []
     num_consumed = len(self.ins) if self.manual_consumed_barriers else 1
     return dict(
-      in_smem=[
-        op.smem(self.slots if s else 1, t) if op.in_smem else None
-        for op, t, s in zip(self.ins, in_types, streamed, strict=True)
-      ],
-      out_smem=[
-        op.smem(1 if op.invariant else OUTPUT_SLOTS, t) if op.in_smem else None
-        for op, t in zip(self.outs, out_types, strict=True)
-      ],
-      loaded=loaded,
-      loaded_once=plgpu.Barrier(num_arrivals=sum(once)) if any(once) else None,
+      **Inputs.scratch_types(
+        self.ins, in_types, self.slots, self.manual_produced_barriers
+      ),
+      **Outputs.scratch_types(self.outs, out_types),
       consumed=[
         plgpu.Barrier(
           num_arrivals=self.num_compute_wgs, num_barriers=self.slots
@@ -183,6 +159,16 @@ class WarpSpecializedPipeline:
       ]
       if self._synced
       else [],
+    )
+
+  def _inputs(self, in_gmem: Sequence[Any], scratch: dict[str, Any]):
+    return Inputs(
+      self.ins,
+      in_gmem,
+      scratch,
+      self.grid,
+      self.slots,
+      self.manual_produced_barriers,
     )
 
   def memory(
@@ -208,15 +194,11 @@ class WarpSpecializedPipeline:
       plgpu.set_max_registers(self.memory_registers, action="decrease")
     in_gmem = gmem_refs[: len(self.ins)]
     check_refs("warp_specialized_pipeline", self.ins, in_gmem, "input")
-    zeros = (jnp.int32(0),) * len(self.grid)
-    for op, gmem, smem, o in zip(
-      self.ins, in_gmem, scratch["in_smem"], self._once, strict=True
-    ):
-      if o:
-        op.copy_in(gmem, zeros, smem.at[0], scratch["loaded_once"])
+    inputs = self._inputs(in_gmem, scratch)
+    inputs.load_once()
     if not self._synced:
       return
-    produced, consumed = scratch["loaded"], scratch["consumed"]
+    consumed = scratch["consumed"]
     num_steps, slots = self.num_steps, self.slots
     manual_consumed = self.manual_consumed_barriers
 
@@ -224,33 +206,22 @@ class WarpSpecializedPipeline:
       """Loads ``step`` into its slot, after the slot's last reader if
       ``wait``."""
       indices = unravel(step, self.grid)
-      slot = lax.rem(step, jnp.int32(slots))
+      slot = inputs.slot(step)
       if wait and not manual_consumed:
         plgpu.barrier_wait(consumed[0].at[slot])
-      for i, (op, gmem, smem, s) in enumerate(
-        zip(self.ins, in_gmem, scratch["in_smem"], self._streamed, strict=True)
-      ):
+      for i, op in enumerate(self.ins):
         if wait and manual_consumed:
           plgpu.barrier_wait(consumed[i].at[slot])
-        if self.manual_produced_barriers:
-          barrier = produced[i].at[slot]
-          if not s:
-            # Nothing to copy, but the body waits on every input's barrier.
-            plgpu.barrier_arrive(barrier)
-        else:
-          barrier = produced[0].at[slot] if produced else None
-        if s:
-          op.copy_in(gmem, indices, smem.at[slot], barrier)
+        if op.streamed:
+          inputs.copy(i, indices, slot)
+        elif self.manual_produced_barriers:
+          # Nothing to copy, but the body waits on every input's barrier.
+          plgpu.barrier_arrive(inputs.barrier(i, slot))
 
-    def fill():
-      for step in range(slots):
-        # A traced grid may have fewer steps than slots.
-        when(
-          is_static(num_steps) or step < num_steps,
-          functools.partial(fetch, jnp.int32(step), False),
-        )
-
-    when(prologue, fill)
+    when(
+      prologue,
+      lambda: inputs.fill(num_steps, functools.partial(fetch, wait=False)),
+    )
     if is_static(num_steps):
       filled = min(slots, num_steps)
     else:
@@ -313,9 +284,8 @@ class WarpSpecializedPipeline:
     where = "warp_specialized_pipeline"
     check_refs(where, self.ins, in_gmem, "input")
     check_refs(where, self.outs, out_gmem, "output")
-    streamed = self._streamed
-    if scratch["loaded_once"] is not None:
-      plgpu.barrier_wait(scratch["loaded_once"])
+    inputs = self._inputs(in_gmem, scratch)
+    inputs.wait_once()
     outputs = Outputs(self.outs, out_gmem, scratch["out_smem"], self.grid)
     has_carry = self.compute_context is not None
     produced, consumed = scratch["loaded"], scratch["consumed"]
@@ -324,18 +294,12 @@ class WarpSpecializedPipeline:
     def step_fn(step, carry):
       runs, body_carry = carry
       indices = unravel(step, self.grid)
-      slot = lax.rem(step, jnp.int32(self.slots))
+      slot = inputs.slot(step)
       # The slot that step ``step - delay`` read, released after this body.
       released = lax.rem(jnp.maximum(step - delay, 0), jnp.int32(self.slots))
-      if produced and not self.manual_produced_barriers:
-        plgpu.barrier_wait(produced[0].at[slot])
+      inputs.wait(slot)
       outputs.before_body()
-      blocks = []
-      for op, gmem, smem, s in zip(
-        self.ins, in_gmem, scratch["in_smem"], streamed, strict=True
-      ):
-        blocks.append(smem.at[slot if s else 0] if op.in_smem else gmem)
-      blocks += outputs.body_refs(runs)
+      blocks = [*inputs.body_refs(slot), *outputs.body_refs(runs)]
       if self.manual_produced_barriers:
         blocks += [barrier.at[slot] for barrier in produced]
       if self.manual_consumed_barriers:
@@ -393,7 +357,7 @@ def pipeline_state_flags(
       f"of steps divisible by max_concurrent_steps={pipe.slots}, got "
       f"{pipe.num_steps} steps"
     )
-  if any(pipe._once):
+  if any(op.once for op in pipe.ins):
     raise NotImplementedError(
       f"{where}: pipeline_state (a pipeline of pipelines) with "
       "index-invariant inputs is not supported"
@@ -430,20 +394,14 @@ def make_pipeline(
   memory_registers: Any,
 ) -> WarpSpecializedPipeline:
   grid = check_grid(where, grid)
-  max_concurrent_steps = check_steps(where, max_concurrent_steps)
-  if (
-    isinstance(num_compute_wgs, bool)
-    or not isinstance(num_compute_wgs, int)
-    or num_compute_wgs < 1
-  ):
-    raise ValueError(
-      f"{where}: expected 'num_compute_wgs' an int >= 1, got "
-      f"{num_compute_wgs!r}"
-    )
+  max_concurrent_steps = check_int(
+    where, "max_concurrent_steps", max_concurrent_steps
+  )
+  num_compute_wgs = check_int(where, "num_compute_wgs", num_compute_wgs)
   _check_registers(where, memory_registers)
   ins = make_operands(where, in_specs, grid, "in_specs")
   outs = make_operands(where, out_specs, grid, "out_specs")
-  delays = {op.delay_release for op in ins if op.in_smem and not op.invariant}
+  delays = {op.delay_release for op in ins if op.streamed}
   if len(delays) > 1:
     raise NotImplementedError(
       f"{where}: expected one delay_release for all streamed inputs, got "

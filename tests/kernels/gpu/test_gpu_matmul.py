@@ -196,7 +196,9 @@ class TestMatmulErrors:
 
   def test_too_much_shared_memory(self):
     a, b = self._ab(m=256, n=256, k=1024)
-    with pytest.raises(ValueError, match=r"bytes of shared memory"):
+    with pytest.raises(
+      ValueError, match=r"fit the 232448 bytes of shared memory of a Hopper"
+    ):
       gpu.matmul(
         a, b, block_m=256, block_n=256, block_k=128, max_concurrent_steps=8
       )
@@ -209,5 +211,55 @@ class TestMatmulErrors:
   def test_addend_shape(self):
     a, b = self._ab()
     c = jnp.zeros((M, N + 1), jnp.float16)
-    with pytest.raises(ValueError, match=r"'c' of shape \(128, 256\)"):
+    with pytest.raises(
+      ValueError,
+      match=r"fused_matmul: expected 'c' of shape \(m, n\) = \(128, 256\), "
+      r"got shape \(128, 257\)",
+    ):
       gpu.fused_matmul(a, b, c)
+
+  def test_addend_dtype(self):
+    a, b = self._ab()
+    c = jnp.zeros((M, N), jnp.float32)
+    with pytest.raises(
+      TypeError, match=r"fused_matmul: expected 'c' of dtype float16, got "
+    ):
+      gpu.fused_matmul(a, b, c)
+
+  def test_fused_names_itself(self):
+    a, b = self._ab()
+    with pytest.raises(ValueError, match=r"^fused_matmul: expected 'block_k'"):
+      gpu.fused_matmul(a, b, block_k=48)
+
+  @pytest.mark.parametrize(
+    "arg, bad",
+    [("block_k", 64.0), ("block_m", "128"), ("num_compute_wgs", 2.0)],
+  )
+  def test_not_an_int(self, arg, bad):
+    a, b = self._ab()
+    with pytest.raises(
+      TypeError, match=rf"matmul: expected '{arg}' to be an int, got {bad!r}"
+    ):
+      gpu.matmul(a, b, **{arg: bad})
+
+  def test_bad_max_concurrent_steps(self):
+    a, b = self._ab()
+    with pytest.raises(
+      ValueError, match=r"matmul: expected 'max_concurrent_steps' >= 1, got 0"
+    ):
+      gpu.matmul(a, b, max_concurrent_steps=0)
+
+  def test_warp_specialized_not_a_bool(self):
+    a, b = self._ab()
+    with pytest.raises(
+      TypeError, match=r"expected 'warp_specialized' to be a bool, got 1"
+    ):
+      gpu.matmul(a, b, warp_specialized=1)
+
+  def test_unsupported_out_dtype(self):
+    a, b = self._ab()
+    with pytest.raises(
+      TypeError,
+      match=r"expected 'out_dtype' float16, bfloat16 or float32, got int8",
+    ):
+      gpu.matmul(a, b, out_dtype=jnp.int8)

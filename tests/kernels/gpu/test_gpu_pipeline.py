@@ -22,7 +22,7 @@ ROWS = 64
 BLOCK = 64  # f32 blocks of (ROWS, BLOCK): 16 KiB per slot.
 
 
-def _column_specs(grid_ndim=1):
+def _column_specs():
   """Block j of the columns (the last grid index) of a (ROWS, n) operand."""
   return pl.BlockSpec((ROWS, BLOCK), lambda *idx: (0, idx[-1]))
 
@@ -449,9 +449,15 @@ class TestPipelineErrors:
     "make", [gpu.pipeline, gpu.warp_specialized_pipeline]
   )
   def test_bad_max_concurrent_steps(self, make):
-    for bad in (0, True):
+    with pytest.raises(
+      ValueError, match=r"expected 'max_concurrent_steps' >= 1, got 0"
+    ):
+      make(_add_one, grid=(2,), max_concurrent_steps=0)
+    for bad in (True, 2.0, "2"):
       with pytest.raises(
-        ValueError, match=rf"'max_concurrent_steps' an int >= 1, got {bad}"
+        TypeError,
+        match=r"expected 'max_concurrent_steps' to be an int, got "
+        + re.escape(repr(bad)),
       ):
         make(_add_one, grid=(2,), max_concurrent_steps=bad)
 
@@ -475,7 +481,7 @@ class TestPipelineErrors:
     with pytest.raises(TypeError, match=r"in_specs\[0\]: expected a pl.Block"):
       gpu.pipeline(_add_one, grid=(2,), in_specs=[(ROWS, BLOCK)])
 
-  def test_block_does_not_divide_operand(self, rng):
+  def test_block_does_not_divide_operand(self):
     x = jnp.zeros((ROWS, BLOCK + 8), jnp.float32)
     with pytest.raises(ValueError, match=r"input\[0\] expected a shape divis"):
       _software_call(
@@ -499,9 +505,15 @@ class TestPipelineErrors:
 
   def test_ws_bad_num_compute_wgs(self):
     with pytest.raises(
-      ValueError, match=r"'num_compute_wgs' an int >= 1, got 0"
+      ValueError,
+      match=r"warp_specialized_pipeline: expected 'num_compute_wgs' >= 1, "
+      r"got 0",
     ):
       gpu.warp_specialized_pipeline(_add_one, grid=(2,), num_compute_wgs=0)
+    with pytest.raises(
+      TypeError, match=r"expected 'num_compute_wgs' to be an int, got 1.0"
+    ):
+      gpu.warp_specialized_pipeline(_add_one, grid=(2,), num_compute_wgs=1.0)
 
   def test_compute_context_must_run_once(self, rng):
     x = _columns(rng, 1)

@@ -807,7 +807,15 @@ class TestUpstreamPipelineErrors:
       match=r"'memory_thread_idx' an int in \[0, num_compute_wgs=1\], got 2",
     ):
       _ws(_add_one, grid=(2,), memory_thread_idx=2)
-    with pytest.raises(ValueError, match=r"'num_compute_wgs' an int >= 1"):
+    with pytest.raises(
+      ValueError, match=r"expected 'memory_thread_idx' >= 0, got -1"
+    ):
+      _ws(_add_one, grid=(2,), memory_thread_idx=-1)
+    with pytest.raises(
+      TypeError, match=r"expected 'memory_thread_idx' to be an int, got True"
+    ):
+      _ws(_add_one, grid=(2,), memory_thread_idx=True)
+    with pytest.raises(ValueError, match=r"'num_compute_wgs' >= 1, got 0"):
       _ws(_add_one, grid=(2,), num_compute_wgs=0)
 
   def test_ws_smem_outputs_with_two_compute_wgs(self):
