@@ -1,12 +1,15 @@
-"""Bad input to ``mpmd_map``: a typed error, before lowering.
+"""Bad input to ``mpmd_map`` and ``tpu_target``: a typed error, before
+lowering.
 
 Each row of the table is a call that must raise the given ``ValueError`` (a
 bad value) or ``TypeError`` (the wrong kind of object) with a message naming
 the argument, what was expected and what came. Launches are only traced
 (``jax.jit(f).trace``), never lowered: the errors come from our checks, not
-from a lowering or a simulator. The kernels' tables are in
-``test_errors_kernels.py``.
+from a lowering or a simulator. The kernels' tables are next to their
+tests (``tests/kernels/test_*_errors.py``).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
 from mpmd import _jax
+from mpmd.kernels import gpu
 
 # -- mpmd_map -----------------------------------------------------------------
 
@@ -469,3 +473,47 @@ def test_collective_axes_beyond_the_warpgroups_name_the_user_axes():
     )
   )
   assert "_mpmd_programs" not in message
+
+
+# -- tpu_target ---------------------------------------------------------------
+
+TPU_TARGET_CASES = [
+  Case(
+    f"{type(name).__name__}_{name!r}",
+    functools.partial(mpmd.tpu_target, name),
+    TypeError,
+    r"tpu_target: expected 'name' to be a str \(one of \['v4', 'v5e', "
+    rf"'v5p', 'v6e', 'v7x'\]\), got {type(name).__name__}",
+  )
+  for name in (["v5e"], ("v5e",), {"v5e"}, None, 5, b"v5e", 5.0)
+] + [
+  Case(
+    f"unknown_{name!r}",
+    functools.partial(mpmd.tpu_target, name),
+    ValueError,
+    r"tpu_target: expected 'name' in \['v4', 'v5e', 'v5p', 'v6e', 'v7x'\], "
+    rf"got '{name}'",
+  )
+  for name in ("v99", "", "V5E", "v5 lite", "TPU v5 lite", " v5e")
+]
+
+
+@pytest.mark.parametrize("case", params(TPU_TARGET_CASES))
+def test_tpu_target_bad_input(case):
+  """Raised by the call itself, before any ``with``."""
+  raises(case)
+
+
+def test_tpu_target_table_is_large_enough():
+  assert len(TPU_TARGET_CASES) >= 10
+
+
+# -- the GPU kernels ----------------------------------------------------------
+
+
+def test_gpu_matmul_out_dtype_not_a_dtype():
+  a = jnp.zeros((128, 128), jnp.bfloat16)
+  with pytest.raises(
+    TypeError, match=r"matmul: expected 'out_dtype' to be a dtype, got 'banana'"
+  ):
+    gpu.matmul(a, a, out_dtype="banana")

@@ -2,7 +2,8 @@
 while tracing, before anything is lowered, with the error kind and a message
 that names the argument.
 
-One table row per bad call: (id, call, exception type, message regex).
+Two tables of bad calls, rows (id, call, exception type, message regex):
+``ERRORS`` and ``COLLECTIVE_MATMUL_CASES`` (rows that name the message whole).
 """
 
 import functools
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from collective_matmul_util import make_mesh, trace_sharded
+from error_cases import Case, params, raises
 from jax.sharding import PartitionSpec as P
 
 from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter
@@ -203,10 +205,166 @@ ERRORS = [
 ]
 
 
+# -- all_gather_matmul / matmul_reduce_scatter --------------------------------
+
+A = jnp.zeros((16, 128), jnp.float32)
+B = jnp.zeros((256, 128), jnp.float32)
+
+
+def in_shard_map(fn, lhs, rhs, **kw):
+  """Traces ``fn`` inside a shard_map over a 2-device axis ``x``."""
+  mesh = jax.make_mesh((2,), ("x",))
+  spec = jax.sharding.PartitionSpec
+  f = jax.shard_map(
+    lambda a, b: fn(a, b, **kw),
+    mesh=mesh,
+    in_specs=(spec(), spec()),
+    out_specs=spec(),
+    check_vma=False,
+  )
+  return jax.jit(f).trace(lhs, rhs)
+
+
+ag = functools.partial(in_shard_map, cm.all_gather_matmul)
+rs = functools.partial(in_shard_map, cm.matmul_reduce_scatter)
+
+COLLECTIVE_MATMUL_CASES = [
+  Case(
+    "outside_shard_map",
+    lambda: cm.all_gather_matmul(A, B, axis_name="x"),
+    ValueError,
+    r"all_gather_matmul: must be called inside jax.shard_map",
+  ),
+  Case(
+    "axis_not_in_the_mesh",
+    lambda: ag(A, B, axis_name="y"),
+    ValueError,
+    r"'axis_name' 'y' is not an axis of the enclosing shard_map mesh, "
+    r"whose axes are \('x',\)",
+  ),
+  Case(
+    "axis_name_an_int",
+    lambda: ag(A, B, axis_name=0),
+    TypeError,
+    r"expected 'axis_name' to be a mesh axis name \(str\) .* got 0",
+  ),
+  Case(
+    "lhs_a_list",
+    lambda: ag([[1.0]], B, axis_name="x"),
+    TypeError,
+    r"all_gather_matmul: expected 'lhs' to be an array, got list",
+  ),
+  Case(
+    "lhs_of_rank_3",
+    lambda: rs(A[None], B[:128], axis_name="x"),
+    ValueError,
+    r"matmul_reduce_scatter: expected 'lhs' of rank 2, got rank 3 with shape "
+    r"\(1, 16, 128\)",
+  ),
+  Case(
+    "lhs_with_a_zero_dimension",
+    lambda: ag(A[:0], B, axis_name="x"),
+    ValueError,
+    r"expected 'lhs' with no zero-sized dimension, got shape \(0, 128\)",
+  ),
+  Case(
+    "int_operands",
+    lambda: ag(A.astype(jnp.int32), B.astype(jnp.int32), axis_name="x"),
+    TypeError,
+    r"expected 'lhs' of dtype float32 or bfloat16, got int32",
+  ),
+  Case(
+    "mixed_dtypes",
+    lambda: ag(A, B.astype(jnp.bfloat16), axis_name="x"),
+    TypeError,
+    r"expected 'lhs' and 'rhs' of the same dtype, got float32 and bfloat16",
+  ),
+  Case(
+    "preferred_element_type_not_a_dtype",
+    lambda: rs(A, B[:128], axis_name="x", preferred_element_type="banana"),
+    TypeError,
+    r"expected 'preferred_element_type' to be a dtype, got 'banana'",
+  ),
+  Case(
+    "rhs_rows_not_the_gathered_k",
+    lambda: ag(A, B[:100], axis_name="x"),
+    ValueError,
+    r"expected 'rhs' with k_local \* ring = 128 \* 2 = 256 rows .* got "
+    r"rhs.shape\[0\] = 100",
+  ),
+  Case(
+    "rhs_rows_not_the_contraction",
+    lambda: rs(A, B, axis_name="x"),
+    ValueError,
+    r"expected 'rhs' with lhs.shape\[1\] = 128 rows \(the contraction\)",
+  ),
+  Case(
+    "bidirectional_a_str",
+    lambda: ag(A, B, axis_name="x", bidirectional="yes"),
+    TypeError,
+    r"expected 'bidirectional' to be a bool, got 'yes'",
+  ),
+  Case(
+    "no_buffering",
+    lambda: rs(A, B[:128], axis_name="x", buffering=0),
+    ValueError,
+    r"expected 'buffering' >= 1, got 0",
+  ),
+  Case(
+    "block_sizes_a_tuple",
+    lambda: ag(A, B, axis_name="x", block_sizes=(8, 128, 128)),
+    TypeError,
+    r"expected 'block_sizes' to be a BlockSizes or None, got tuple",
+  ),
+  Case(
+    "block_that_does_not_divide",
+    lambda: rs(
+      A, B[:128], axis_name="x", block_sizes=cm.BlockSizes(block_m=100)
+    ),
+    ValueError,
+    r"expected block_sizes.block_m to divide the dimension it tiles "
+    r"\(64\), got 100",
+  ),
+  Case(
+    "ring_not_a_permutation",
+    lambda: ag(A, B, axis_name="x", ring=(0, 0)),
+    ValueError,
+    r"expected 'ring' to be a permutation of range\(2\)",
+  ),
+  Case(
+    "ring_of_floats",
+    lambda: ag(A, B, axis_name="x", ring=(0, 1.7)),
+    TypeError,
+    r"expected 'ring' to be a sequence of ints, got \(0, 1.7\)",
+  ),
+  Case(
+    "ring_a_str",
+    lambda: rs(A, B[:128], axis_name="x", ring="01"),
+    TypeError,
+    r"expected 'ring' to be a sequence of ints, got '01'",
+  ),
+  Case(
+    "scatter_dimension_2",
+    lambda: rs(A, B[:128], axis_name="x", scatter_dimension=2),
+    ValueError,
+    r"expected 'scatter_dimension' 0 or 1, got 2",
+  ),
+  Case(
+    "scattered_dimension_not_divisible",
+    lambda: rs(A[:15], B[:128], axis_name="x"),
+    ValueError,
+    r"expected dimension 0 of lhs @ rhs \(15\) to be divisible by the ring "
+    r"length 2",
+  ),
+]
+
+
 @pytest.mark.parametrize(
-  "call, error, message",
-  [pytest.param(*row, id=name) for name, *row in ERRORS],
+  "case", params([*(Case(*row) for row in ERRORS), *COLLECTIVE_MATMUL_CASES])
 )
-def test_error(call, error, message):
-  with pytest.raises(error, match=message):
-    call()
+def test_error(case):
+  raises(case)
+
+
+def test_collective_matmul_table_is_large_enough():
+  assert len(COLLECTIVE_MATMUL_CASES) >= 10

@@ -1,12 +1,16 @@
 """gmm / tgmm argument errors: each fails before tracing the kernel, with the
 error kind and a message that names the argument.
 
-One table row per bad call: (id, call, exception type, message regex).
+Two tables of bad calls, rows (id, call, exception type, message regex):
+``ERRORS`` and ``GROUPED_MATMUL_CASES`` (rows that name the message whole).
 """
+
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from error_cases import Case, params, raises
 
 import mpmd
 from mpmd.kernels import grouped_matmul as gm
@@ -215,13 +219,146 @@ ERRORS = [
 ]
 
 
+# -- gmm / tgmm ---------------------------------------------------------------
+
+TILING = (16, 32, 16)
+gmm = functools.partial(gm.gmm, tiling=TILING)
+tgmm = functools.partial(gm.tgmm, tiling=TILING)
+
+GROUPED_MATMUL_CASES = [
+  Case(
+    "gmm_negative_group_size",
+    lambda: gmm(LHS, RHS, jnp.asarray([16, -4, 30, 16], jnp.int32)),
+    ValueError,
+    r"gmm: expected non-negative 'group_sizes', got group_sizes\[1\] = -4",
+  ),
+  Case(
+    "tgmm_negative_group_size",
+    lambda: tgmm(LHS.T, LHS, np.asarray([-1, 16, 16, 16], np.int32)),
+    ValueError,
+    r"tgmm: expected non-negative 'group_sizes', got group_sizes\[0\] = -1",
+  ),
+  Case(
+    "group_sizes_of_floats",
+    lambda: gmm(LHS, RHS, SIZES.astype(jnp.float32)),
+    TypeError,
+    r"gmm: expected 'group_sizes' of dtype int32, got float32",
+  ),
+  Case(
+    "group_sizes_of_rank_2",
+    lambda: tgmm(LHS.T, LHS, SIZES[None]),
+    ValueError,
+    r"tgmm: expected 'group_sizes' of rank 1 \(num_groups,\), got rank 2",
+  ),
+  Case(
+    "group_sizes_as_a_list",
+    lambda: gmm(LHS, RHS, [16, 16, 16, 16]),
+    TypeError,
+    r"gmm: expected 'group_sizes' to be an array \(num_groups,\), got list",
+  ),
+  Case(
+    "lhs_of_rank_3",
+    lambda: gmm(LHS[None], RHS, SIZES),
+    ValueError,
+    r"gmm: expected 'lhs' of rank 2 \(m, k\), got rank 3",
+  ),
+  Case(
+    "lhs_of_ints",
+    lambda: gmm(LHS.astype(jnp.int32), RHS, SIZES),
+    TypeError,
+    r"gmm: expected 'lhs' of dtype float32, bfloat16 or float16, got int32",
+  ),
+  Case(
+    "lhs_with_a_zero_dimension",
+    lambda: tgmm(LHS.T[:0], LHS, SIZES),
+    ValueError,
+    r"tgmm: expected 'lhs' \(k, m\) with no zero-sized dimension",
+  ),
+  Case(
+    "mismatched_k",
+    lambda: gmm(LHS, jnp.zeros((4, 16, 32), jnp.float32), SIZES),
+    ValueError,
+    r"gmm: expected 'rhs' \(num_groups, k, n\) with k=32 .* got shape "
+    r"\(4, 16, 32\); for \(num_groups, n, k\) weights pass transpose_rhs=True",
+  ),
+  Case(
+    "more_rhs_groups_than_sizes",
+    lambda: gmm(LHS, RHS, SIZES[:2]),
+    ValueError,
+    r"gmm: expected 'rhs' to hold at most num_groups=2 groups",
+  ),
+  Case(
+    "preferred_element_type_not_a_dtype",
+    lambda: gmm(LHS, RHS, SIZES, preferred_element_type="banana"),
+    TypeError,
+    r"gmm: expected 'preferred_element_type' to be a dtype, got 'banana'",
+  ),
+  Case(
+    "tiling_that_does_not_divide_m",
+    lambda: gm.gmm(LHS, RHS, SIZES, tiling=(24, 32, 16)),
+    ValueError,
+    r"gmm: expected the row tile tm=24 .* divide m=64",
+  ),
+  Case(
+    "tiling_of_two_sizes",
+    lambda: gm.tgmm(LHS.T, LHS, SIZES, tiling=(16, 32)),
+    TypeError,
+    r"tgmm: expected 'tiling' to be a tuple",
+  ),
+  Case(
+    "group_offset_past_the_groups",
+    lambda: gmm(LHS, RHS[:2], SIZES, group_offset=3),
+    ValueError,
+    r"gmm: expected 'group_offset' in \[0, 2\] .* got 3",
+  ),
+  Case(
+    "group_offset_of_floats",
+    lambda: tgmm(LHS.T, LHS, SIZES, group_offset=jnp.float32(1)),
+    TypeError,
+    r"tgmm: expected 'group_offset' of dtype int32, got float32",
+  ),
+  Case(
+    "existing_out_of_another_shape",
+    lambda: gmm(LHS, RHS, SIZES, existing_out=LHS),
+    ValueError,
+    r"gmm: expected 'existing_out' of shape \(64, 16\), got \(64, 32\)",
+  ),
+  Case(
+    "num_actual_groups_zero",
+    lambda: tgmm(LHS.T, LHS, SIZES, num_actual_groups=0),
+    ValueError,
+    r"tgmm: expected 'num_actual_groups' >= 1, got 0",
+  ),
+  Case(
+    "num_actual_groups_above_num_groups",
+    lambda: tgmm(LHS.T, LHS, SIZES, num_actual_groups=5),
+    ValueError,
+    r"tgmm: expected 'num_actual_groups' in \[1, 4\] \(num_groups\), got 5",
+  ),
+  Case(
+    "num_actual_groups_float",
+    lambda: tgmm(LHS.T, LHS, SIZES, num_actual_groups=2.0),
+    TypeError,
+    r"tgmm: expected 'num_actual_groups' to be an int, got 2.0",
+  ),
+  Case(
+    "transpose_rhs_as_a_str",
+    lambda: gmm(LHS, RHS, SIZES, transpose_rhs="yes"),
+    TypeError,
+    r"gmm: expected 'transpose_rhs' to be a bool, got 'yes'",
+  ),
+]
+
+
 @pytest.mark.parametrize(
-  "call, error, message",
-  [pytest.param(*row, id=name) for name, *row in ERRORS],
+  "case", params([*(Case(*row) for row in ERRORS), *GROUPED_MATMUL_CASES])
 )
-def test_error(call, error, message):
-  with pytest.raises(error, match=message):
-    call()
+def test_error(case):
+  raises(case)
+
+
+def test_grouped_matmul_table_is_large_enough():
+  assert len(GROUPED_MATMUL_CASES) >= 10
 
 
 def test_cpu_row_tile_need_not_be_whole_sublanes():
