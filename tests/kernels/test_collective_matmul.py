@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from kernel_test_util import kernel_path
+from launches import kernel_path
 
 import mpmd
 from mpmd import demos

@@ -42,7 +42,7 @@ from grouped_matmul_util import (
 )
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
-from kernel_test_util import kernel_path
+from launches import kernel_path
 
 import mpmd
 from mpmd.kernels import grouped_matmul as gm

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from launches import launch_eqns
 
 import mpmd
 from mpmd.lowering import paths
@@ -365,17 +366,7 @@ def test_trace_cache_respects_the_tpu_target():
 
 def _launch_eqn(f, *args):
   """The one mpmd_map launch in ``f``'s jaxpr (nested ones too)."""
-  found = []
-
-  def visit(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive is mpmd.mpmd_map_p:
-        found.append(eqn)
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        visit(sub)
-
-  visit(jax.make_jaxpr(f)(*args).jaxpr)
-  [eqn] = found
+  [eqn] = launch_eqns(f, *args)
   return eqn
 
 
