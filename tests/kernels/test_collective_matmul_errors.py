@@ -48,6 +48,12 @@ def traced(
   return call
 
 
+# The reduce-scatter with its usual specs: contraction sharded, rows scattered.
+rs_traced = functools.partial(
+  traced, matmul_reduce_scatter, in_specs=RS_SPECS, out_specs=P("x")
+)
+
+
 def outside_shard_map(fn):
   """A call tracing ``fn`` under jit alone."""
 
@@ -161,36 +167,27 @@ ERRORS = [
   ),
   (
     "matmul-reduce-scatter-scatter-dimension-divisible",
-    traced(
-      matmul_reduce_scatter,
+    rs_traced(
       ((9, 256), F32),
       ((256, 128), F32),
-      in_specs=RS_SPECS,
-      out_specs=P("x"),
     ),
     ValueError,
     r"dimension 0 of lhs @ rhs \(9\) to be divisible by the",
   ),
   (
     "matmul-reduce-scatter-contraction-mismatch",
-    traced(
-      matmul_reduce_scatter,
+    rs_traced(
       ((8, 256), F32),
       ((512, 128), F32),
-      in_specs=RS_SPECS,
-      out_specs=P("x"),
     ),
     ValueError,
     r"lhs.shape\[1\] = 128 rows",
   ),
   (
     "matmul-reduce-scatter-scatter-dimension-value",
-    traced(
-      matmul_reduce_scatter,
+    rs_traced(
       ((8, 256), F32),
       ((256, 128), F32),
-      in_specs=RS_SPECS,
-      out_specs=P("x"),
       scatter_dimension=2,
     ),
     ValueError,
