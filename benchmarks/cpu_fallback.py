@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import mpmd  # noqa: E402
+from mpmd import demos  # noqa: E402
 
 NUM_CORES = 4
 TILE_ROWS = 64
@@ -64,36 +65,6 @@ def scale_rows(x: jax.Array, b: jax.Array, interpret=None) -> jax.Array:
 def _reference(x, b):
   rows, cols = x.shape
   return (x.reshape(-1, TILE_ROWS, cols) * 2.0 + b).reshape(rows, cols)
-
-
-def _ring_kernel(x_hbm, o_hbm, send, recv):
-  num = jax.lax.axis_size("x")
-  right = jax.lax.rem(jax.lax.axis_index("x") + 1, num)
-  copy = pltpu.make_async_remote_copy(
-    x_hbm,
-    o_hbm,
-    send,
-    recv,
-    device_id={"x": right},
-  )
-  copy.start()
-  copy.wait()
-
-
-def ring_shift(x: jax.Array, mesh, interpret=None) -> jax.Array:
-  """Each device's block of ``x`` (sharded along ``x``) moves one device on."""
-
-  def per_device(block):
-    return mpmd.mpmd_map(
-      [(mpmd.tensorcore_mesh("core", num_cores=1), _ring_kernel)],
-      jax.ShapeDtypeStruct(block.shape, block.dtype),
-      scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
-      interpret=interpret,
-    )(block)
-
-  return jax.shard_map(
-    per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
-  )(x)
 
 
 def _ring_reference(x, mesh):
@@ -161,10 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _compare(
       "ring_shift",
       {
-        "lockstep": jax.jit(functools.partial(ring_shift, mesh=mesh)),
+        "lockstep": jax.jit(functools.partial(demos.ring_shift, mesh=mesh)),
         "simulator": jax.jit(
           functools.partial(
-            ring_shift, mesh=mesh, interpret=pltpu.InterpretParams()
+            demos.ring_shift, mesh=mesh, interpret=pltpu.InterpretParams()
           )
         ),
       },

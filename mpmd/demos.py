@@ -35,6 +35,35 @@ def axpy(x: jax.Array, y: jax.Array) -> jax.Array:
   )(x, y)
 
 
+def _ring_shift_kernel(x_hbm, o_hbm, send, recv):
+  right = jax.lax.rem(jax.lax.axis_index("x") + 1, jax.lax.axis_size("x"))
+  copy = pltpu.make_async_remote_copy(
+    x_hbm, o_hbm, send, recv, device_id={"x": right}
+  )
+  copy.start()
+  copy.wait()
+
+
+def ring_shift(
+  x: jax.Array, mesh: jax.sharding.Mesh, *, check_vma=False, interpret=None
+) -> jax.Array:
+  """Each device's block of ``x`` (sharded along ``mesh``'s axis ``"x"``)
+  moves one device on, by a remote DMA: ``np.roll(x, len(x) // D, 0)``."""
+
+  def per_device(block):
+    return mpmd_map(
+      [(meshes.tensorcore_mesh("core", num_cores=1), _ring_shift_kernel)],
+      jax.ShapeDtypeStruct(block.shape, block.dtype),
+      scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
+      interpret=interpret,
+    )(block)
+
+  spec = jax.sharding.PartitionSpec("x")
+  return jax.shard_map(
+    per_device, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=check_vma
+  )(x)
+
+
 @register_demo("quickstart")
 def _quickstart() -> Demo:
   x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)

@@ -3,6 +3,8 @@
 Every test runs a kernel that hits the trap and checks that it now works.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import mpmd
-from mpmd import _jax
+from mpmd import _jax, demos
 
 ROWS = (8, 128)
 
@@ -67,36 +69,9 @@ def test_trap2_hbm_scratch_in_the_simulator():
 
 def ring_shift(x, mesh, check_vma=False, interpret=None):
   """Each device sends its shard to the right neighbour (a remote DMA)."""
-  n = mesh.shape["x"]
-  core = mpmd.tensorcore_mesh("core", num_cores=1)
-
-  def kernel(x_hbm, o_hbm, send, recv):
-    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
-    copy = pltpu.make_async_remote_copy(
-      x_hbm,
-      o_hbm,
-      send,
-      recv,
-      device_id={"x": right},
-    )
-    copy.start()
-    copy.wait()
-
-  def per_device(x):
-    return mpmd.mpmd_map(
-      [(core, kernel)],
-      jax.ShapeDtypeStruct(x.shape, x.dtype),
-      scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
-      interpret=interpret,
-    )(x)
-
   return jax.jit(
-    jax.shard_map(
-      per_device,
-      mesh=mesh,
-      in_specs=P("x"),
-      out_specs=P("x"),
-      check_vma=check_vma,
+    functools.partial(
+      demos.ring_shift, mesh=mesh, check_vma=check_vma, interpret=interpret
     )
   )(x)
 
