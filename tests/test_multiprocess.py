@@ -35,8 +35,8 @@ KERNELS = ("all_gather_matmul", "matmul_reduce_scatter")
 
 def _kernel_tolerances() -> dict[str, float]:
   """The f32 tolerances of the kernels' single-process tests."""
-  path = Path(__file__).parent / "kernels" / "test_collective_matmul.py"
-  spec = importlib.util.spec_from_file_location("_cm_tests", path)
+  path = Path(__file__).parent / "kernels" / "collective_matmul_util.py"
+  spec = importlib.util.spec_from_file_location("_cm_test_util", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.tolerances(jnp.float32)
