@@ -83,6 +83,29 @@ def gpu_add_one(x: jax.Array) -> jax.Array:
   return mpmd_map([(mesh, body)], jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
 
+def _gpu_load(x_ref, o_ref, smem, loaded):
+  plgpu.copy_gmem_to_smem(x_ref, smem, loaded)
+
+
+def _gpu_double(x_ref, o_ref, smem, loaded):
+  rows = pl.ds(jax.lax.axis_index("compute") * 64, 64)
+  plgpu.barrier_wait(loaded)
+  o_ref[rows, :] = smem[rows, :] * 2.0
+
+
+def gpu_two_meshes(x: jax.Array) -> jax.Array:
+  """``2 * x`` (f32 ``(128, n)``): a memory warpgroup loads ``x`` into SMEM,
+  two compute warpgroups wait on its barrier and double 64 rows each."""
+  memory = plgpu.Mesh(num_threads=1, thread_name="memory")
+  compute = plgpu.Mesh(num_threads=2, thread_name="compute")
+  return mpmd_map(
+    [(memory, _gpu_load), (compute, _gpu_double)],
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+    scratch_types=[plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier(num_arrivals=1)],
+    name="gpu_two_meshes",
+  )(x)
+
+
 @register_demo("gpu_quickstart")
 def _gpu_quickstart() -> Demo:
   x = jnp.arange(128 * 128, dtype=jnp.float32).reshape(128, 128)

@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmd
 from mpmd import kernels
+from mpmd.demos import gpu_two_meshes
 from mpmd.kernels import gpu
 from mpmd.lowering import paths
 
@@ -82,27 +82,6 @@ def producer_consumer(x, interpret=None):
     ],
     interpret=interpret,
     name="producer_consumer",
-  )(x)
-
-
-def gpu_two_meshes(x):
-  """A memory warpgroup loads, two compute warpgroups wait on a barrier."""
-  memory = plgpu.Mesh(num_threads=1, thread_name="memory")
-  compute = plgpu.Mesh(num_threads=2, thread_name="compute")
-
-  def load(x_ref, o_ref, smem, loaded):
-    plgpu.copy_gmem_to_smem(x_ref, smem, loaded)
-
-  def double(x_ref, o_ref, smem, loaded):
-    rows = pl.ds(jax.lax.axis_index("compute") * 64, 64)
-    plgpu.barrier_wait(loaded)
-    o_ref[rows, :] = smem[rows, :] * 2.0
-
-  return mpmd.mpmd_map(
-    [(memory, load), (compute, double)],
-    S(x.shape, x.dtype),
-    scratch_types=[plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier(num_arrivals=1)],
-    name="gpu_two_meshes",
   )(x)
 
 

@@ -11,30 +11,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import mpmd
+from mpmd.demos import gpu_two_meshes
 from mpmd.lowering import watchdog
 
 
 def _noop(*refs):
   del refs
-
-
-def gpu_two_meshes(x):
-  memory = plgpu.Mesh(num_threads=1, thread_name="memory")
-  compute = plgpu.Mesh(num_threads=2, thread_name="compute")
-
-  def load(x_ref, o_ref, smem, loaded):
-    plgpu.copy_gmem_to_smem(x_ref, smem, loaded)
-
-  def scale(x_ref, o_ref, smem, loaded):
-    rows = pl.ds(jax.lax.axis_index("compute") * 64, 64)
-    plgpu.barrier_wait(loaded)
-    o_ref[rows, :] = smem[rows, :] * 2.0
-
-  return mpmd.mpmd_map(
-    [(memory, load), (compute, scale)],
-    jax.ShapeDtypeStruct(x.shape, x.dtype),
-    scratch_types=[plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier(num_arrivals=1)],
-  )(x)
 
 
 def test_gpu_two_meshes_run_in_the_simulator_and_lower_for_cuda(rng):
