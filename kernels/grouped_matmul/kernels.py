@@ -119,23 +119,21 @@ def gmm_call(
 
   def kernel(*refs):
     r = _KernelRefs.unpack(refs, has_existing)
-    lhs_hbm, rhs_hbm, existing_hbm, out_hbm = r.lhs, r.rhs, r.existing, r.out
-    meta_s, accs, num_visits = r.meta, r.accs, r.num_visits
 
     def lhs_map(n_i, v, k_i):
-      return meta_s[layout.tile + v], k_i
+      return r.meta[layout.tile + v], k_i
 
     def rhs_map(n_i, v, k_i):
-      return meta_s[layout.group + v], k_i, n_i
+      return r.meta[layout.group + v], k_i, n_i
 
     def rem_lhs_map(n_i, v, k_i):
-      return meta_s[layout.tile + v], 0
+      return r.meta[layout.tile + v], 0
 
     def rem_rhs_map(n_i, v, k_i):
-      return meta_s[layout.group + v], 0, n_i
+      return r.meta[layout.group + v], 0, n_i
 
     def out_map(n_i, v, k_i):
-      return meta_s[layout.tile + v], n_i
+      return r.meta[layout.tile + v], n_i
 
     def dot(x, w):
       contract = 1 if cfg.transpose_rhs else 0
@@ -146,7 +144,7 @@ def gmm_call(
         preferred_element_type=jnp.float32,
       )
 
-    for strip, acc in zip(col_strips, accs, strict=True):
+    for strip, acc in zip(col_strips, r.accs, strict=True):
       n_slice = pl.ds(strip.start, strip.size)
       bn = strip.block
 
@@ -157,15 +155,15 @@ def gmm_call(
         existing_b = blocks.pop(0) if has_existing else None
         (out_b,) = blocks
         v, k_i = pl.program_id(1), pl.program_id(2)
-        tile = meta_s[layout.tile + v]
-        lo, hi = meta_s[layout.lo + v], meta_s[layout.hi + v]
+        tile = r.meta[layout.tile + v]
+        lo, hi = r.meta[layout.lo + v], r.meta[layout.hi + v]
 
         row0 = tile * tm
         # A visit whose group covers the whole tile overwrites it: no
         # initialisation and no row mask (on the CPU fallback each is a
         # full-tile copy per step).
         covers_tile = jnp.logical_and(lo <= row0, hi >= row0 + tm)
-        first = meta_s[layout.first + v] == 1
+        first = r.meta[layout.first + v] == 1
         needs_init = jnp.logical_and(first, jnp.logical_not(covers_tile))
 
         @pl.when(jnp.logical_and(k_i == 0, needs_init))
@@ -216,8 +214,8 @@ def gmm_call(
         rhs_block(tk, bn, rhs_map),
       ]
       in_refs = [
-        lhs_hbm.at[:, pl.ds(0, k_main)],
-        rhs_view(rhs_hbm, pl.ds(0, k_main), n_slice),
+        r.lhs.at[:, pl.ds(0, k_main)],
+        rhs_view(r.rhs, pl.ds(0, k_main), n_slice),
       ]
       if k_rem:
         in_specs += [
@@ -225,18 +223,18 @@ def gmm_call(
           rhs_block(k_rem, bn, rem_rhs_map),
         ]
         in_refs += [
-          lhs_hbm.at[:, pl.ds(k_main, k_rem)],
-          rhs_view(rhs_hbm, pl.ds(k_main, k_rem), n_slice),
+          r.lhs.at[:, pl.ds(k_main, k_rem)],
+          rhs_view(r.rhs, pl.ds(k_main, k_rem), n_slice),
         ]
       if has_existing:
         in_specs.append(block_spec((tm, bn), out_map))
-        in_refs.append(existing_hbm.at[:, n_slice])
+        in_refs.append(r.existing.at[:, n_slice])
       pltpu.emit_pipeline(
         step,
-        grid=(strip.size // bn, num_visits, tiles_k),
+        grid=(strip.size // bn, r.num_visits, tiles_k),
         in_specs=in_specs,
         out_specs=[block_spec((tm, bn), out_map)],
-      )(*in_refs, out_hbm.at[:, n_slice])
+      )(*in_refs, r.out.at[:, n_slice])
 
   scratch = [pltpu.SMEM((layout.length,), jnp.int32)]
   scratch += [pltpu.VMEM((tm, s.block), jnp.float32) for s in col_strips]
@@ -303,19 +301,17 @@ def tgmm_call(
 
   def kernel(*refs):
     r = _KernelRefs.unpack(refs, has_existing)
-    lhs_hbm, rhs_hbm, existing_hbm, out_hbm = r.lhs, r.rhs, r.existing, r.out
-    meta_s, accs, num_visits = r.meta, r.accs, r.num_visits
 
     def lhs_map(n_i, k_i, v):
-      return k_i, meta_s[layout.tile + v]
+      return k_i, r.meta[layout.tile + v]
 
     def rhs_map(n_i, k_i, v):
-      return meta_s[layout.tile + v], n_i
+      return r.meta[layout.tile + v], n_i
 
     def out_map(n_i, k_i, v):
-      return meta_s[layout.group + v], k_i, n_i
+      return r.meta[layout.group + v], k_i, n_i
 
-    for (ks, ns), acc in zip(strips, accs, strict=True):
+    for (ks, ns), acc in zip(strips, r.accs, strict=True):
       bk, bn = ks.block, ns.block
 
       def step(*blocks, acc=acc, bk=bk, bn=bn):
@@ -323,11 +319,11 @@ def tgmm_call(
         existing_b = blocks.pop(0) if has_existing else None
         (out_b,) = blocks
         v = pl.program_id(2)
-        tile = meta_s[layout.tile + v]
-        lo, hi = meta_s[layout.lo + v], meta_s[layout.hi + v]
+        tile = r.meta[layout.tile + v]
+        lo, hi = r.meta[layout.lo + v], r.meta[layout.hi + v]
 
         row0 = tile * tm
-        first = meta_s[layout.first + v] == 1
+        first = r.meta[layout.first + v] == 1
         covers_tile = jnp.logical_and(lo <= row0, hi >= row0 + tm)
 
         def accumulate(part):
@@ -366,7 +362,7 @@ def tgmm_call(
           w = jnp.where(row_mask(row0, lo, hi, (tm, bn), 0), w, zero)
           accumulate(dot(x, w))
 
-        @pl.when(meta_s[layout.last + v] == 1)
+        @pl.when(r.meta[layout.last + v] == 1)
         def _store():
           total = acc[...]
           if has_existing:
@@ -379,16 +375,16 @@ def tgmm_call(
         block_spec((bk, tm), lhs_map),
         block_spec((tm, bn), rhs_map),
       ]
-      in_refs = [lhs_hbm.at[k_slice, :], rhs_hbm.at[:, n_slice]]
+      in_refs = [r.lhs.at[k_slice, :], r.rhs.at[:, n_slice]]
       if has_existing:
         in_specs.append(block_spec((None, bk, bn), out_map))
-        in_refs.append(existing_hbm.at[:, k_slice, n_slice])
+        in_refs.append(r.existing.at[:, k_slice, n_slice])
       pltpu.emit_pipeline(
         step,
-        grid=(ns.size // bn, ks.size // bk, num_visits),
+        grid=(ns.size // bn, ks.size // bk, r.num_visits),
         in_specs=in_specs,
         out_specs=[block_spec((None, bk, bn), out_map)],
-      )(*in_refs, out_hbm.at[:, k_slice, n_slice])
+      )(*in_refs, r.out.at[:, k_slice, n_slice])
 
   scratch = [pltpu.SMEM((layout.length,), jnp.int32)]
   scratch += [
