@@ -16,6 +16,7 @@ from mpmd.api import mpmd_map
 from mpmd.kernels import collective_matmul, grouped_matmul
 from mpmd.kernels.gpu import matmul as gpu_matmul  # the function
 from mpmd.registry import Demo, DemoFactory, register_demo
+from mpmd.types import Interpret
 
 
 def _axpy_kernel(x_hbm, y_hbm, o_hbm, x_vmem, y_vmem):
@@ -45,10 +46,29 @@ def _ring_shift_kernel(x_hbm, o_hbm, send, recv):
 
 
 def ring_shift(
-  x: jax.Array, mesh: jax.sharding.Mesh, *, check_vma=False, interpret=None
+  x: jax.Array,
+  mesh: jax.sharding.Mesh,
+  *,
+  check_vma: bool = False,
+  interpret: Interpret = None,
 ) -> jax.Array:
   """Each device's block of ``x`` (sharded along ``mesh``'s axis ``"x"``)
-  moves one device on, by a remote DMA: ``np.roll(x, len(x) // D, 0)``."""
+  moves one device on, by a remote DMA: ``np.roll(x, len(x) // D, 0)``.
+
+  ``x``: ``(D * r, c)`` (e.g. float32), ``D`` the size of axis ``"x"``. On CPU
+  the lockstep path runs it (``interpret=pltpu.InterpretParams()``: the TPU
+  simulator).
+
+  Example:
+    >>> from mpmd import demos
+    >>> mesh = jax.make_mesh((4,), ("x",))
+    >>> x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    >>> x = jax.device_put(x, NamedSharding(mesh, P("x")))
+    >>> out = jax.jit(functools.partial(demos.ring_shift, mesh=mesh))(x)
+    >>> import numpy as np
+    >>> np.array_equal(out, np.roll(np.asarray(x), 2, axis=0))
+    True
+  """
 
   def per_device(block):
     return mpmd_map(
@@ -95,7 +115,13 @@ def _gpu_double(x_ref, o_ref, smem, loaded):
 
 def gpu_two_meshes(x: jax.Array) -> jax.Array:
   """``2 * x`` (f32 ``(128, n)``): a memory warpgroup loads ``x`` into SMEM,
-  two compute warpgroups wait on its barrier and double 64 rows each."""
+  two compute warpgroups wait on its barrier and double 64 rows each.
+
+  Example:
+    >>> from mpmd import demos
+    >>> float(demos.gpu_two_meshes(jnp.ones((128, 128), jnp.float32)).max())
+    2.0
+  """
   memory = plgpu.Mesh(num_threads=1, thread_name="memory")
   compute = plgpu.Mesh(num_threads=2, thread_name="compute")
   return mpmd_map(
