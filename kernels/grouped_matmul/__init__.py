@@ -29,8 +29,12 @@ dimensions there) run as a second pipeline over the strip.
 Per-platform choices (``tiling=None`` and the pipeline depth) follow the
 target: the abstract device of ``mpmd.tpu_target`` when cross-lowering,
 else the default backend. On TPU: megablox's (128, 128, 128) tiles, two
-buffers per operand. On the CPU fallback, where each pipeline step is a loop
-iteration and each DMA a copy: whole K and N blocks and one buffer.
+buffers per operand. On the CPU fallback no tiles: each pipeline step there
+is a loop iteration around a small XLA dot, and a tile straddling a group
+boundary is computed once per group, so ``tiling=None`` runs
+``windows.py`` instead: one dot per group over a window of its rows (at
+most 1.25x them) and a row mask. A tiling passed explicitly runs the tiled
+kernel on every platform.
 """
 
 from mpmd.kernels.grouped_matmul.api import gmm as gmm

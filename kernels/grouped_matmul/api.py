@@ -27,6 +27,10 @@ from mpmd.kernels.grouped_matmul.kernels import (
 )
 from mpmd.kernels.grouped_matmul.metadata import group_rows
 from mpmd.kernels.grouped_matmul.tiling import Tiling, TilingFn, resolve_tiling
+from mpmd.kernels.grouped_matmul.windows import (
+  gmm_windows_call,
+  tgmm_windows_call,
+)
 from mpmd.types import Interpret
 
 
@@ -56,13 +60,24 @@ def _sum_over_new_axes(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
   return lax.psum(cotangent, tuple(sorted(extra)))
 
 
+def _gmm_call(lhs, rhs, group_sizes, group_offset, existing_out, cfg):
+  """The tiled kernel, or the CPU window schedule where the tiling is None."""
+  call = gmm_windows_call if cfg.tiling is None else gmm_call
+  return call(lhs, rhs, group_sizes, group_offset, existing_out, cfg)
+
+
+def _tgmm_call(lhs, rhs, group_sizes, group_offset, existing_out, cfg):
+  call = tgmm_windows_call if cfg.tiling is None else tgmm_call
+  return call(lhs, rhs, group_sizes, group_offset, existing_out, cfg)
+
+
 @functools.cache
 def _differentiable_gmm(cfg: GmmConfig):
   """gmm with a custom VJP for one static configuration."""
 
   @jax.custom_vjp
   def f(lhs, rhs, group_sizes, group_offset, existing_out):
-    return gmm_call(lhs, rhs, group_sizes, group_offset, existing_out, cfg)
+    return _gmm_call(lhs, rhs, group_sizes, group_offset, existing_out, cfg)
 
   def fwd(lhs, rhs, group_sizes, group_offset, existing_out):
     out = f(lhs, rhs, group_sizes, group_offset, existing_out)
@@ -75,29 +90,33 @@ def _differentiable_gmm(cfg: GmmConfig):
     lhs, rhs, group_sizes, group_offset, existing_type = res
     m = lhs.shape[0]
     num_local = rhs.shape[0]
-    tm, tk, tn = cfg.tiling
+    if cfg.tiling is None:
+      dlhs_tiling = None
+    else:
+      tm, tk, tn = cfg.tiling
+      dlhs_tiling = (tm, tn, tk)
     # d lhs = grad @ rhs^T per group: a gmm with K and N swapped.
-    dlhs = gmm_call(
+    dlhs = _gmm_call(
       grad,
       rhs,
       group_sizes,
       group_offset,
       None,
       cfg._replace(
-        tiling=(tm, tn, tk),
+        tiling=dlhs_tiling,
         preferred_element_type=jnp.dtype(lhs.dtype),
         transpose_rhs=not cfg.transpose_rhs,
       ),
     )
     # d rhs[g] = lhs[rows_g]^T @ grad[rows_g]: a tgmm over the local groups.
-    drhs = tgmm_call(
+    drhs = _tgmm_call(
       lhs.T,
       grad,
       group_sizes,
       group_offset,
       None,
       TgmmConfig(
-        tiling=(tm, tk, tn),
+        tiling=cfg.tiling,
         preferred_element_type=jnp.dtype(rhs.dtype),
         num_actual_groups=num_local,
         interpret=cfg.interpret,
@@ -155,8 +174,10 @@ def gmm(
     preferred_element_type: dtype of the output (float32, bfloat16, float16);
       accumulation is always float32.
     tiling: ``(tm, tk, tn)``; a function ``(m, k, n) -> (tm, tk, tn)``; or
-      None for ``default_tiling`` of the target platform. ``tm`` must divide
-      ``m``; K and N may be ragged (the remainders are separate strips).
+      None for ``default_tiling`` of the target platform (on TPU megablox's
+      tiles; on the CPU fallback no tiles but one dot per group, see
+      ``grouped_matmul.windows``). ``tm`` must divide ``m``; K and N may be
+      ragged (the remainders are separate strips).
     group_offset: int32 scalar: the first global group held by ``rhs``.
     existing_out: ``(m, n)`` of ``preferred_element_type``: rows outside the
       local groups keep these values (the result of other shards).
@@ -211,7 +232,7 @@ def gmm(
   offset = check_group_offset(name, group_offset, num_groups, rhs.shape[0])
   check_existing_out(name, existing_out, (m, n), out_dtype)
   cfg = GmmConfig(
-    tiling=resolve_tiling(name, tiling, m, k, n, num_groups),
+    tiling=resolve_tiling(name, tiling, m, k, n),
     preferred_element_type=out_dtype,
     transpose_rhs=transpose_rhs,
     interpret=interpret,
@@ -308,7 +329,7 @@ def tgmm(
     name, existing_out, (int(num_actual_groups), k, n), out_dtype
   )
   cfg = TgmmConfig(
-    tiling=resolve_tiling(name, tiling, m, k, n, num_groups),
+    tiling=resolve_tiling(name, tiling, m, k, n),
     preferred_element_type=out_dtype,
     num_actual_groups=int(num_actual_groups),
     interpret=interpret,
@@ -319,4 +340,4 @@ def tgmm(
 
 @functools.cache
 def _jitted_tgmm(cfg: TgmmConfig):
-  return jax.jit(functools.partial(tgmm_call, cfg=cfg))
+  return jax.jit(functools.partial(_tgmm_call, cfg=cfg))

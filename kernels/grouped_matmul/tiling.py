@@ -21,58 +21,50 @@ TilingFn = Callable[[int, int, int], Tiling | None]
 _TPU_TILING: Tiling = (128, 128, 128)
 
 
-# On the CPU fallback every pipeline step is an XLA while-loop iteration with
-# a fixed overhead, so whole K and N blocks (one dot per row tile) win; tm
-# trades that overhead against the rows computed and masked away in tiles
-# that straddle a group boundary (at most one tile per group).
-# Measured (bf16, gmm time / dense matmul time, one interleaved run): for
-# m=1024, k=n=512, 8 groups tm=64: 1.33, 128: 1.39, 256: 1.84; for m=4096,
-# k=768, n=1024, 16 groups tm=128: 1.69, 256: 2.06. The rule below keeps the
-# rows wasted in straddle tiles (< tm per group) below m / 2.
-_CPU_TM_CANDIDATES = (512, 256, 128, 64, 32, 16, 8)
-
-
 # Mosaic blocks span whole (8, 128) vreg tiles in their last two dimensions.
 _TPU_SUBLANES = 8
 
 
 def default_tiling(
-  m: int, k: int, n: int, *, num_groups: int = 1, platform: str | None = None
-) -> Tiling:
+  m: int, k: int, n: int, *, platform: str | None = None
+) -> Tiling | None:
   """The tiling ``gmm``/``tgmm`` use when ``tiling=None``.
+
+  On TPU, megablox's tiles. Elsewhere None: the CPU fallback runs no tiles
+  but one dot per group over a window of its rows
+  (``mpmd.kernels.grouped_matmul.windows``); pass a tiling to run the
+  tiled kernel there instead.
 
   Args:
     m: rows of ``lhs`` (the grouped dimension).
     k: contraction size of ``gmm`` (an output dimension of ``tgmm``).
     n: output columns.
-    num_groups: number of groups; on CPU it bounds the rows wasted in tiles
-      that straddle group boundaries.
     platform: ``"tpu"``, ``"cpu"``, ...; defaults to the current target (the
       abstract device of ``mpmd.tpu_target`` when cross-lowering, else the
       default backend).
 
   Returns:
-    ``(tm, tk, tn)``, clipped to the problem and with ``tm`` dividing ``m``.
+    ``(tm, tk, tn)``, clipped to the problem and with ``tm`` dividing ``m``;
+    or None off TPU.
 
   Example:
-    >>> default_tiling(1024, 512, 512, num_groups=8, platform="cpu")
-    (64, 512, 512)
+    >>> default_tiling(1024, 512, 512, platform="tpu")
+    (128, 128, 128)
+    >>> default_tiling(1024, 512, 512, platform="cpu") is None
+    True
   """
   platform = targets.platform() if platform is None else platform
-  if platform == "tpu":
-    tm, tk, tn = _TPU_TILING
-    return (_largest_divisor_tile(m, tm), min(tk, k), min(tn, n))
-  for tm in _CPU_TM_CANDIDATES:
-    if m % tm == 0 and 2 * tm * num_groups <= m:
-      return (tm, k, n)
-  return (_largest_divisor_tile(m, _CPU_TM_CANDIDATES[-1]), k, n)
+  if platform != "tpu":
+    return None
+  tm, tk, tn = _TPU_TILING
+  return (_largest_divisor_tile(m, tm), min(tk, k), min(tn, n))
 
 
 def _largest_divisor_tile(m: int, tm: int) -> int:
   """The largest multiple of 8 that divides m and is <= tm, else m."""
   if m <= tm:
     return m
-  for t in range(tm - tm % 8, 0, -8):
+  for t in range(tm - tm % _TPU_SUBLANES, 0, -_TPU_SUBLANES):
     if m % t == 0:
       return t
   return m
@@ -84,10 +76,11 @@ def resolve_tiling(
   m: int,
   k: int,
   n: int,
-  num_groups: int,
-) -> Tiling:
+) -> Tiling | None:
+  """A user's ``tiling`` checked against the operands; None (the default)
+  becomes ``default_tiling``'s answer, None off TPU."""
   if tiling is None:
-    return default_tiling(m, k, n, num_groups=num_groups)
+    return default_tiling(m, k, n)
   if callable(tiling):
     got = tiling(m, k, n)
     if got is None:

@@ -24,6 +24,7 @@ import functools
 import logging
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,10 +43,11 @@ from grouped_matmul_util import (
 )
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
-from launches import kernel_path
+from launches import kernel_path, launch_eqns
 
 import mpmd
 from mpmd.kernels import grouped_matmul as gm
+from mpmd.kernels.grouped_matmul import windows
 from mpmd.lowering import paths
 
 
@@ -62,13 +64,16 @@ class KernelRunner:
 
 
 class GroupedMatmulTest(KernelRunner):
-  """The correctness cases; subclasses pick the execution path."""
+  """The correctness cases; subclasses pick the execution path and the
+  tiling (None: the platform's default schedule)."""
+
+  tiling = TILING
 
   # -- gmm ------------------------------------------------------------------
 
   def test_gmm_group_size_patterns(self, rng):
     lhs, rhs = operands(rng, M, K, N, G)
-    f = jax.jit(self.gmm(tiling=TILING))
+    f = jax.jit(self.gmm(tiling=self.tiling))
     for name, sizes in group_size_patterns(rng, M, G, TILING[0]).items():
       out = f(lhs, rhs, jnp.asarray(sizes))
       np.testing.assert_allclose(
@@ -80,28 +85,10 @@ class GroupedMatmulTest(KernelRunner):
       # Rows past sum(group_sizes) are exactly zero, not just small.
       assert not np.asarray(out)[sizes.sum() :].any(), name
 
-  @pytest.mark.parametrize(
-    "tiling",
-    [
-      pytest.param((16, 32, 16), id="aligned-tuple"),
-      pytest.param((32, 40, 48), id="ragged-K-and-N"),
-      pytest.param((64, 512, 512), id="tile-larger-than-dims"),
-      pytest.param(lambda m, k, n: (m // 4, k, n // 2), id="callable"),
-      pytest.param(None, id="default"),
-    ],
-  )
-  def test_gmm_tiling_forms(self, rng, tiling):
-    lhs, rhs = operands(rng, M, K, N, G)
-    sizes = jnp.asarray(group_size_patterns(rng, M, G, 16)["random_0"])
-    out = self.gmm(tiling=tiling)(lhs, rhs, sizes)
-    np.testing.assert_allclose(
-      out, ragged_dot_ref(lhs, rhs, sizes), **tolerances(jnp.float32)
-    )
-
   def test_gmm_transpose_rhs(self, rng):
     lhs, rhs_t = operands(rng, M, K, N, G, transpose=True)
     sizes = jnp.asarray(group_size_patterns(rng, M, G, 16)["straddle_tiles"])
-    out = self.gmm(tiling=TILING, transpose_rhs=True)(lhs, rhs_t, sizes)
+    out = self.gmm(tiling=self.tiling, transpose_rhs=True)(lhs, rhs_t, sizes)
     ref = ragged_dot_ref(lhs, rhs_t.swapaxes(1, 2), sizes)
     np.testing.assert_allclose(out, ref, **tolerances(jnp.float32))
 
@@ -118,7 +105,7 @@ class GroupedMatmulTest(KernelRunner):
     lhs, _ = operands(rng, M, K, N, G, lhs_dtype)
     _, rhs = operands(rng, M, K, N, G, rhs_dtype)
     sizes = jnp.asarray(group_size_patterns(rng, M, G, 16)["random_1"])
-    out = self.gmm(preferred_element_type=out_dtype, tiling=TILING)(
+    out = self.gmm(preferred_element_type=out_dtype, tiling=self.tiling)(
       lhs, rhs, sizes
     )
     assert out.dtype == out_dtype
@@ -134,7 +121,7 @@ class GroupedMatmulTest(KernelRunner):
     full = np.asarray(ragged_dot_ref(lhs, rhs, sizes))
     ends = np.cumsum(np.asarray(sizes))
     starts = ends - np.asarray(sizes)
-    f = jax.jit(self.gmm(tiling=TILING))
+    f = jax.jit(self.gmm(tiling=self.tiling))
     local = 2
     for offset in range(0, G, local):
       out = f(lhs, rhs[offset : offset + local], sizes, group_offset=offset)
@@ -152,7 +139,7 @@ class GroupedMatmulTest(KernelRunner):
     existing = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
     offset, local = 2, 3
     out = self.gmm(
-      tiling=TILING,
+      tiling=self.tiling,
       group_offset=jnp.asarray(offset, jnp.int32),
       existing_out=existing,
     )(lhs, rhs[offset : offset + local], sizes)
@@ -170,7 +157,7 @@ class GroupedMatmulTest(KernelRunner):
     sizes = jnp.asarray(group_size_patterns(rng, M, G, 16)["first_empty"])
     cot = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
     w = rhs.swapaxes(1, 2) if transpose_rhs else rhs
-    ours = self.gmm(tiling=TILING, transpose_rhs=transpose_rhs)
+    ours = self.gmm(tiling=self.tiling, transpose_rhs=transpose_rhs)
 
     def ref(lhs, w, sizes):
       rhs = w.swapaxes(1, 2) if transpose_rhs else w
@@ -188,7 +175,7 @@ class GroupedMatmulTest(KernelRunner):
     existing = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
     cot = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
     offset, local = 1, 3
-    gmm = self.gmm(tiling=TILING, group_offset=offset)
+    gmm = self.gmm(tiling=self.tiling, group_offset=offset)
 
     def ours(lhs, rhs_local, existing):
       out = gmm(lhs, rhs_local, sizes, existing_out=existing)
@@ -217,7 +204,7 @@ class GroupedMatmulTest(KernelRunner):
     # tgmm(lhs (k, m), rhs (m, n)): K and N are output dims, both ragged.
     x = jnp.asarray(rng.standard_normal((K, M)), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((M, N)) / np.sqrt(M), jnp.float32)
-    f = jax.jit(self.tgmm(tiling=TILING))
+    f = jax.jit(self.tgmm(tiling=self.tiling))
     for name, sizes in group_size_patterns(rng, M, G, TILING[0]).items():
       out = f(x, dy, jnp.asarray(sizes))
       assert out.shape == (G, K, N)
@@ -230,23 +217,6 @@ class GroupedMatmulTest(KernelRunner):
       # Empty groups are exactly zero.
       assert not np.asarray(out)[sizes == 0].any(), name
 
-  @pytest.mark.parametrize(
-    "tiling",
-    [
-      pytest.param((16, 32, 16), id="aligned"),
-      pytest.param(lambda m, k, n: (m, k // 2, n), id="callable"),
-      pytest.param(None, id="default"),
-    ],
-  )
-  def test_tgmm_tiling_forms(self, rng, tiling):
-    x = jnp.asarray(rng.standard_normal((K, M)), jnp.float32)
-    dy = jnp.asarray(rng.standard_normal((M, N)) / np.sqrt(M), jnp.float32)
-    sizes = group_size_patterns(rng, M, G, 16)["random_0"]
-    out = self.tgmm(tiling=tiling)(x, dy, jnp.asarray(sizes))
-    np.testing.assert_allclose(
-      out, tgmm_ref(x, dy, sizes), **tolerances(jnp.float32)
-    )
-
   def test_tgmm_offset_num_actual_groups_existing_out(self, rng):
     x = jnp.asarray(rng.standard_normal((K, M)), jnp.bfloat16)
     dy = jnp.asarray(rng.standard_normal((M, N)) / np.sqrt(M), jnp.bfloat16)
@@ -254,7 +224,7 @@ class GroupedMatmulTest(KernelRunner):
     offset, local = 3, 2
     existing = jnp.asarray(rng.standard_normal((local, K, N)), jnp.float32)
     out = self.tgmm(
-      tiling=TILING,
+      tiling=self.tiling,
       group_offset=offset,
       num_actual_groups=local,
       existing_out=existing,
@@ -276,7 +246,7 @@ class GroupedMatmulTest(KernelRunner):
     rhs_sharded = jax.device_put(rhs, jax.NamedSharding(mesh, spec("x")))
     sizes = jnp.asarray(group_size_patterns(rng, M, groups, 16)["random_0"])
     cot = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
-    gmm = self.gmm(tiling=TILING)
+    gmm = self.gmm(tiling=self.tiling)
 
     @functools.partial(
       jax.shard_map,
@@ -311,7 +281,7 @@ class GroupedMatmulTest(KernelRunner):
     x = jnp.asarray(rng.standard_normal((K, M)), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((M, N)) / np.sqrt(M), jnp.float32)
     sizes = group_size_patterns(rng, M, G, 16)["random_1"]
-    tgmm = self.tgmm(tiling=TILING, num_actual_groups=local)
+    tgmm = self.tgmm(tiling=self.tiling, num_actual_groups=local)
 
     @functools.partial(
       jax.shard_map,
@@ -331,7 +301,43 @@ class GroupedMatmulTest(KernelRunner):
 
 
 class TestCpuFallback(GroupedMatmulTest):
-  """Every case on the CPU fallback (interpret=None on a CPU host)."""
+  """Every case on the CPU fallback (interpret=None on a CPU host), with
+  the tiled kernel (the TPU's, at CPU-sized tiles)."""
+
+  @pytest.mark.parametrize(
+    "tiling",
+    [
+      pytest.param((16, 32, 16), id="aligned-tuple"),
+      pytest.param((32, 40, 48), id="ragged-K-and-N"),
+      pytest.param((64, 512, 512), id="tile-larger-than-dims"),
+      pytest.param(lambda m, k, n: (m // 4, k, n // 2), id="callable"),
+      pytest.param(None, id="default"),
+    ],
+  )
+  def test_gmm_tiling_forms(self, rng, tiling):
+    lhs, rhs = operands(rng, M, K, N, G)
+    sizes = jnp.asarray(group_size_patterns(rng, M, G, 16)["random_0"])
+    out = self.gmm(tiling=tiling)(lhs, rhs, sizes)
+    np.testing.assert_allclose(
+      out, ragged_dot_ref(lhs, rhs, sizes), **tolerances(jnp.float32)
+    )
+
+  @pytest.mark.parametrize(
+    "tiling",
+    [
+      pytest.param((16, 32, 16), id="aligned"),
+      pytest.param(lambda m, k, n: (m, k // 2, n), id="callable"),
+      pytest.param(None, id="default"),
+    ],
+  )
+  def test_tgmm_tiling_forms(self, rng, tiling):
+    x = jnp.asarray(rng.standard_normal((K, M)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((M, N)) / np.sqrt(M), jnp.float32)
+    sizes = group_size_patterns(rng, M, G, 16)["random_0"]
+    out = self.tgmm(tiling=tiling)(x, dy, jnp.asarray(sizes))
+    np.testing.assert_allclose(
+      out, tgmm_ref(x, dy, sizes), **tolerances(jnp.float32)
+    )
 
   def test_gmm_takes_fast_path(self, rng):
     lhs, rhs = operands(rng, M, K, N, G)
@@ -365,6 +371,84 @@ class TestCpuFallback(GroupedMatmulTest):
     assert not compiles, [r.getMessage() for r in compiles]
 
 
+class TestCpuWindows(GroupedMatmulTest):
+  """Every case with the CPU fallback's default schedule (tiling=None): one
+  dot per group over a window of its rows (``grouped_matmul.windows``)."""
+
+  tiling = None
+
+  def test_default_is_one_window_per_group(self, rng):
+    lhs, rhs = operands(rng, M, K, N, G)
+    sizes = jnp.full((G,), M // G, jnp.int32)
+    num_sizes = len(windows.window_sizes(M))
+    for f, args, branches in [
+      (self.gmm(), (lhs, rhs, sizes), num_sizes),
+      # tgmm writes an empty group's output: one more branch.
+      (self.tgmm(), (lhs.T, rhs[0][:M], sizes), num_sizes + 1),
+    ]:
+      (launch,) = launch_eqns(f, *args)
+      assert launch.params["cpu_path"].kind == paths.FAST
+      # A loop over the groups, switching over the window sizes.
+      switches = [
+        len(e.params["branches"])
+        for e in _eqns(launch.params["jaxprs"][0])
+        if e.primitive is lax.cond_p and len(e.params["branches"]) > 2
+      ]
+      assert switches == [branches], switches
+
+  def test_window_sizes(self):
+    assert windows.window_sizes(64) == (
+      (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
+    )
+    assert windows.window_sizes(5) == (5,)
+    for m in (1, 8, 61, 100, 1024, 4096):
+      sizes = windows.window_sizes(m)
+      assert sizes[-1] == m and sizes[0] == min(8, m), (m, sizes)
+      ratios = np.asarray(sizes[1:]) / np.asarray(sizes[:-1])
+      assert ratios.max(initial=1) <= 1.25, (m, sizes)
+
+  @pytest.mark.parametrize("m", [5, 61])
+  def test_rows_not_a_multiple_of_eight(self, rng, m):
+    # Windows clamped at the end of the array: the last group's window
+    # starts before the group and must leave the earlier rows alone.
+    lhs, rhs = operands(rng, m, K, N, 3)
+    x = jnp.asarray(rng.standard_normal((m, N)) / np.sqrt(m), jnp.float32)
+    for sizes in ([m - 3, 0, 3], [1, m - 2, 1], [0, 0, m], [2, 1, 0]):
+      sizes = np.asarray(sizes, np.int32)
+      np.testing.assert_allclose(
+        self.gmm()(lhs, rhs, jnp.asarray(sizes)),
+        ragged_dot_ref(lhs, rhs, jnp.asarray(sizes)),
+        err_msg=f"gmm {sizes}",
+        **tolerances(jnp.float32),
+      )
+      np.testing.assert_allclose(
+        self.tgmm()(lhs.T, x, jnp.asarray(sizes)),
+        tgmm_ref(lhs.T, x, sizes),
+        err_msg=f"tgmm {sizes}",
+        **tolerances(jnp.float32),
+      )
+
+  def test_tgmm_ignores_inf_in_other_groups_rows(self, rng):
+    # A window reaches into neighbouring groups' rows; 0 * inf would be nan.
+    lhs, rhs = operands(rng, M, K, N, 1)
+    dy = rhs[0][:M]
+    sizes = np.asarray([5, 3, M - 8], np.int32)
+    x = np.asarray(lhs.T).copy()
+    x[:, 5:8] = np.inf  # group 1, inside group 0's window
+    out = self.tgmm()(jnp.asarray(x), dy, jnp.asarray(sizes))
+    want = tgmm_ref(x[:, :5], dy[:5], sizes[:1])
+    np.testing.assert_allclose(out[0], want[0], **tolerances(jnp.float32))
+    assert np.isinf(np.asarray(out[1])).any()
+
+
+def _eqns(jaxpr):
+  """Every equation of ``jaxpr``, nested ones included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _eqns(sub)
+
+
 class TestTpuSimulator(KernelRunner):
   """The faithful TPU simulator gives the fast path's answer (ragged K/N).
 
@@ -393,6 +477,23 @@ class TestTpuSimulator(KernelRunner):
     out = self.tgmm(tiling=(8, 32, 16))(lhs.T, dy, sizes)
     np.testing.assert_allclose(
       out, tgmm_ref(lhs.T, dy, sizes), **tolerances(jnp.float32)
+    )
+
+  def test_cpu_window_schedule(self, rng):
+    # tiling=None on a CPU host: the window schedule, run by the simulator.
+    m, k, n = 32, 40, 24
+    lhs, rhs = operands(rng, m, k, n, 3)
+    sizes = jnp.asarray([9, 0, 17], jnp.int32)
+    np.testing.assert_allclose(
+      self.gmm()(lhs, rhs, sizes),
+      ragged_dot_ref(lhs, rhs, sizes),
+      **tolerances(jnp.float32),
+    )
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+    np.testing.assert_allclose(
+      self.tgmm()(lhs.T, dy, sizes),
+      tgmm_ref(lhs.T, dy, sizes),
+      **tolerances(jnp.float32),
     )
 
 
@@ -444,7 +545,8 @@ class TestTpuCrossLowering:
   def test_default_tiling_is_the_tpu_one_under_tpu_target(self):
     with mpmd.tpu_target("v5e"):
       assert gm.default_tiling(1024, 512, 512) == (128, 128, 128)
-    assert gm.default_tiling(1024, 512, 512, num_groups=8) == (64, 512, 512)
+    # Off TPU: no tiles, the CPU fallback's one window per group.
+    assert gm.default_tiling(1024, 512, 512) is None
 
   @pytest.mark.parametrize("name", ["gmm", "tgmm"])
   def test_registered_demos(self, name):
