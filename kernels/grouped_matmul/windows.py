@@ -193,13 +193,15 @@ def tgmm_windows_call(
   operands = [meta, lhs, rhs] + ([existing_out] if has_existing else [])
 
   def kernel(meta_hbm, lhs_ref, rhs_ref, *refs):
-    *_, out_ref, meta_ref = refs
+    *_, out_ref, meta_ref, o = refs
     pltpu.sync_copy(meta_hbm, meta_ref)
-    out_buffer = [((k, n), out_dtype)]
 
     def group(g):
       win = _unpack(meta_ref, num_local, g)
       in_group = functools.partial(row_mask, win.start, win.lo, win.hi)
+      if has_existing:
+        # out_ref starts as existing_out (aliased).
+        pltpu.sync_copy(out_ref.at[g], o)
 
       @_scoped(lambda rows: [((k, rows), lhs.dtype), ((rows, n), rhs.dtype)])
       def window(rows: int, x, r):
@@ -208,25 +210,21 @@ def tgmm_windows_call(
         pltpu.sync_copy(rhs_ref.at[rows_hbm], r)
         xs = jnp.where(in_group((k, rows), 1), x[...], _zero(lhs))
         rs = jnp.where(in_group((rows, n), 0), r[...], _zero(rhs))
-        store(_dot(xs, rs, 0, in_dtype))
-
-      @_scoped(lambda _: out_buffer)
-      def store(part, o):
+        part = _dot(xs, rs, 0, in_dtype)
         if has_existing:
-          # out_ref starts as existing_out (aliased).
-          pltpu.sync_copy(out_ref.at[g], o)
           part += o[...].astype(jnp.float32)
         o[...] = part.astype(out_dtype)
-        pltpu.sync_copy(o, out_ref.at[g])
 
       def empty():
         if not has_existing:
-          store(jnp.zeros((k, n), jnp.float32))
+          o[...] = jnp.zeros_like(o)
 
-      # The last branch is the empty group's.
+      # The last branch is the empty group's. The branches write o, not
+      # the output: older XLA copies a buffer updated inside a conditional.
       lax.switch(
         win.size, [functools.partial(window, s) for s in sizes] + [empty]
       )
+      pltpu.sync_copy(o, out_ref.at[g])
 
     _for_each_group(num_local, group)
 
@@ -239,6 +237,7 @@ def tgmm_windows_call(
     input_output_aliases={_EXISTING_OUT_INDEX: 0} if has_existing else {},
     scratch_types=[
       pltpu.SMEM(meta.shape, jnp.int32),
+      pltpu.VMEM((k, n), out_dtype),
     ],
     interpret=cfg.interpret,
     cost_estimate=_cost(
