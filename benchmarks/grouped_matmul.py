@@ -8,6 +8,12 @@ processes hits all sides alike; each side's time is its median over rounds.
   same useful FLOPs). Targets (issue #14): <= 0.3x ragged_dot, <= 1.5x dense.
 * tgmm vs ``lax.ragged_dot_general`` with the ragged dimension contracted
   (the same computation), and vs the dense ``(k, m) @ (m, n)`` (<= 1.5x).
+* both vs ``per-group dots``: one XLA dot per group over exactly its rows,
+  with the group sizes fixed when traced (so not usable when sizes are
+  data, as in a model). Any kernel that runs a dot per group costs at least
+  this: on XLA:CPU a dot has a fixed cost per call (about a tenth of a
+  millisecond at k=n=512), which eight groups pay eight times and the
+  dense matmul once.
 
 Cases: "ragged" has MoE-routing group sizes (not multiples of any tile, an
 empty group); "dirichlet" draws friendlier uneven sizes; "moe-large" is a
@@ -102,9 +108,34 @@ class _Functions(NamedTuple):
   ragged_dot_general: Callable[..., jax.Array]
   gmm_grad: Callable[..., tuple[jax.Array, jax.Array]]
   ragged_dot_grad: Callable[..., tuple[jax.Array, jax.Array]]
+  group_dots: Callable[..., jax.Array]
+  group_dots_t: Callable[..., jax.Array]
 
 
-def _functions(dy: jax.Array) -> _Functions:
+def _group_dots(sizes: Sequence[int]):
+  """gmm and tgmm as one dot per group, the sizes fixed at trace time."""
+  f32 = jnp.float32
+  ends = np.cumsum(sizes)
+  rows = [slice(int(e - s), int(e)) for s, e in zip(sizes, ends, strict=True)]
+
+  def gmm(a, b):
+    return jnp.concatenate(
+      [
+        jnp.dot(a[r], b[g], preferred_element_type=f32)
+        for g, r in enumerate(rows)
+        if r.stop > r.start
+      ]
+    )
+
+  def tgmm(x, y):
+    return jnp.stack(
+      [jnp.dot(x[:, r], y[r], preferred_element_type=f32) for r in rows]
+    )
+
+  return jax.jit(gmm), jax.jit(tgmm)
+
+
+def _functions(dy: jax.Array, sizes: Sequence[int]) -> _Functions:
   f32 = jnp.float32
 
   def gmm(a, b, s):
@@ -125,6 +156,7 @@ def _functions(dy: jax.Array) -> _Functions:
 
     return jax.jit(jax.grad(f, argnums=(0, 1)))
 
+  group_dots, group_dots_t = _group_dots(sizes)
   return _Functions(
     gmm=jax.jit(gmm),
     ragged_dot=jax.jit(ragged_dot),
@@ -137,6 +169,8 @@ def _functions(dy: jax.Array) -> _Functions:
     ),
     gmm_grad=loss_grad(gmm),
     ragged_dot_grad=loss_grad(ragged_dot),
+    group_dots=group_dots,
+    group_dots_t=group_dots_t,
   )
 
 
@@ -155,6 +189,13 @@ def _check_answers(fns: _Functions, ops: _Operands) -> None:
     rtol=2e-2,
     atol=2e-2 * np.sqrt(lhs.shape[0]),
   )
+  # The per-group dots reference computes the same rows.
+  np.testing.assert_allclose(
+    fns.group_dots(lhs, rhs),
+    fns.ragged_dot(lhs, rhs, sizes)[: int(sizes.sum())],
+    rtol=2e-2,
+    atol=2e-2,
+  )
 
 
 def _time(fns: _Functions, ops: _Operands, rounds: int) -> dict[str, float]:
@@ -169,6 +210,7 @@ def _time(fns: _Functions, ops: _Operands, rounds: int) -> dict[str, float]:
       "gmm": lambda: fns.gmm(lhs, rhs, sizes),
       "ragged_dot": lambda: fns.ragged_dot(lhs, rhs, sizes),
       "dense": lambda: fns.dense(lhs, rhs0),
+      "group_dots": lambda: fns.group_dots(lhs, rhs),
     },
     rounds,
   )
@@ -177,6 +219,7 @@ def _time(fns: _Functions, ops: _Operands, rounds: int) -> dict[str, float]:
       "tgmm": lambda: fns.tgmm(lhs_t, dy, sizes),
       "ragged_dot_general": lambda: fns.ragged_dot_general(lhs, dy, sizes),
       "dense_t": lambda: fns.dense(lhs_t, dy),
+      "group_dots_t": lambda: fns.group_dots_t(lhs_t, dy),
     },
     rounds,
   )
@@ -190,18 +233,25 @@ def _time(fns: _Functions, ops: _Operands, rounds: int) -> dict[str, float]:
   return t
 
 
+def _schedule(case: Case) -> str:
+  tiling = gm.default_tiling(case.m, case.k, case.n)
+  return "one window per group" if tiling is None else f"tiling {tiling}"
+
+
 def run_case(case: Case, rounds: int) -> dict[str, float]:
   ops = _operands(case)
-  fns = _functions(ops.dy)
+  fns = _functions(ops.dy, [int(s) for s in ops.sizes])
   _check_answers(fns, ops)
   t = _time(fns, ops, rounds)
   return {
-    "tiling": gm.default_tiling(case.m, case.k, case.n, num_groups=case.groups),
+    "schedule": _schedule(case),
     "gmm_ms": t["gmm"] * 1e3,
     "gmm/ragged_dot": t["gmm"] / t["ragged_dot"],
     "gmm/dense": t["gmm"] / t["dense"],
     "tgmm/ragged_dot_general": t["tgmm"] / t["ragged_dot_general"],
     "tgmm/dense": t["tgmm"] / t["dense_t"],
+    "gmm/group_dots": t["gmm"] / t["group_dots"],
+    "tgmm/group_dots": t["tgmm"] / t["group_dots_t"],
     "grad/ragged_dot_grad": t["gmm fwd+bwd"] / t["ragged_dot fwd+bwd"],
   }
 
@@ -234,10 +284,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     r = run_case(case, rounds)
     print(
-      f"    tiling {r['tiling']}  gmm {r['gmm_ms']:.2f} ms  "
+      f"    {r['schedule']}  gmm {r['gmm_ms']:.2f} ms  "
       f"gmm/ragged_dot {r['gmm/ragged_dot']:.2f}x (target <= 0.3)  "
       f"gmm/dense {r['gmm/dense']:.2f}x (target <= 1.5)\n"
       f"    tgmm/dense {r['tgmm/dense']:.2f}x (target <= 1.5)  "
+      f"vs per-group dots: gmm {r['gmm/group_dots']:.2f}x  "
+      f"tgmm {r['tgmm/group_dots']:.2f}x\n    "
       f"tgmm/ragged_dot_general {r['tgmm/ragged_dot_general']:.2f}x  "
       f"fwd+bwd vs ragged_dot {r['grad/ragged_dot_grad']:.2f}x",
       flush=True,
