@@ -135,11 +135,13 @@ def _group_dots(sizes: Sequence[int]):
   return jax.jit(gmm), jax.jit(tgmm)
 
 
-def _functions(dy: jax.Array, sizes: Sequence[int]) -> _Functions:
+def _functions(
+  dy: jax.Array, sizes: Sequence[int], tiling: gm.Tiling | None
+) -> _Functions:
   f32 = jnp.float32
 
   def gmm(a, b, s):
-    return gm.gmm(a, b, s, preferred_element_type=f32)
+    return gm.gmm(a, b, s, preferred_element_type=f32, tiling=tiling)
 
   def ragged_dot(a, b, s):
     return lax.ragged_dot(a, b, s, preferred_element_type=f32)
@@ -161,7 +163,11 @@ def _functions(dy: jax.Array, sizes: Sequence[int]) -> _Functions:
     gmm=jax.jit(gmm),
     ragged_dot=jax.jit(ragged_dot),
     dense=jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=f32)),
-    tgmm=jax.jit(lambda x, y, s: gm.tgmm(x, y, s, preferred_element_type=f32)),
+    tgmm=jax.jit(
+      lambda x, y, s: gm.tgmm(
+        x, y, s, preferred_element_type=f32, tiling=tiling
+      )
+    ),
     ragged_dot_general=jax.jit(
       lambda x, y, s: lax.ragged_dot_general(
         x, y, s, ragged_contract, preferred_element_type=f32
@@ -233,18 +239,22 @@ def _time(fns: _Functions, ops: _Operands, rounds: int) -> dict[str, float]:
   return t
 
 
-def _schedule(case: Case) -> str:
-  tiling = gm.default_tiling(case.m, case.k, case.n)
+def _schedule(case: Case, tiling: gm.Tiling | None) -> str:
+  if tiling is None:
+    tiling = gm.default_tiling(case.m, case.k, case.n)
   return "one window per group" if tiling is None else f"tiling {tiling}"
 
 
-def run_case(case: Case, rounds: int) -> dict[str, float]:
+def run_case(
+  case: Case, rounds: int, tiling: gm.Tiling | None = None
+) -> dict[str, float]:
+  """Ratios of one case; ``tiling`` as for gmm (None: the default)."""
   ops = _operands(case)
-  fns = _functions(ops.dy, [int(s) for s in ops.sizes])
+  fns = _functions(ops.dy, [int(s) for s in ops.sizes], tiling)
   _check_answers(fns, ops)
   t = _time(fns, ops, rounds)
   return {
-    "schedule": _schedule(case),
+    "schedule": _schedule(case, tiling),
     "gmm_ms": t["gmm"] * 1e3,
     "gmm/ragged_dot": t["gmm"] / t["ragged_dot"],
     "gmm/dense": t["gmm"] / t["dense"],
@@ -266,6 +276,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument(
     "--rounds", type=int, default=None, help="timed rounds per function"
   )
+  parser.add_argument(
+    "--tiling",
+    type=lambda text: tuple(int(t) for t in text.split(",")),
+    default=None,
+    help="tm,tk,tn: run the tiled kernel (default: the platform's schedule)",
+  )
   args = parser.parse_args(argv)
   cases = QUICK_CASES if args.quick else FULL_CASES
   rounds = args.rounds or (3 if args.quick else 7)
@@ -282,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       + " ...",
       flush=True,
     )
-    r = run_case(case, rounds)
+    r = run_case(case, rounds, args.tiling)
     print(
       f"    {r['schedule']}  gmm {r['gmm_ms']:.2f} ms  "
       f"gmm/ragged_dot {r['gmm/ragged_dot']:.2f}x (target <= 0.3)  "

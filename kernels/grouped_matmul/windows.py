@@ -12,7 +12,8 @@ local groups and switches to the window size's branch, which copies the
 window, runs one dot and keeps only the group's rows: rows of the window
 outside the group are dropped from gmm's store and zeroed in both of
 tgmm's operands (other groups' rows may hold inf). A window's buffers are
-scoped to its branch, so that the branches write nothing but the output.
+scoped to its branch: buffers that every branch saw would be carried (and
+copied) through each of them.
 
 The TPU keeps the tiled megablox kernels (``kernels.py``); this schedule
 runs where the target is not a TPU and ``tiling=None``.
@@ -250,8 +251,8 @@ def tgmm_windows_call(
 
 def _scoped(buffers):
   """Runs ``fn(arg)`` with VMEM buffers ``buffers(arg)`` (shape, dtype
-  pairs) allocated for the call only: a window's buffers are local to its
-  switch branch, which then writes nothing but the output."""
+  pairs) allocated for the call only: a window's buffers stay local to its
+  switch branch."""
 
   def wrap(fn):
     def run(arg):
