@@ -33,7 +33,7 @@ buffers per operand. On the CPU fallback no tiles: each pipeline step there
 is a loop iteration around a small XLA dot, and a tile straddling a group
 boundary is computed once per group, so ``tiling=None`` runs
 ``windows.py`` instead: one dot per group over a window of its rows (at
-most 1.25x them) and a row mask. A tiling passed explicitly runs the tiled
+most 1.5x them) and a row mask. A tiling passed explicitly runs the tiled
 kernel on every platform.
 """
 

@@ -397,15 +397,13 @@ class TestCpuWindows(GroupedMatmulTest):
       assert switches == [branches], switches
 
   def test_window_sizes(self):
-    assert windows.window_sizes(64) == (
-      (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
-    )
+    assert windows.window_sizes(64) == (8, 12, 16, 24, 32, 48, 64)
     assert windows.window_sizes(5) == (5,)
     for m in (1, 8, 61, 100, 1024, 4096):
       sizes = windows.window_sizes(m)
       assert sizes[-1] == m and sizes[0] == min(8, m), (m, sizes)
       ratios = np.asarray(sizes[1:]) / np.asarray(sizes[:-1])
-      assert ratios.max(initial=1) <= 1.25, (m, sizes)
+      assert ratios.max(initial=1) <= 1.5, (m, sizes)
 
   @pytest.mark.parametrize("m", [5, 61])
   def test_rows_not_a_multiple_of_eight(self, rng, m):
