@@ -49,6 +49,12 @@ check_version("jax", jax.__version__)
 check_version("jaxlib", jaxlib.__version__)
 JAX_VERSION = _version_tuple(jax.__version__)
 
+# Before jaxlib 0.11, XLA copies a buffer that a multi-way conditional
+# (lax.switch) updates in place, whole, each time it runs; two-way
+# conditionals update in place. Kernels that switch over branches writing a
+# large buffer chain pl.when there instead (measured: the grouped matmuls).
+SWITCH_COPIES_UPDATED_BUFFERS = JAX_VERSION < (0, 11)
+
 # ruff: noqa: E402, F401, I001
 from jax._src import api_util
 from jax._src import callback

@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mpmd import _jax
 from mpmd.api import mpmd_map
 from mpmd.kernels import _common
 from mpmd.kernels.grouped_matmul.checks import input_dtype
@@ -153,7 +154,7 @@ def gmm_windows_call(
       @pl.when(win.lo < win.hi)
       def _():
         pltpu.sync_copy(rhs_ref.at[g], w)
-        lax.switch(win.size, [functools.partial(window, s) for s in sizes])
+        _switch(win.size, [functools.partial(window, s) for s in sizes])
 
     _for_each_group(num_local, group)
 
@@ -221,11 +222,9 @@ def tgmm_windows_call(
         if not has_existing:
           o[...] = jnp.zeros_like(o)
 
-      # The last branch is the empty group's. The branches write o, not
-      # the output: older XLA copies a buffer updated inside a conditional.
-      lax.switch(
-        win.size, [functools.partial(window, s) for s in sizes] + [empty]
-      )
+      # The last branch is the empty group's; either writes o, stored once
+      # after the switch.
+      _switch(win.size, [functools.partial(window, s) for s in sizes] + [empty])
       pltpu.sync_copy(o, out_ref.at[g])
 
     _for_each_group(num_local, group)
@@ -263,6 +262,17 @@ def _scoped(buffers):
     return run
 
   return wrap
+
+
+def _switch(index, branches) -> None:
+  """Runs ``branches[index]()`` (no operands, refs closed over): one
+  ``lax.switch``, or, where XLA would copy the buffers it updates
+  (``_jax.SWITCH_COPIES_UPDATED_BUFFERS``), a ``pl.when`` per branch."""
+  if not _jax.SWITCH_COPIES_UPDATED_BUFFERS:
+    lax.switch(index, branches)
+    return
+  for i, branch in enumerate(branches):
+    pl.when(index == i)(branch)
 
 
 def _zero(x: jax.Array) -> jax.Array:
