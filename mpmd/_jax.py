@@ -52,7 +52,7 @@ JAX_VERSION = _version_tuple(jax.__version__)
 # Before jaxlib 0.11, XLA copies a buffer that a multi-way conditional
 # (lax.switch) updates in place, whole, each time it runs; two-way
 # conditionals update in place. Kernels that switch over branches writing a
-# large buffer chain pl.when there instead (measured: the grouped matmuls).
+# large buffer chain pl.when there instead (measured: gmm's window switch).
 SWITCH_COPIES_UPDATED_BUFFERS = JAX_VERSION < (0, 11)
 
 # ruff: noqa: E402, F401, I001

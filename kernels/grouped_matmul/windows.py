@@ -222,9 +222,13 @@ def tgmm_windows_call(
         if not has_existing:
           o[...] = jnp.zeros_like(o)
 
-      # The last branch is the empty group's; either writes o, stored once
-      # after the switch.
-      _switch(win.size, [functools.partial(window, s) for s in sizes] + [empty])
+      # The last branch is the empty group's. The branches write o, stored
+      # after the switch: a switch that updated the whole output would copy
+      # it on jax 0.10.2 (see _switch), and a pl.when per size measured
+      # slower than copying o there.
+      lax.switch(
+        win.size, [functools.partial(window, s) for s in sizes] + [empty]
+      )
       pltpu.sync_copy(o, out_ref.at[g])
 
     _for_each_group(num_local, group)

@@ -390,43 +390,34 @@ class TestCpuWindows(GroupedMatmulTest):
       (launch,) = launch_eqns(f, *args)
       assert launch.params["cpu_path"].kind == paths.FAST
       # A loop over the groups, switching over the window sizes: one
-      # switch, or a pl.when per size where XLA copies what a switch
-      # updates.
+      # switch, or for gmm a pl.when per size where XLA copies what a
+      # switch updates.
       conds = [
         len(e.params["branches"])
         for e in _eqns(launch.params["jaxprs"][0])
         if e.primitive is lax.cond_p
       ]
-      if _jax.SWITCH_COPIES_UPDATED_BUFFERS:
+      if _jax.SWITCH_COPIES_UPDATED_BUFFERS and f.func is gm.gmm:
         assert conds.count(2) >= branches, conds
       else:
         assert [c for c in conds if c > 2] == [branches], conds
 
-  @pytest.mark.parametrize("kernel", ["gmm", "tgmm"])
-  def test_switch_and_when_chain_agree(self, rng, kernel, monkeypatch):
-    # The other version's form of the window switch (see _switch).
+  def test_both_forms_of_gmms_window_switch(self, rng, monkeypatch):
+    # The other jax versions' form of gmm's window switch (see _switch).
     monkeypatch.setattr(
       _jax,
       "SWITCH_COPIES_UPDATED_BUFFERS",
       not _jax.SWITCH_COPIES_UPDATED_BUFFERS,
     )
     lhs, rhs = operands(rng, M, K, N, G)
-    sizes = group_size_patterns(rng, M, G, 16)["random_0"]
-    offset = jnp.int32(0)
-    if kernel == "gmm":
-      cfg = gm.api.GmmConfig(None, jnp.dtype(jnp.float32), False, None, 1)
-      got = jax.jit(windows.gmm_windows_call, static_argnums=5)(
-        lhs, rhs, jnp.asarray(sizes), offset, None, cfg
-      )
-      want = ragged_dot_ref(lhs, rhs, jnp.asarray(sizes))
-    else:
-      cfg = gm.api.TgmmConfig(None, jnp.dtype(jnp.float32), G, None, 1)
-      dy = rhs[0][:M]
-      got = jax.jit(windows.tgmm_windows_call, static_argnums=5)(
-        lhs.T, dy, jnp.asarray(sizes), offset, None, cfg
-      )
-      want = tgmm_ref(lhs.T, dy, sizes)
-    np.testing.assert_allclose(got, want, **tolerances(jnp.float32))
+    sizes = jnp.asarray(group_size_patterns(rng, M, G, 16)["random_0"])
+    cfg = gm.api.GmmConfig(None, jnp.dtype(jnp.float32), False, None, 1)
+    got = jax.jit(windows.gmm_windows_call, static_argnums=5)(
+      lhs, rhs, sizes, jnp.int32(0), None, cfg
+    )
+    np.testing.assert_allclose(
+      got, ragged_dot_ref(lhs, rhs, sizes), **tolerances(jnp.float32)
+    )
 
   def test_window_sizes(self):
     assert windows.window_sizes(64) == (8, 12, 16, 24, 32, 48, 64)
