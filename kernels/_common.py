@@ -126,6 +126,16 @@ def varying_axes(*operands: Any) -> frozenset[Any]:
   )
 
 
+def vary(x: jax.Array, varying: frozenset[Any]) -> jax.Array:
+  """``x``, made to vary also over the manual mesh axes ``varying`` (see
+  :func:`varying_axes`): an operand aliased to an output must have the
+  output's type."""
+  missing = varying - varying_axes(x)
+  if not missing:
+    return x
+  return jax.lax.pcast(x, tuple(sorted(missing)), to="varying")
+
+
 def out_type(
   shape: tuple[int, ...], dtype: Any, varying: frozenset[Any] = frozenset()
 ) -> jax.ShapeDtypeStruct:

@@ -25,7 +25,7 @@ from mpmd.types import Interpret
 
 # Kernel operands are (metadata, lhs, rhs, existing_out): the output is
 # written in place of existing_out.
-_EXISTING_OUT_INDEX = 3
+EXISTING_OUT_INDEX = 3
 
 
 def default_buffer_count() -> int:
@@ -254,7 +254,7 @@ def gmm_call(
     out_types=_common.out_type(
       (m, n), out_dtype, _common.varying_axes(*operands)
     ),
-    input_output_aliases={_EXISTING_OUT_INDEX: 0} if has_existing else {},
+    input_output_aliases={EXISTING_OUT_INDEX: 0} if has_existing else {},
     scratch_types=scratch,
     interpret=cfg.interpret,
     cost_estimate=cost,
@@ -406,7 +406,7 @@ def tgmm_call(
     out_types=_common.out_type(
       (num_local, k, n), out_dtype, _common.varying_axes(*operands)
     ),
-    input_output_aliases={_EXISTING_OUT_INDEX: 0} if has_existing else {},
+    input_output_aliases={EXISTING_OUT_INDEX: 0} if has_existing else {},
     scratch_types=scratch,
     interpret=cfg.interpret,
     cost_estimate=cost,

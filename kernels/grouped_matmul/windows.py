@@ -22,7 +22,7 @@ runs where the target is not a TPU and ``tiling=None``.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,12 +34,12 @@ from mpmd import _jax
 from mpmd.api import mpmd_map
 from mpmd.kernels import _common
 from mpmd.kernels.grouped_matmul.checks import input_dtype
-from mpmd.kernels.grouped_matmul.kernels import GmmConfig, TgmmConfig
+from mpmd.kernels.grouped_matmul.kernels import (
+  EXISTING_OUT_INDEX,
+  GmmConfig,
+  TgmmConfig,
+)
 from mpmd.kernels.grouped_matmul.metadata import group_rows, row_mask
-
-# Operand index of existing_out (after metadata, lhs, rhs); gmm's output
-# is written in place of it.
-_EXISTING_OUT_INDEX = 3
 
 
 def window_sizes(m: int) -> tuple[int, ...]:
@@ -133,7 +133,7 @@ def gmm_windows_call(
   varying = _common.varying_axes(lhs, rhs, group_sizes, group_offset)
   # The output is written in place of existing_out: their types must match.
   varying |= _common.varying_axes(existing_out)
-  existing_out = _vary(existing_out, varying)
+  existing_out = _common.vary(existing_out, varying)
 
   def kernel(meta_hbm, lhs_ref, rhs_ref, _, out_ref, meta_ref, w):
     pltpu.sync_copy(meta_hbm, meta_ref)
@@ -162,7 +162,7 @@ def gmm_windows_call(
   call = mpmd_map(
     [(_common.single_core_mesh(), kernel)],
     out_types=_common.out_type((m, n), out_dtype, varying),
-    input_output_aliases={_EXISTING_OUT_INDEX: 0},
+    input_output_aliases={EXISTING_OUT_INDEX: 0},
     scratch_types=[
       pltpu.SMEM(meta.shape, jnp.int32),
       pltpu.VMEM(w_shape, rhs.dtype),
@@ -239,7 +239,7 @@ def tgmm_windows_call(
     out_types=_common.out_type(
       (num_local, k, n), out_dtype, _common.varying_axes(*operands)
     ),
-    input_output_aliases={_EXISTING_OUT_INDEX: 0} if has_existing else {},
+    input_output_aliases={EXISTING_OUT_INDEX: 0} if has_existing else {},
     scratch_types=[
       pltpu.SMEM(meta.shape, jnp.int32),
       pltpu.VMEM((k, n), out_dtype),
@@ -281,15 +281,6 @@ def _switch(index, branches) -> None:
 
 def _zero(x: jax.Array) -> jax.Array:
   return jnp.zeros((), x.dtype)
-
-
-def _vary(x: jax.Array, varying: frozenset[Any]) -> jax.Array:
-  """``x``, made to vary over the manual mesh axes ``varying`` (inside
-  ``shard_map(check_vma=True)``) that it does not yet vary over."""
-  missing = varying - _common.varying_axes(x)
-  if not missing:
-    return x
-  return lax.pcast(x, tuple(sorted(missing)), to="varying")
 
 
 def _cost(lhs, rhs, macs: int, out_bytes: int) -> pl.CostEstimate:

@@ -24,7 +24,6 @@ import functools
 import logging
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -43,7 +42,7 @@ from grouped_matmul_util import (
 )
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
-from launches import kernel_path, launch_eqns
+from launches import eqns, kernel_path, launch_eqns
 
 import mpmd
 from mpmd import _jax
@@ -394,7 +393,7 @@ class TestCpuWindows(GroupedMatmulTest):
       # switch updates.
       conds = [
         len(e.params["branches"])
-        for e in _eqns(launch.params["jaxprs"][0])
+        for e in eqns(launch.params["jaxprs"][0])
         if e.primitive is lax.cond_p
       ]
       if _jax.SWITCH_COPIES_UPDATED_BUFFERS and f.func is gm.gmm:
@@ -460,14 +459,6 @@ class TestCpuWindows(GroupedMatmulTest):
     want = tgmm_ref(x[:, :5], dy[:5], sizes[:1])
     np.testing.assert_allclose(out[0], want[0], **tolerances(jnp.float32))
     assert np.isinf(np.asarray(out[1])).any()
-
-
-def _eqns(jaxpr):
-  """Every equation of ``jaxpr``, nested ones included."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      yield from _eqns(sub)
 
 
 class TestTpuSimulator(KernelRunner):
