@@ -39,6 +39,14 @@ to a local staging buffer and frees the slot at once: forwarding straight
 out of the only slot would make every device wait for its neighbour to free
 a slot, all around the ring.
 
+The direct schedule (``schedule="direct"``, the CPU fallback's default):
+every device DMAs its shard of ``lhs`` (all-gather) or block ``b`` of its
+whole partial product (reduce-scatter) straight to every other device, with
+one matmul after (all-gather) or before (reduce-scatter) the exchange. It
+hides nothing, so on TPU the ring wins; on the CPU fallback, where the
+devices run in step and every exchange is a rendezvous of all of them, one
+exchange beats ``D - 1`` (see ``direct.py``).
+
 Memory. Operands, ring slots and accumulators stay in HBM; the local matmul
 of each step is a double-buffered pipeline of ``(block_n, block_k)`` x
 ``(block_k, block_m)`` tiles through VMEM, so no operand has to fit on chip.

@@ -38,6 +38,7 @@ class AgConfig(NamedTuple):
   out_dtype: Any
   block_sizes: BlockSizes
   interpret: Interpret
+  schedule: str  # "ring" or "direct" (see direct.py)
 
 
 def ag_kernel_call(

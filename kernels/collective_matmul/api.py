@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mpmd import targets
 from mpmd.kernels import _common
 from mpmd.kernels.collective_matmul.all_gather import AgConfig, ag_kernel_call
 from mpmd.kernels.collective_matmul.checks import (
@@ -18,6 +19,7 @@ from mpmd.kernels.collective_matmul.checks import (
   check_operands,
   pick_blocks,
 )
+from mpmd.kernels.collective_matmul.direct import ag_direct_call, rs_direct_call
 from mpmd.kernels.collective_matmul.reduce_scatter import (
   RsConfig,
   rs_geometry,
@@ -27,15 +29,43 @@ from mpmd.kernels.collective_matmul.ring import check_ring, make_streams
 from mpmd.kernels.collective_matmul.tiles import dot_precision
 from mpmd.types import Interpret
 
+SCHEDULES = ("ring", "direct")
+
+
+def resolve_schedule(fn_name: str, schedule: Any, interpret: Interpret) -> str:
+  """The schedule to run: as asked, else the ring when building for TPU or
+  simulating one (``interpret`` a ``pltpu.InterpretParams``), else direct
+  (the CPU fallback, where devices run in step and nothing overlaps)."""
+  if schedule is None:
+    simulated = interpret is not None and not isinstance(interpret, bool)
+    return "ring" if simulated or targets.platform() == "tpu" else "direct"
+  if schedule not in SCHEDULES:
+    raise ValueError(
+      f"{fn_name}: expected 'schedule' in {SCHEDULES} or None, got {schedule!r}"
+    )
+  return schedule
+
+
+def _ag_call(config: AgConfig, lhs, rhs, *, return_gathered: bool):
+  if config.schedule == "direct" and config.ring.size > 1:
+    return ag_direct_call(config, lhs, rhs, return_gathered=return_gathered)
+  return ag_kernel_call(config, lhs, rhs, return_gathered=return_gathered)
+
+
+def _rs_call(config: RsConfig, lhs, rhs):
+  if config.schedule == "direct" and config.ring.size > 1:
+    return rs_direct_call(config, lhs, rhs)
+  return rs_kernel_call(config, lhs, rhs)
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ag_matmul(config: AgConfig, lhs: jax.Array, rhs: jax.Array):
-  out, _ = ag_kernel_call(config, lhs, rhs, return_gathered=False)
+  out, _ = _ag_call(config, lhs, rhs, return_gathered=False)
   return out
 
 
 def _ag_matmul_fwd(config, lhs, rhs):
-  out, gathered = ag_kernel_call(config, lhs, rhs, return_gathered=True)
+  out, gathered = _ag_call(config, lhs, rhs, return_gathered=True)
   return out, (gathered, rhs)
 
 
@@ -54,6 +84,7 @@ def _ag_matmul_bwd(config, residuals, d_out):
     out_dtype=jnp.dtype(jnp.float32),
     block_sizes=BlockSizes(),
     interpret=config.interpret,
+    schedule=config.schedule,
   )
   d_lhs = _rs_matmul(rs_config, d_out, rhs.T)
   d_rhs = jnp.dot(
@@ -78,6 +109,7 @@ def all_gather_matmul(
   preferred_element_type: Any = jnp.float32,
   block_sizes: BlockSizes | None = None,
   ring: Sequence[int] | None = None,
+  schedule: str | None = None,
   interpret: Interpret = None,
 ) -> jax.Array:
   """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs``, fused.
@@ -108,6 +140,14 @@ def all_gather_matmul(
     ring: order in which the ring visits the devices, a permutation of
       ``range(D)`` of flattened axis indices; default ``0, 1, ..., D-1``.
       The result does not depend on it (only the communication pattern).
+    schedule: ``"ring"``: the shards travel the ring, each transfer hidden
+      behind the matmul of the shard before it (see the module docstring);
+      ``"direct"``: every device DMAs its shard straight to every other
+      device, then one matmul of the gathered ``lhs`` (on the CPU fallback,
+      where devices run in step and nothing overlaps, that is one exchange
+      between them instead of ``D - 1``); None: the ring when building for
+      TPU (on a TPU or inside ``mpmd.tpu_target``) or simulating one
+      (``interpret`` a ``pltpu.InterpretParams``), else direct.
     interpret: passed to ``mpmd.mpmd_map``: ``None`` compiles on TPU and
       runs the CPU fallback on CPU; a ``pltpu.InterpretParams`` forces the
       TPU simulator (e.g. with ``detect_races=True``).
@@ -119,7 +159,7 @@ def all_gather_matmul(
   Raises:
     ValueError: called outside ``shard_map``, ``axis_name`` not a manual
       axis of the mesh, ``rhs.shape[0] != k_local * D``, bad ``ring``,
-      ``buffering`` or block sizes.
+      ``buffering``, ``schedule`` or block sizes.
     TypeError: unsupported or mismatched dtypes, non-array operands.
 
   Example:
@@ -152,21 +192,25 @@ def all_gather_matmul(
     out_dtype=out_dtype,
     block_sizes=check_block_sizes(fn_name, block_sizes),
     interpret=interpret,
+    schedule=resolve_schedule(fn_name, schedule, interpret),
   )
   # Check the tiles now, not deep inside the kernel trace.
-  streams = make_streams(n, config.bidirectional) if ring_.size > 1 else ()
-  rows = streams[0].size if streams else n
-  pick_blocks(fn_name, config.block_sizes, rows, k_local, rhs.shape[1])
+  if config.schedule == "direct" and ring_.size > 1:
+    rows, k_tiled = n, k_local * ring_.size  # one matmul of everything
+  else:
+    streams = make_streams(n, config.bidirectional) if ring_.size > 1 else ()
+    rows, k_tiled = (streams[0].size if streams else n), k_local
+  pick_blocks(fn_name, config.block_sizes, rows, k_tiled, rhs.shape[1])
   return _ag_matmul(config, lhs, rhs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rs_matmul(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
-  return rs_kernel_call(config, lhs, rhs)
+  return _rs_call(config, lhs, rhs)
 
 
 def _rs_matmul_fwd(config, lhs, rhs):
-  return rs_kernel_call(config, lhs, rhs), (lhs, rhs)
+  return _rs_call(config, lhs, rhs), (lhs, rhs)
 
 
 def _rs_matmul_bwd(config, residuals, d_out):
@@ -184,20 +228,19 @@ def _rs_matmul_bwd(config, residuals, d_out):
     out_dtype=jnp.dtype(jnp.float32),
     block_sizes=BlockSizes(),
     interpret=config.interpret,
+    schedule=config.schedule,
   )
   precision = dot_precision(dtype)
   if config.scatter_dimension == 0:
     # d_rhs^T = all_gather(d_out^T, axis=1) @ lhs; d_lhs = d_Z @ rhs^T.
-    d_rhs_t, d_z_t = ag_kernel_call(
-      ag_config, d_out.T, lhs, return_gathered=True
-    )
+    d_rhs_t, d_z_t = _ag_call(ag_config, d_out.T, lhs, return_gathered=True)
     d_rhs = d_rhs_t.T
     d_lhs = jnp.dot(
       d_z_t.T, rhs.T, preferred_element_type=jnp.float32, precision=precision
     )
   else:
     # d_lhs = all_gather(d_out, axis=1) @ rhs^T; d_rhs = lhs^T @ d_Z.
-    d_lhs, d_z = ag_kernel_call(ag_config, d_out, rhs.T, return_gathered=True)
+    d_lhs, d_z = _ag_call(ag_config, d_out, rhs.T, return_gathered=True)
     d_rhs = jnp.dot(
       lhs.T, d_z, preferred_element_type=jnp.float32, precision=precision
     )
@@ -218,6 +261,7 @@ def matmul_reduce_scatter(
   preferred_element_type: Any = jnp.float32,
   block_sizes: BlockSizes | None = None,
   ring: Sequence[int] | None = None,
+  schedule: str | None = None,
   interpret: Interpret = None,
 ) -> jax.Array:
   """``psum_scatter(lhs @ rhs, axis_name, scatter_dimension, tiled=True)``.
@@ -246,6 +290,11 @@ def matmul_reduce_scatter(
       partial sums always travel and accumulate in float32.
     block_sizes: tiles of the local matmul pipeline (see :class:`BlockSizes`).
     ring: ring order, as in :func:`all_gather_matmul`.
+    schedule: ``"ring"`` (running sums travel the ring), ``"direct"``
+      (one matmul of the whole partial product, then every device DMAs
+      block ``b`` straight to device ``b`` and sums what arrives), or None
+      (as in :func:`all_gather_matmul`). The sums are added in another
+      order, so results differ in rounding only.
     interpret: passed to ``mpmd.mpmd_map`` (see :func:`all_gather_matmul`).
 
   Returns:
@@ -255,8 +304,8 @@ def matmul_reduce_scatter(
   Raises:
     ValueError: called outside ``shard_map``, ``axis_name`` not a manual
       axis of the mesh, contraction mismatch, scattered dimension not
-      divisible by ``D``, bad ``scatter_dimension``, ``ring``, ``buffering``
-      or block sizes.
+      divisible by ``D``, bad ``scatter_dimension``, ``ring``, ``buffering``,
+      ``schedule`` or block sizes.
     TypeError: unsupported or mismatched dtypes, non-array operands.
 
   Example:
@@ -302,7 +351,11 @@ def matmul_reduce_scatter(
     out_dtype=out_dtype,
     block_sizes=check_block_sizes(fn_name, block_sizes),
     interpret=interpret,
+    schedule=resolve_schedule(fn_name, schedule, interpret),
   )
-  _, _, region = rs_geometry(config, n, m)
+  if config.schedule == "direct" and ring_.size > 1:
+    region = (n, m)  # one matmul of the whole partial product
+  else:
+    _, _, region = rs_geometry(config, n, m)
   pick_blocks(fn_name, config.block_sizes, region[0], k, region[1])
   return _rs_matmul(config, lhs, rhs)

@@ -41,6 +41,7 @@ class RsConfig(NamedTuple):
   out_dtype: Any
   block_sizes: BlockSizes
   interpret: Interpret
+  schedule: str  # "ring" or "direct" (see direct.py)
 
 
 def rs_geometry(config: RsConfig, n: int, m: int):

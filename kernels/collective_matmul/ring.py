@@ -150,12 +150,13 @@ class RingCoords:
     return self._ids[column]
 
 
-def handshake(coords: RingCoords) -> None:
-  """Both ring neighbours are inside this kernel before any remote DMA."""
+def handshake(coords: RingCoords, offsets: Sequence[int] = (-1, 1)) -> None:
+  """The devices ``offsets`` ring positions away (default: both ring
+  neighbours) are inside this kernel before any remote DMA to them."""
   barrier = pltpu.get_barrier_semaphore()
-  for offset in (-1, 1):
+  for offset in offsets:
     pl.semaphore_signal(barrier, 1, device_id=coords.device_id(offset))
-  pl.semaphore_wait(barrier, 2)
+  pl.semaphore_wait(barrier, len(offsets))
 
 
 class _Stream(NamedTuple):

@@ -218,21 +218,28 @@ def matmul(
 
 def add(bufs: TileBuffers, a: Any, b: Any, dst: Any) -> None:
   """``dst = a + b`` over region-sized f32 HBM refs, tile by tile."""
-  _, bn, _ = bufs.lhs.shape
-  _, _, bm = bufs.rhs.shape
+  add_all(bufs, (a, b), dst)
+
+
+def add_all(bufs: TileBuffers, sources: Sequence[Any], dst: Any) -> None:
+  """``dst = sources[0] + sources[1] + ...`` (summed in that order) over
+  region-sized f32 HBM refs, tile by tile through the accumulator."""
+  bn, bm = bufs.acc.shape
   nrows, ncols = dst.shape
   ni, nj = nrows // bn, ncols // bm
+  first, *rest = sources
 
   def tile(t, carry):
     i, j = t // nj, lax.rem(t, nj)
     region = (pl.ds(i * bn, bn), pl.ds(j * bm, bm))
-    pltpu.sync_copy(a.at[region], bufs.acc)
-    pltpu.sync_copy(b.at[region], bufs.extra)
-    if dst.dtype == jnp.float32:
+    pltpu.sync_copy(first.at[region], bufs.acc)
+    for source in rest:
+      pltpu.sync_copy(source.at[region], bufs.extra)
       bufs.acc[...] += bufs.extra[...]
+    if dst.dtype == jnp.float32:
       pltpu.sync_copy(bufs.acc, dst.at[region])
     else:
-      bufs.out[...] = (bufs.acc[...] + bufs.extra[...]).astype(dst.dtype)
+      bufs.out[...] = bufs.acc[...].astype(dst.dtype)
       pltpu.sync_copy(bufs.out, dst.at[region])
     return carry
 

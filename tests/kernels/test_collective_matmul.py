@@ -54,18 +54,26 @@ from mpmd.lowering import paths
 
 
 class KernelRunner:
-  """The kernels, partially applied with this class's ``interpret``."""
+  """The kernels, partially applied with this class's ``interpret`` and
+  ``schedule`` (None: the platform's default)."""
 
   interpret = None
+  schedule = None
 
   def ag(self, **kwargs):
+    kwargs = {"schedule": self.schedule, **kwargs}
     return functools.partial(
-      all_gather_matmul, interpret=self.interpret, **kwargs
+      all_gather_matmul,
+      interpret=self.interpret,
+      **kwargs,
     )
 
   def rs(self, **kwargs):
+    kwargs = {"schedule": self.schedule, **kwargs}
     return functools.partial(
-      matmul_reduce_scatter, interpret=self.interpret, **kwargs
+      matmul_reduce_scatter,
+      interpret=self.interpret,
+      **kwargs,
     )
 
 
@@ -396,8 +404,17 @@ def ring_of_two_path(kernel, rhs_spec) -> paths.Path:
   return kernel_path(f, *args)
 
 
+def top_level_collectives(fn, *args) -> list[str]:
+  """The XLA collectives the compiled entry computation runs (those in
+  conditional branches, the lockstep path's fallbacks, not counted): each
+  is a rendezvous of every simulated device."""
+  entry = fn.lower(*args).compile().as_text().split("\nENTRY ", 1)[1]
+  return re.findall(r"= \S+ (all-gather|collective-permute)\(", entry)
+
+
 class TestCpuFallback(CollectiveMatmulTest):
-  """Every case on simulated CPU devices (interpret=None: CPU fallback)."""
+  """Every case on simulated CPU devices (interpret=None: CPU fallback),
+  with the CPU's default schedule (direct)."""
 
   @pytest.mark.parametrize("kernel", ["ag", "rs"])
   def test_takes_lockstep_path(self, kernel):
@@ -405,6 +422,57 @@ class TestCpuFallback(CollectiveMatmulTest):
     path = ring_of_two_path(getattr(self, kernel)(axis_name="x"), rhs_spec)
     assert path.kind == paths.LOCKSTEP, path
     assert path.manual_axes == ("x",), path
+
+  @pytest.mark.parametrize("schedule", ["direct", "ring"])
+  @pytest.mark.parametrize("kernel", ["ag", "rs"])
+  def test_exchanges_per_launch(self, rng, kernel, schedule):
+    """The direct schedule's data travels in one exchange, the ring's in
+    one per ring step (plus, for the reduce-scatter, one per step for the
+    capacity signals after the slots are refilled)."""
+    ring = 4
+    lhs, rhs = operands(rng, (32, ring * 128), (ring * 128, 128), jnp.float32)
+    mesh = make_mesh((ring,), ("x",))
+    rhs_spec = P("x") if kernel == "rs" else P()
+    in_specs = (P(None, "x"), rhs_spec)
+    fn = jax.jit(
+      jax.shard_map(
+        getattr(self, kernel)(axis_name="x", schedule=schedule),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=P("x"),
+        check_vma=False,
+      )
+    )
+    args = [
+      jax.device_put(a, NamedSharding(mesh, spec))
+      for a, spec in zip((lhs, rhs), in_specs, strict=True)
+    ]
+    exchanges = len(top_level_collectives(fn, *args))
+    # Handshake and data, then the failure report.
+    assert exchanges == (2 if schedule == "direct" else ring) + 1
+
+
+class TestCpuRing(CollectiveMatmulTest):
+  """Every case on simulated CPU devices with the ring schedule (what
+  runs on TPU)."""
+
+  schedule = "ring"
+
+
+def test_default_schedule_follows_the_platform():
+  resolve = cm.api.resolve_schedule
+  assert resolve("f", None, None) == "direct"  # the CPU fallback
+  assert resolve("f", None, True) == "direct"
+  assert resolve("f", None, pltpu.InterpretParams()) == "ring"
+  with mpmd.tpu_target():
+    assert resolve("f", None, None) == "ring"
+  assert resolve("f", "ring", None) == "ring"
+  with pytest.raises(
+    ValueError,
+    match=r"f: expected 'schedule' in \('ring', 'direct'\) or "
+    r"None, got 'fast'",
+  ):
+    resolve("f", "fast", None)
 
 
 class TestTpuSimulator(KernelRunner):
@@ -431,6 +499,16 @@ class TestTpuSimulator(KernelRunner):
   def test_matmul_reduce_scatter_no_race(self, rng, buffering):
     CollectiveMatmulTest.test_matmul_reduce_scatter(
       self, rng, 4, 0, True, buffering, jnp.float32
+    )
+
+  def test_direct_schedule_no_race(self, rng):
+    direct = TestTpuSimulator()
+    direct.schedule = "direct"
+    CollectiveMatmulTest.test_all_gather_matmul(
+      direct, rng, 4, True, 2, jnp.float32, 16
+    )
+    CollectiveMatmulTest.test_matmul_reduce_scatter(
+      direct, rng, 4, 1, True, 2, jnp.float32
     )
 
   @pytest.mark.slow
@@ -498,14 +576,17 @@ jax.effects_barrier()
 
 
 class TestTpuLowering:
-  """The kernels lower to Mosaic with the collective set up."""
+  """The kernels lower to Mosaic with the collective set up, built for TPU
+  (``tpu_target``: the ring schedule, TPU tiles) unless a case names its
+  schedule."""
 
   def lower(self, fn, mesh, in_specs, out_specs, *shapes) -> str:
-    return (
-      trace_sharded(fn, mesh, in_specs, out_specs, *shapes)
-      .lower(lowering_platforms=("tpu",))
-      .as_text()
-    )
+    with mpmd.tpu_target():
+      return (
+        trace_sharded(fn, mesh, in_specs, out_specs, *shapes)
+        .lower(lowering_platforms=("tpu",))
+        .as_text()
+      )
 
   def assert_collective_kernel(self, text: str, count: int = 1):
     assert text.count("tpu_custom_call") == count
@@ -514,14 +595,22 @@ class TestTpuLowering:
     assert re.search(r"collective_id\\22: 0", text)
 
   @pytest.mark.parametrize(
-    "mesh_shape,ring_axis", [((4,), "x"), ((2, 4), "y"), ((2, 4), "x")]
+    "mesh_shape,ring_axis,schedule",
+    [
+      ((4,), "x", None),
+      ((2, 4), "y", None),
+      ((2, 4), "x", None),
+      ((2, 4), "y", "direct"),
+    ],
   )
-  def test_all_gather_matmul(self, mesh_shape, ring_axis):
+  def test_all_gather_matmul(self, mesh_shape, ring_axis, schedule):
     names = ("x", "y")[: len(mesh_shape)]
     mesh = make_mesh(mesh_shape, names)
     ring = mesh.shape[ring_axis]
     text = self.lower(
-      functools.partial(all_gather_matmul, axis_name=ring_axis),
+      functools.partial(
+        all_gather_matmul, axis_name=ring_axis, schedule=schedule
+      ),
       mesh,
       (P(None, ring_axis), P()),
       P(),
@@ -530,14 +619,16 @@ class TestTpuLowering:
     )
     self.assert_collective_kernel(text)
 
+  @pytest.mark.parametrize("schedule", [None, "direct"])
   @pytest.mark.parametrize("scatter_dimension", [0, 1])
-  def test_matmul_reduce_scatter(self, scatter_dimension):
+  def test_matmul_reduce_scatter(self, scatter_dimension, schedule):
     mesh = make_mesh((2, 4), ("x", "y"))
     text = self.lower(
       functools.partial(
         matmul_reduce_scatter,
         axis_name="y",
         scatter_dimension=scatter_dimension,
+        schedule=schedule,
       ),
       mesh,
       (P(None, "y"), P("y")),

@@ -161,9 +161,24 @@ ERRORS = [
       ((8, 256), F32),
       ((256, 128), F32),
       block_sizes=cm.BlockSizes(block_k=96),
+      schedule="ring",
     ),
     ValueError,
+    # The ring's local matmuls contract one shard (k_local = 256 / 2).
     r"block_sizes.block_k to divide the dimension .*\(128\), got 96",
+  ),
+  (
+    "all-gather-matmul-direct-block-size-must-divide",
+    traced(
+      all_gather_matmul,
+      ((8, 256), F32),
+      ((256, 128), F32),
+      block_sizes=cm.BlockSizes(block_k=96),
+      schedule="direct",
+    ),
+    ValueError,
+    # The direct schedule's one matmul contracts the gathered K.
+    r"block_sizes.block_k to divide the dimension .*\(256\), got 96",
   ),
   (
     "matmul-reduce-scatter-scatter-dimension-divisible",
@@ -316,11 +331,23 @@ COLLECTIVE_MATMUL_CASES = [
   Case(
     "block_that_does_not_divide",
     lambda: rs(
-      A, B[:128], axis_name="x", block_sizes=cm.BlockSizes(block_m=100)
+      A,
+      B[:128],
+      axis_name="x",
+      block_sizes=cm.BlockSizes(block_m=100),
+      schedule="ring",
     ),
     ValueError,
+    # Each ring direction carries half of the 128 columns.
     r"expected block_sizes.block_m to divide the dimension it tiles "
     r"\(64\), got 100",
+  ),
+  Case(
+    "bad_schedule",
+    lambda: rs(A, B[:128], axis_name="x", schedule="tree"),
+    ValueError,
+    r"matmul_reduce_scatter: expected 'schedule' in \('ring', 'direct'\) "
+    r"or None, got 'tree'",
   ),
   Case(
     "ring_not_a_permutation",

@@ -1,0 +1,222 @@
+"""The direct schedule: every device DMAs straight to every other device.
+
+The ring schedule hides each transfer behind a matmul. On the CPU fallback
+nothing overlaps (the devices run in step, and every exchange between them
+is a rendezvous of all of them), so there the kernels run a schedule with
+one exchange instead of ``D - 1``:
+
+  all-gather + matmul:   send own shard to every device's gathered buffer,
+                         wait for the D - 1 others, one matmul of it all
+  matmul + reduce-scatter: one matmul of the whole partial product, send
+                         block b to device b, wait for the D - 1 others,
+                         sum own block + arrived blocks (upstream order)
+
+It is a valid TPU kernel too (remote DMAs to non-neighbours are routed), so
+``schedule="direct"`` also lowers for TPU, where the ring is faster.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mpmd.kernels.collective_matmul.checks import pick_block, pick_blocks
+from mpmd.kernels.collective_matmul.ring import (
+  RingCoords,
+  handshake,
+  ring_table,
+)
+from mpmd.kernels.collective_matmul.tiles import (
+  TileBuffers,
+  add_all,
+  launch,
+  matmul,
+  named_refs,
+  out_type,
+  remote_copy,
+)
+
+
+class SumBuffers(NamedTuple):
+  """VMEM scratch of ``tiles.add_all`` (one output tile)."""
+
+  acc: Any  # (block_n, block_m) f32
+  extra: Any  # (block_n, block_m) f32
+  out: Any  # (block_n, block_m) in the output dtype
+
+
+def _scratch(dtype, out_dtype, tiles, num: int, axes: int) -> dict[str, Any]:
+  scratch = TileBuffers.scratch_types(dtype, out_dtype, *tiles).named()
+  scratch["ring_table"] = pltpu.SMEM((1 + axes, num), jnp.int32)
+  scratch["send"] = pltpu.SemaphoreType.DMA
+  scratch["recv"] = pltpu.SemaphoreType.DMA
+  return scratch
+
+
+def _others(num: int) -> range:
+  """Ring offsets of the other devices."""
+  return range(1, num)
+
+
+def ag_direct_call(config, lhs: jax.Array, rhs: jax.Array, *, return_gathered):
+  """``all_gather_matmul`` by direct DMAs (``config``: an ``AgConfig``)."""
+  ring = config.ring
+  num = ring.size
+  n, k_local = lhs.shape
+  k_total, m = rhs.shape
+  dtype = jnp.dtype(lhs.dtype)
+  tiles = pick_blocks("all_gather_matmul", config.block_sizes, n, k_total, m)
+  outs = {
+    "out": out_type((n, m), config.out_dtype, (lhs, rhs), ring),
+    # HBM, an output (dropped unless asked for) so that remote DMAs may
+    # target it on every execution path.
+    "gathered": out_type((n, k_total), dtype, (lhs,), ring),
+  }
+  scratch = _scratch(dtype, config.out_dtype, tiles, num, len(ring.axes))
+  names = (*outs, *scratch)
+
+  def body(*refs):
+    (table_ref, lhs_ref, rhs_ref), r = named_refs(refs, 3, names)
+    pltpu.sync_copy(table_ref, r["ring_table"])
+    coords = RingCoords(ring, r["ring_table"])
+    # Every device's shard lands in the columns of its flattened index.
+    mine = r["gathered"].at[:, pl.ds(coords.device_at(0) * k_local, k_local)]
+    pltpu.sync_copy(lhs_ref, mine)
+    handshake(coords, _others(num))
+    copies = [
+      remote_copy(lhs_ref, mine, r["send"], r["recv"], coords.device_id(j))
+      for j in _others(num)
+    ]
+    for copy in copies:
+      copy.start()
+    for copy in copies:
+      copy.wait_recv()  # same shape from every device: one shard's bytes
+    for copy in copies:
+      copy.wait_send()
+    matmul(
+      TileBuffers.from_named(r),
+      r["gathered"],
+      rhs_ref,
+      r["out"],
+      rows=(0, n),
+      lhs_cols=0,
+      rhs_rows=0,
+      cols=(0, m),
+      k=k_total,
+      init=None,
+    )
+
+  call = launch(
+    body,
+    out_types=tuple(outs.values()),
+    scratch_types=tuple(scratch.values()),
+    collective=True,
+    interpret=config.interpret,
+    name="all_gather_matmul",
+    flops=2 * n * k_total * m,
+    bytes_accessed=(n * k_total + k_total * m) * dtype.itemsize
+    + n * m * config.out_dtype.itemsize,
+  )
+  out, gathered = call(ring_table(ring), lhs, rhs)
+  return out, gathered if return_gathered else None
+
+
+def rs_direct_call(config, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  """``matmul_reduce_scatter`` by direct DMAs (``config``: an
+  ``RsConfig``)."""
+  fn_name = "matmul_reduce_scatter"
+  ring = config.ring
+  num = ring.size
+  n, k = lhs.shape
+  _, m = rhs.shape
+  dtype = jnp.dtype(lhs.dtype)
+  out_dtype = config.out_dtype
+  dim = config.scatter_dimension
+  block = (n // num, m) if dim == 0 else (n, m // num)
+  tiles = pick_blocks(fn_name, config.block_sizes, n, k, m)
+  # The sums tile the block automatically (block_sizes tile the matmul).
+  sum_n = pick_block(fn_name, "block_n", block[0], None)
+  sum_m = pick_block(fn_name, "block_m", block[1], None)
+  f32 = jnp.float32
+  operands = (lhs, rhs)
+  outs = {
+    "out": out_type(block, out_dtype, operands, ring),
+    "product": out_type((n, m), f32, operands, ring),
+  }
+  # Slot j receives from the device j positions upstream: one buffer each,
+  # so that landing a block (in a conditional, on the CPU fallback) threads
+  # only that block through it.
+  for j in _others(num):
+    outs[f"slot_{j}"] = out_type(block, f32, operands, ring)
+  scratch = _scratch(dtype, out_dtype, tiles, num, len(ring.axes))
+  sums = SumBuffers(
+    acc=pltpu.VMEM((sum_n, sum_m), f32),
+    extra=pltpu.VMEM((sum_n, sum_m), f32),
+    out=pltpu.VMEM((sum_n, sum_m), out_dtype),
+  )
+  scratch.update({f"sum_{f}": v for f, v in sums._asdict().items()})
+  names = (*outs, *scratch)
+
+  def body(*refs):
+    (table_ref, lhs_ref, rhs_ref), r = named_refs(refs, 3, names)
+    pltpu.sync_copy(table_ref, r["ring_table"])
+    coords = RingCoords(ring, r["ring_table"])
+    product = r["product"]
+    matmul(
+      TileBuffers.from_named(r),
+      lhs_ref,
+      rhs_ref,
+      product,
+      rows=(0, n),
+      lhs_cols=0,
+      rhs_rows=0,
+      cols=(0, m),
+      k=k,
+      init=None,
+    )
+
+    def block_of(device):
+      if dim == 0:
+        return product.at[pl.ds(device * block[0], block[0])]
+      return product.at[:, pl.ds(device * block[1], block[1])]
+
+    handshake(coords, _others(num))
+    copies = [
+      remote_copy(
+        block_of(coords.device_at(j)),
+        r[f"slot_{j}"],
+        r["send"],
+        r["recv"],
+        coords.device_id(j),
+      )
+      for j in _others(num)
+    ]
+    for copy in copies:
+      copy.start()
+    for copy in copies:
+      copy.wait_recv()
+    arrived = [r[f"slot_{j}"] for j in _others(num)]
+    add_all(
+      SumBuffers(*(r[f"sum_{f}"] for f in SumBuffers._fields)),
+      (block_of(coords.device_at(0)), *arrived),
+      r["out"],
+    )
+    for copy in copies:
+      copy.wait_send()
+
+  call = launch(
+    body,
+    out_types=tuple(outs.values()),
+    scratch_types=tuple(scratch.values()),
+    collective=True,
+    interpret=config.interpret,
+    name="matmul_reduce_scatter",
+    flops=2 * n * k * m + n * m,
+    bytes_accessed=(n * k + k * m) * dtype.itemsize
+    + block[0] * block[1] * out_dtype.itemsize,
+  )
+  return call(ring_table(ring), lhs, rhs)[0]
