@@ -11,13 +11,14 @@ import platform
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 import jax
 import jaxlib
 
 import mpmd
-from mpmd import demos, registry
+from mpmd import demos, registry, targets
 
 # Shard_map demos need several devices: main() asks for them before any
 # command starts a backend (importing this module changes nothing).
@@ -54,8 +55,12 @@ def _check(args) -> int:
 
 
 def _lowered_text(demo, target: str) -> str:
-  traced = jax.jit(demo.fn).trace(*demo.args)
-  return traced.lower(lowering_platforms=(target,)).as_text()
+  # For TPU, trace what a TPU would run: kernels pick their TPU schedule and
+  # tiles inside tpu_target (on this host they would pick the CPU's).
+  building = targets.tpu_target() if target == "tpu" else nullcontext()
+  with building:
+    traced = jax.jit(demo.fn).trace(*demo.args)
+    return traced.lower(lowering_platforms=(target,)).as_text()
 
 
 def _load_demo(name: str):
