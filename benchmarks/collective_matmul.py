@@ -3,6 +3,8 @@
 For each ring length D and shape, in one run:
   ours / XLA for  all_gather_matmul      vs shard_map(all_gather + dot)
   ours / XLA for  matmul_reduce_scatter  vs shard_map(dot + psum_scatter)
+for each kernel schedule (``direct``, the CPU fallback's default: one
+exchange between the devices; ``ring``, what runs on TPU: one per ring step)
 (median wall time of ``--repeats`` rounds after a warm-up, ours and XLA's
 interleaved so that machine noise hits both, and in brackets the lowest and
 highest ratio of one round's pair; bf16 inputs, f32 results),
@@ -75,7 +77,7 @@ def _xla_matmul_reduce_scatter(lhs, rhs):
   return lax.psum_scatter(product, "x", scatter_dimension=0, tiled=True)
 
 
-def _cases(ring: int, shape, repeats: int):
+def _cases(ring: int, shape, repeats: int, schedules):
   n, k, m = shape
   mesh = jax.make_mesh((ring,), ("x",), devices=jax.devices()[:ring])
   key_lhs, key_rhs = jax.random.split(jax.random.key(ring * 7919 + n))
@@ -98,24 +100,27 @@ def _cases(ring: int, shape, repeats: int):
   }
   for name, (ours, xla, in_specs, out_spec) in rows.items():
     args = (put(lhs, in_specs[0]), put(rhs, in_specs[1]))
-    print(f"  D={ring} {name} n={n} K={k} m={m} ...", end="", flush=True)
-    ours_fn = _mapped(ours, mesh, in_specs, out_spec)
-    xla_fn = _mapped(xla, mesh, in_specs, out_spec)
+    print(f"  D={ring} {name} n={n} K={k} m={m}:", flush=True)
+    fns = {
+      schedule: _mapped(
+        functools.partial(ours, schedule=schedule), mesh, in_specs, out_spec
+      )
+      for schedule in schedules
+    }
+    fns["xla"] = _mapped(xla, mesh, in_specs, out_spec)
     times = time_rounds(
-      {
-        "ours": functools.partial(ours_fn, *args),
-        "xla": functools.partial(xla_fn, *args),
-      },
-      repeats,
+      {key: functools.partial(fn, *args) for key, fn in fns.items()}, repeats
     )
-    t_ours, t_xla = map(statistics.median, (times["ours"], times["xla"]))
-    spread = ratio_spread(times["ours"], times["xla"])
-    print(
-      f" ours {t_ours * 1e3:8.1f} ms  XLA {t_xla * 1e3:8.1f} ms  "
-      f"ratio {t_ours / t_xla:5.2f} [{spread[0]:.2f}-{spread[1]:.2f}]",
-      flush=True,
-    )
-    yield name, ring, shape, t_ours / t_xla, spread
+    t_xla = statistics.median(times["xla"])
+    for schedule in schedules:
+      t_ours = statistics.median(times[schedule])
+      spread = ratio_spread(times[schedule], times["xla"])
+      print(
+        f"    {schedule:<6} {t_ours * 1e3:8.2f} ms  XLA {t_xla * 1e3:8.2f} ms"
+        f"  ratio {t_ours / t_xla:5.2f} [{spread[0]:.2f}-{spread[1]:.2f}]",
+        flush=True,
+      )
+      yield name, schedule, ring, shape, t_ours / t_xla, spread
 
 
 def tpu_estimate(ring: int, shape) -> str:
@@ -166,7 +171,16 @@ def main(argv=None) -> int:
     "--rings", default="4,8", help="comma-separated ring lengths (<= 8)"
   )
   parser.add_argument("--repeats", type=int, default=9)
+  parser.add_argument(
+    "--schedules",
+    default="direct,ring",
+    help="comma-separated kernel schedules to time (direct is the CPU "
+    "default, ring what runs on TPU)",
+  )
   args = parser.parse_args(argv)
+  schedules = args.schedules.split(",")
+  if not set(schedules) <= {"direct", "ring"}:
+    parser.error(f"--schedules: expected direct and/or ring, got {schedules}")
   rings = [int(r) for r in args.rings.split(",")]
   if any(r < 2 or r > _MAX_RING for r in rings):
     parser.error(f"--rings: expected lengths in [2, {_MAX_RING}], got {rings}")
@@ -178,11 +192,11 @@ def main(argv=None) -> int:
   results = []
   for shape in shapes:
     for ring in rings:
-      results.extend(_cases(ring, shape, args.repeats))
+      results.extend(_cases(ring, shape, args.repeats, schedules))
   print("\nratios ours / XLA (lower is better):")
-  for name, ring, (n, k, m), ratio, (low, high) in results:
+  for name, schedule, ring, (n, k, m), ratio, (low, high) in results:
     print(
-      f"  {name:<22} D={ring} n={n} K={k} m={m}: {ratio:5.2f} "
+      f"  {name:<22} {schedule:<6} D={ring} n={n} K={k} m={m}: {ratio:5.2f} "
       f"[{low:.2f}-{high:.2f}]"
     )
   print("\nanalytical TPU estimate, all_gather_matmul (bidirectional):")
