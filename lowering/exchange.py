@@ -1,7 +1,8 @@
 """The lockstep path's exchanges between devices: semaphores as int32 counts
 that a short wait poisons, remote operations issued in a row batched into one
 XLA collective (an all_gather of packed words; large data by ppermute), and
-where each arriving DMA or signal lands."""
+where each arriving DMA or signal lands. A wait on the semaphore of a pending
+operation waits for the exchange that lands it instead of forcing one."""
 
 import contextlib
 import functools
@@ -302,6 +303,15 @@ class _Send(NamedTuple):
   refs: tuple[Any, ...]
 
 
+class _Frame:
+  """One jaxpr's pending operations, and the waits on their semaphores
+  (each with its semaphore Ref), in the order they were issued."""
+
+  def __init__(self):
+    self.sends: list[_Send] = []
+    self.waits: list[tuple[Any, Callable[[], None]]] = []
+
+
 class Exchanges:
   """Remote operations, batched: each exchange is one rendezvous of every
   device (a fixed cost that grows with the number of devices), and kernels
@@ -309,24 +319,33 @@ class Exchanges:
   directions' transfers and capacity signals).
 
   An issued operation lands on its receiver at the latest when the
-  receiver's next equation touches a Ref it writes (a wait on its
-  semaphore, a read of its buffer), or the jaxpr being rewritten (kernel,
-  loop body) ends: until then its receiver cannot tell, so the kernel's
-  results and semaphore counts are those of landing at once. Everything
-  pending then travels in one exchange: small data and every device's
-  indices and increments in one ``all_gather``; data large enough that
-  gathering it everywhere would cost more than a rendezvous by a ring shift
+  receiver's next equation touches a Ref it writes (a read of its buffer, a
+  signal of its semaphore), or the jaxpr being rewritten (kernel, loop
+  body) ends: until then its receiver cannot tell, so the kernel's results
+  and semaphore counts are those of landing at once. Everything pending
+  then travels in one exchange: small data and every device's indices and
+  increments in one ``all_gather``; data large enough that gathering it
+  everywhere would cost more than a rendezvous by a ring shift
   (``ppermute``), one per DMA.
+
+  A wait on a semaphore that a pending operation writes (a handshake's, a
+  reception's) does not force the exchange: it waits for it (``wait``),
+  and runs in it after every operation issued before it has landed, so
+  that a handshake travels with the first transfers. Its semaphore stays
+  written by a pending operation until then, so that whatever touches it
+  next exchanges first, and an operation issued later that writes it
+  exchanges first too: the wait counts what was issued before it, on every
+  device (they all run the same program, in step).
   """
 
   def __init__(self, devices: Devices):
     self.devices = devices
-    self._frames: list[list[_Send]] = []
+    self._frames: list[_Frame] = []
 
   @contextlib.contextmanager
   def frame(self):
     """Operations issued in one jaxpr are exchanged before it ends."""
-    self._frames.append([])
+    self._frames.append(_Frame())
     try:
       yield
       self.flush()
@@ -334,12 +353,28 @@ class Exchanges:
       self._frames.pop()
 
   def issue(self, send: _Send) -> None:
-    self._frames[-1].append(send)
+    frame = self._frames[-1]
+    waited = {id(sem) for sem, _ in frame.waits}
+    if any(id(r) in waited for r in send.refs):
+      # A wait before it must not count it.
+      self.flush()
+    frame.sends.append(send)
+
+  def wait(self, sem: Any, take: Callable[[], None]) -> None:
+    """Runs ``take``, a wait on the semaphore ``sem``, now, or in the next
+    exchange if a pending operation writes ``sem``."""
+    root = _split(sem)[0]
+    frame = self._frames[-1]
+    if any(r is root for send in frame.sends for r in send.refs):
+      frame.waits.append((root, take))
+    else:
+      take()
 
   def flush_if_touched(self, eqn: core.JaxprEqn, invals: list[Any]) -> None:
     """Exchanges first if ``eqn`` touches a Ref of this device that a
-    pending operation writes."""
-    pending = self._frames[-1] if self._frames else ()
+    pending operation writes (as it writes the semaphore of every wait
+    waiting for the exchange)."""
+    pending = self._frames[-1].sends if self._frames else ()
     if not pending:
       return
     written = {id(r) for send in pending for r in send.refs}
@@ -347,9 +382,15 @@ class Exchanges:
       self.flush()
 
   def flush(self) -> None:
-    sends, self._frames[-1] = self._frames[-1], []
-    if not sends:
-      return
+    frame = self._frames[-1]
+    sends, waits = frame.sends, frame.waits
+    frame.sends, frame.waits = [], []
+    if sends:
+      self._exchange(sends)
+    for _, take in waits:
+      take()
+
+  def _exchange(self, sends: list[_Send]) -> None:
     devices = self.devices
     count = devices.count
     # A collective permute waits for every device of the mesh, but only the

@@ -6,10 +6,12 @@ those unconditionally (straight-line code and loops of static trip count),
 runs on every device as plain XLA: the kernel is discharged like on the
 fast path, and remote operations become exchanges over the mesh axes the
 kernel's device ids name, every device issuing them at the same point.
-Operations issued in a row share one exchange (``_Exchanges``: one
+Operations issued in a row share one exchange (``Exchanges``: one
 ``all_gather``, large data by ring shift), since each exchange is a
-rendezvous of every device. No Python runs per operation, unlike in the
-threaded TPU simulator.
+rendezvous of every device; a wait on a pending operation's semaphore waits
+for the exchange instead of forcing it, so that a handshake travels with the
+first transfers. No Python runs per operation, unlike in the threaded TPU
+simulator.
 
 Faithfulness. A DMA lands when it starts, or later but before its receiver
 can tell (before the receiver next touches what it writes): a valid order
@@ -76,14 +78,22 @@ def sync_rule(
 
   exchanges = None if devices is None else Exchanges(devices)
 
+  def run_wait(sem, take):
+    if exchanges is None:
+      take()
+    else:
+      exchanges.wait(sem, take)
+
   def rule(eqn, invals):
     if first is not None:
       outs = first(eqn, invals)
       if outs is not None:
         return outs
-    if exchanges is not None:
-      exchanges.flush_if_touched(eqn, invals)
     name = eqn.primitive.name
+    # A wait touches only its semaphore, and may wait for the exchange
+    # (``Exchanges.wait``) rather than force it.
+    if exchanges is not None and name not in ("dma_wait", "semaphore_wait"):
+      exchanges.flush_if_touched(eqn, invals)
     if name == "get_barrier_semaphore":
       return list(barrier)
     if name == "dma_start":
@@ -106,7 +116,10 @@ def sync_rule(
       # semaphore and the buffer it counts are always the 2nd and 3rd.
       _, dst, dst_sem, _, _ = eqn.params["tree"].unflatten(invals)
       sem = eqn.params["tree"].unflatten(eqn.invars)[2]
-      checks.wait(eqn, sem, wait(dst_sem, ref_bytes(dst)))
+      run_wait(
+        dst_sem,
+        lambda: checks.wait(eqn, sem, wait(dst_sem, ref_bytes(dst))),
+      )
       return []
     if name == "semaphore_signal":
       sem, transforms, inc, device_id, _ = eqn.params["args_tree"].unflatten(
@@ -121,8 +134,13 @@ def sync_rule(
       sem, transforms, value, decrement = eqn.params["args_tree"].unflatten(
         invals
       )
-      ok = wait(with_transforms(sem, transforms), value, decrement)
-      checks.wait(eqn, eqn.params["args_tree"].unflatten(eqn.invars)[0], ok)
+      operand = eqn.params["args_tree"].unflatten(eqn.invars)[0]
+
+      def take():
+        ok = wait(with_transforms(sem, transforms), value, decrement)
+        checks.wait(eqn, operand, ok)
+
+      run_wait(sem, take)
       return []
     if name == "semaphore_read":
       sem, transforms = eqn.params["args_tree"].unflatten(invals)

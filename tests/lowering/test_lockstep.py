@@ -204,8 +204,9 @@ def _top_level_collectives(compiled) -> list[str]:
 @pytest.mark.parametrize("exchange", ["gathered", "ring_shifts"], indirect=True)
 def test_remote_operations_in_a_row_travel_in_one_exchange(exchange):
   """Both neighbours' handshake signals, then both ring directions' DMAs:
-  one exchange each (every exchange is a rendezvous of every device), and
-  one for the failure report."""
+  the wait for the handshake waits for the exchange, so the signals and
+  the DMAs travel in one (every exchange is a rendezvous of every device),
+  and one more carries the failure report."""
   n = 4
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
 
@@ -242,12 +243,10 @@ def test_remote_operations_in_a_row_travel_in_one_exchange(exchange):
   np.testing.assert_array_equal(out[:, 0], np.roll(blocks[:, 0], 1, axis=0))
   np.testing.assert_array_equal(out[:, 1], np.roll(blocks[:, 1], -1, axis=0))
   collectives = _top_level_collectives(fn.lower(x).compile())
-  if exchange == "gathered":
-    assert collectives == ["all-gather"] * 3
-  else:
-    # The handshake (its targets give the DMAs' ring shifts) and the
-    # report; the data moves by ring shifts, in a switch on the pattern.
-    assert collectives == ["all-gather"] * 2
+  # The handshake with the data, and the report. By ring shifts, the
+  # handshake travels with the DMAs' targets (which give their ring
+  # shifts), and the data after it, in a switch on the pattern.
+  assert collectives == ["all-gather"] * 2
 
 
 @pytest.mark.parametrize("form", ["dict", "flat"])
@@ -348,6 +347,71 @@ def test_a_wait_that_would_block_forever_names_device_and_semaphore(
     r"\(dma_sem\)",
   ):
     jax.block_until_ready(f(_rows(mesh, P("x"))))
+
+
+def _signal_and_wait(n, steps):
+  """Each device runs ``steps``: ``None`` signals its right neighbour's
+  semaphore, a number waits on its own for that much; then it reads its
+  semaphore (the count output)."""
+
+  def kernel(x_hbm, o_hbm, count_hbm, sem, count_smem):
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
+    for step in steps:
+      if step is None:
+        pl.semaphore_signal(sem, 1, device_id={"x": right})
+      else:
+        pl.semaphore_wait(sem, step)
+    count_smem[0] = pl.semaphore_read(sem)
+    pltpu.sync_copy(count_smem, count_hbm)
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  def per_device(x):
+    return mpmd.mpmd_map(
+      [(CORE, kernel)],
+      (
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+      ),
+      scratch_types=[
+        pltpu.SemaphoreType.REGULAR(()),
+        pltpu.SMEM((1,), jnp.int32),
+      ],
+      debug=True,
+    )(x)
+
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+  return jax.jit(
+    jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=P("x"),
+      out_specs=(P("x"), P("x")),
+      check_vma=False,
+    )
+  ), _rows(mesh, P("x"))
+
+
+def test_waits_on_pending_signals_count_those_issued_before_them(capsys):
+  """A wait on a pending signal's semaphore waits for the exchange, and
+  takes what was signalled before it."""
+  n = 4
+  f, x = _signal_and_wait(n, [None, 1, None, 1, None, None, 1])
+  out, count = f(x)
+  assert "lockstep path" in capsys.readouterr().out
+  np.testing.assert_array_equal(out, x)
+  np.testing.assert_array_equal(count, [1] * n)
+
+
+def test_a_wait_that_a_later_signal_would_satisfy_still_deadlocks():
+  """One signal arrives before the wait for two, the other after it: on
+  hardware the wait blocks forever, though both signals could land in one
+  exchange."""
+  f, x = _signal_and_wait(4, [None, 2, None])
+  with pytest.raises(
+    Exception,
+    match=r"lockstep path(.|\n)*device \(x=\d\) waits on scratch 0",
+  ):
+    jax.block_until_ready(f(x))
 
 
 def test_a_remote_dma_under_a_condition_goes_to_the_simulator(capsys):
