@@ -27,6 +27,10 @@ short, fails the launch too (``mpmd.lowering.bounds``).
 """
 
 import functools
+import itertools
+import math
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -264,6 +268,8 @@ def lower(
     names=names,
     devices=devices,
     num_checks=checks.count,
+    failure_key=failures.new_key(),
+    num_devices=math.prod(sizes[a] for a in axes),
   )
   # The kernel's values carry no varying-axes types: check none here.
   with _jax.no_vma_check():
@@ -307,6 +313,8 @@ def _run(
   names,
   devices,
   num_checks,
+  failure_key,
+  num_devices,
 ):
   avals = [v.aval for v in program.jaxpr.invars]
 
@@ -335,40 +343,86 @@ def _run(
     flags = [jnp.any(final[k] < 0) for k in semaphores]
     if error is not None:
       flags.append(bounds.failed(error))
-    coords = [lax.axis_index(a) for a in devices.all_axes]
-    report = jnp.stack([*coords, *(f.astype(jnp.int32) for f in flags)])
-    reports = lax.all_gather(report, devices.axes)
+    coords = jnp.stack([lax.axis_index(a) for a in devices.all_axes])
+    short = jnp.stack([f.astype(jnp.int32) for f in flags])
     leaves, treedef = tree_util.tree_flatten(error)
-    raise_error = functools.partial(
-      _raise_for_reports, names, devices.all_axes, treedef if leaves else None
+    report = functools.partial(
+      failures.report,
+      failure_key,
+      functools.partial(
+        _raise_for_reports, names, devices.all_axes, treedef if leaves else None
+      ),
+      num_devices,
     )
-
-    def report_on_device_zero():
-      # Every device takes this branch (the reports are gathered), so the
-      # failed checks' details travel only when something failed.
-      gathered = [lax.all_gather(x, devices.axes) for x in leaves]
-      lax.cond(
-        devices.me() == 0,
-        lambda: callback.io_callback(raise_error, None, reports, *gathered),
-        lambda: None,
-      )
-
-    # Python runs only to raise (a callback per device and launch would
-    # cost more than a ring step), and on one device: one error per launch.
+    # Python runs only on a device that failed (a callback per device and
+    # launch would cost more than a ring step), and no device waits for the
+    # others' verdict (a collective would be a rendezvous of all of them):
+    # the failing devices' reports meet on the host (``_Failures``).
     lax.cond(
-      jnp.any(reports[:, len(coords) :] != 0),
-      report_on_device_zero,
+      jnp.any(short != 0),
+      lambda: callback.io_callback(report, None, coords, short, *leaves),
       lambda: None,
     )
   return final[num_in : num_in + num_out]
 
 
-def _raise_for_reports(names, axes, treedef, reports, *gathered) -> None:
-  for j in range(len(reports)):
-    failure = bounds.first_failure(treedef, [x[j] for x in gathered])
+class _Failures:
+  """The reports of the devices of one launch that failed, gathered on the
+  host: the first to report waits (up to ``grace`` seconds, less if every
+  device reports) for the others, then raises one error naming them all;
+  the others return, and their launch fails with that error.
+
+  Keyed by the launch's lowering (``key``): reports of concurrent
+  executions of one compiled launch (from several Python threads) would
+  mix, naming devices of both.
+  """
+
+  grace = 0.25
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._pending: dict[Any, list[tuple[Any, ...]]] = {}
+    self._keys = itertools.count()
+
+  def new_key(self) -> int:
+    return next(self._keys)
+
+  def report(self, key, raise_error, num_devices, coords, short, *leaves):
+    entry = (np.asarray(coords), np.asarray(short), *map(np.asarray, leaves))
+    with self._lock:
+      reports = self._pending.setdefault(key, [])
+      reports.append(entry)
+      first = len(reports) == 1
+    if not first:
+      return
+    deadline = time.monotonic() + self.grace
+    while time.monotonic() < deadline:
+      with self._lock:
+        if len(reports) == num_devices:
+          break
+      time.sleep(0.005)
+    with self._lock:
+      del self._pending[key]
+    raise_error(sorted(reports, key=lambda r: tuple(r[0])))
+
+
+failures = _Failures()
+
+
+def _raise_for_reports(names, axes, treedef, reports) -> None:
+  """Raises the first failed check of the lowest failing device, else the
+  deadlock of every device whose waits came up short."""
+  for _, _, *leaves in reports:
+    failure = bounds.first_failure(treedef, leaves)
     if failure is not None:
       raise failure
-  _raise_if_short(names, axes, np.asarray(reports)[:, : len(axes) + len(names)])
+  _raise_if_short(
+    names,
+    axes,
+    np.asarray(
+      [[*coords, *short[: len(names)]] for coords, short, *_ in reports]
+    ),
+  )
 
 
 def _raise_if_short(names, axes, reports) -> None:
