@@ -13,7 +13,6 @@ from jax import lax
 from mpmd import _jax
 from mpmd._jax import (
   callback,
-  core,
   hlo_interpreter,
   mlir,
   pallas_core,
@@ -234,7 +233,7 @@ def _run_program(program, p: int, args, outs, shared, b: _Buffers):
     ),
   ]
   # The discharged program returns the final value of each Ref operand.
-  updated = iter(core.eval_jaxpr(program.jaxpr, program.consts, *operands))
+  updated = iter(jaxpr_util.evaluate(program, *operands))
   operands = [
     next(updated) if r else x for x, r in zip(operands, b.is_ref, strict=True)
   ]

@@ -4,7 +4,9 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from mpmd import _jax
 from mpmd._jax import (
@@ -129,6 +131,30 @@ def _retrace(jaxpr: core.Jaxpr, consts, rule: EqnRule, prologue=None, skip=0):
     fun, [v.aval for v in jaxpr.invars]
   )
   return new, new_consts
+
+
+def evaluate(program: Any, *args) -> list[Any]:
+  """``core.eval_jaxpr`` of a discharged (closed) kernel program, with its
+  16-bit float buffers updated as integers where XLA would convert them
+  whole (``_jax.FLOAT16_UPDATES_CONVERT``)."""
+  jaxpr, consts = _jax.open_jaxpr(program)
+  if not _jax.FLOAT16_UPDATES_CONVERT:
+    return core.eval_jaxpr(jaxpr, consts, *args)
+  return _eval(jaxpr, consts, args, _integer_updates)
+
+
+def _integer_updates(eqn: core.JaxprEqn, invals: list[Any]) -> list[Any] | None:
+  if eqn.primitive is not lax.dynamic_update_slice_p:
+    return None
+  operand, update, *starts = invals
+  dtype = jnp.dtype(operand.dtype)
+  if dtype.itemsize != 2 or not jnp.issubdtype(dtype, jnp.floating):
+    return None
+  as_words = lambda x: lax.bitcast_convert_type(x, jnp.uint16)  # noqa: E731
+  updated = lax.dynamic_update_slice(
+    as_words(operand), as_words(update), starts
+  )
+  return [lax.bitcast_convert_type(updated, dtype)]
 
 
 def rewrite(jaxpr: core.Jaxpr, rule: EqnRule) -> core.Jaxpr:

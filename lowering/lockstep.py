@@ -325,7 +325,7 @@ def _run(
 
   def launch(*operands):
     # The discharged program returns the final value of each Ref operand.
-    updated = iter(core.eval_jaxpr(program.jaxpr, program.consts, *operands))
+    updated = iter(jaxpr_util.evaluate(program, *operands))
     return [
       next(updated) if r else x for x, r in zip(operands, is_ref, strict=True)
     ]

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpmd
+from mpmd import _jax
 from mpmd.lowering import exchange as exchange_lib
 
 ROWS = (8, 128)
@@ -704,3 +705,44 @@ def test_a_partially_manual_shard_map_is_not_lockstep():
     ).trace(x)
   assert seen == {"all": ("x", "y"), "x only": ()}
   assert paths.fully_manual_axes(("x", "y"), {"x"}) == ()
+
+
+@pytest.mark.parametrize("as_integers", [False, True])
+def test_both_forms_of_16bit_float_updates(monkeypatch, as_integers):
+  """Remote bf16 blocks landing in windows of a larger buffer, updated as
+  bf16 or (where jaxlib 0.10.2's XLA would convert the whole buffer to f32
+  for each update, ``FLOAT16_UPDATES_CONVERT``) as uint16: same result."""
+  monkeypatch.setattr(_jax, "FLOAT16_UPDATES_CONVERT", as_integers)
+  n, cols = 4, ROWS[1]
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    me = jax.lax.axis_index("x")
+    copy = pltpu.make_async_remote_copy(
+      x_hbm,
+      o_hbm.at[:, pl.ds(me * cols, cols)],
+      send,
+      recv,
+      device_id={"x": jax.lax.rem(me + 1, n)},
+    )
+    copy.start()
+    copy.wait()
+
+  def per_device(x):
+    return mpmd.mpmd_map(
+      [(CORE, kernel)],
+      jax.ShapeDtypeStruct((ROWS[0], n * cols), x.dtype),
+      scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
+    )(x)
+
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+  x = _rows(mesh, P("x")).astype(jnp.bfloat16)
+  fn = _sharded(mesh, P("x"), per_device)
+  out = np.asarray(fn(x), np.float32).reshape(n, ROWS[0], n, cols)
+  blocks = np.asarray(x, np.float32).reshape(n, *ROWS)
+  for me in range(n):
+    sender = (me - 1) % n
+    np.testing.assert_array_equal(out[me, :, sender], blocks[sender])
+  updates = re.findall(
+    r"dynamic_update_slice.*-> tensor<\d+x\d+x(\w+)>", fn.lower(x).as_text()
+  )
+  assert ("ui16" if as_integers else "bf16") in updates, updates
