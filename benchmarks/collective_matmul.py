@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter  # noqa: E402
+from mpmd.kernels.collective_matmul.api import SCHEDULES  # noqa: E402
 
 # (n, K, m): the large shape and a small one.
 LARGE = (1024, 2048, 1024)
@@ -179,8 +180,8 @@ def main(argv=None) -> int:
   )
   args = parser.parse_args(argv)
   schedules = args.schedules.split(",")
-  if not set(schedules) <= {"direct", "ring"}:
-    parser.error(f"--schedules: expected direct and/or ring, got {schedules}")
+  if not set(schedules) <= set(SCHEDULES):
+    parser.error(f"--schedules: expected some of {SCHEDULES}, got {schedules}")
   rings = [int(r) for r in args.rings.split(",")]
   if any(r < 2 or r > _MAX_RING for r in rings):
     parser.error(f"--rings: expected lengths in [2, {_MAX_RING}], got {rings}")

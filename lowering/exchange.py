@@ -330,7 +330,7 @@ class Exchanges:
 
   A wait on a semaphore that a pending operation writes (a handshake's, a
   reception's) does not force the exchange: it waits for it (``wait``),
-  and runs in it after every operation issued before it has landed, so
+  and runs in it after the pending operations have landed, so
   that a handshake travels with the first transfers. Its semaphore stays
   written by a pending operation until then, so that whatever touches it
   next exchanges first, and an operation issued later that writes it
@@ -470,9 +470,6 @@ class Exchanges:
 def _touched(eqn: core.JaxprEqn, invals: list[Any]) -> list[Any]:
   """What ``eqn`` reads or writes on this device (its Refs among them)."""
   name = eqn.primitive.name
-  if name == "dma_wait":
-    # Only the semaphore: the buffers give the byte count (their shape).
-    return [eqn.params["tree"].unflatten(invals)[2]]
   if name == "dma_start":
     src, dst, dst_sem, src_sem, device_id = eqn.params["tree"].unflatten(invals)
     if device_id is not None:  # its destination is another device's

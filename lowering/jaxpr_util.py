@@ -150,7 +150,7 @@ def _integer_updates(eqn: core.JaxprEqn, invals: list[Any]) -> list[Any] | None:
   dtype = jnp.dtype(operand.dtype)
   if dtype.itemsize != 2 or not jnp.issubdtype(dtype, jnp.floating):
     return None
-  as_words = lambda x: lax.bitcast_convert_type(x, jnp.uint16)  # noqa: E731
+  as_words = lambda x: lax.bitcast_convert_type(x, jnp.uint16)
   updated = lax.dynamic_update_slice(
     as_words(operand), as_words(update), starts
   )

@@ -368,9 +368,13 @@ def _run(
 
 class _Failures:
   """The reports of the devices of one launch that failed, gathered on the
-  host: the first to report waits (up to ``grace`` seconds, less if every
-  device reports) for the others, then raises one error naming them all;
-  the others return, and their launch fails with that error.
+  host: the first to report waits for the others, then raises one error
+  naming them all; the others return, and their launch fails with that
+  error. It waits until every device has reported, or until no report has
+  come for ``grace`` seconds (the devices that failed reach their reports
+  about together: they ran in step up to the last exchange), at most
+  ``patience`` seconds. A report later than that raises an error of its
+  own, which the launch, already failed, drops.
 
   Keyed by the launch's lowering (``key``): reports of concurrent
   executions of one compiled launch (from several Python threads) would
@@ -378,9 +382,10 @@ class _Failures:
   """
 
   grace = 0.25
+  patience = 2.0
 
   def __init__(self):
-    self._lock = threading.Lock()
+    self._arrived = threading.Condition()
     self._pending: dict[Any, list[tuple[Any, ...]]] = {}
     self._keys = itertools.count()
 
@@ -389,19 +394,21 @@ class _Failures:
 
   def report(self, key, raise_error, num_devices, coords, short, *leaves):
     entry = (np.asarray(coords), np.asarray(short), *map(np.asarray, leaves))
-    with self._lock:
+    with self._arrived:
       reports = self._pending.setdefault(key, [])
       reports.append(entry)
-      first = len(reports) == 1
-    if not first:
-      return
-    deadline = time.monotonic() + self.grace
-    while time.monotonic() < deadline:
-      with self._lock:
-        if len(reports) == num_devices:
+      self._arrived.notify_all()
+      if len(reports) > 1:
+        return
+      give_up = time.monotonic() + self.patience
+      while len(reports) < num_devices:
+        heard = len(reports)
+        left = min(self.grace, give_up - time.monotonic())
+        self._arrived.wait_for(
+          lambda heard=heard: len(reports) > heard, max(left, 0)
+        )
+        if len(reports) == heard:
           break
-      time.sleep(0.005)
-    with self._lock:
       del self._pending[key]
     raise_error(sorted(reports, key=lambda r: tuple(r[0])))
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 from mpmd import targets
 from mpmd.kernels import _common
@@ -37,7 +38,7 @@ def resolve_schedule(fn_name: str, schedule: Any, interpret: Interpret) -> str:
   simulating one (``interpret`` a ``pltpu.InterpretParams``), else direct
   (the CPU fallback, where devices run in step and nothing overlaps)."""
   if schedule is None:
-    simulated = interpret is not None and not isinstance(interpret, bool)
+    simulated = isinstance(interpret, pltpu.InterpretParams)
     return "ring" if simulated or targets.platform() == "tpu" else "direct"
   if schedule not in SCHEDULES:
     raise ValueError(
@@ -46,14 +47,19 @@ def resolve_schedule(fn_name: str, schedule: Any, interpret: Interpret) -> str:
   return schedule
 
 
+def _direct(schedule: str, ring) -> bool:
+  # A ring of one device exchanges nothing: every schedule is one matmul.
+  return schedule == "direct" and ring.size > 1
+
+
 def _ag_call(config: AgConfig, lhs, rhs, *, return_gathered: bool):
-  if config.schedule == "direct" and config.ring.size > 1:
+  if _direct(config.schedule, config.ring):
     return ag_direct_call(config, lhs, rhs, return_gathered=return_gathered)
   return ag_kernel_call(config, lhs, rhs, return_gathered=return_gathered)
 
 
 def _rs_call(config: RsConfig, lhs, rhs):
-  if config.schedule == "direct" and config.ring.size > 1:
+  if _direct(config.schedule, config.ring):
     return rs_direct_call(config, lhs, rhs)
   return rs_kernel_call(config, lhs, rhs)
 
@@ -114,12 +120,13 @@ def all_gather_matmul(
 ) -> jax.Array:
   """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs``, fused.
 
-  Call inside ``jax.shard_map``. The shards of ``lhs`` travel around the ring
-  of devices along ``axis_name`` while each device multiplies the shards
-  that have arrived with the matching rows of its ``rhs``; see the module
-  docstring for the schedule. Differentiable: the VJP is a
-  :func:`matmul_reduce_scatter` (for ``lhs``) and a local matmul with the
-  gathered ``lhs`` that the forward kernel keeps (for ``rhs``).
+  Call inside ``jax.shard_map``. On the ring schedule (what a TPU runs, see
+  ``schedule``) the shards of ``lhs`` travel around the ring of devices
+  along ``axis_name`` while each device multiplies the shards that have
+  arrived with the matching rows of its ``rhs``; see the module docstring.
+  Differentiable: the VJP is a :func:`matmul_reduce_scatter` (for ``lhs``)
+  and a local matmul with the gathered ``lhs`` that the forward kernel keeps
+  (for ``rhs``).
 
   Args:
     lhs: local shard ``(n, k_local)``, float32 or bfloat16; the global
@@ -132,8 +139,9 @@ def all_gather_matmul(
     bidirectional: split the rows of ``lhs`` in two halves travelling in
       opposite directions (any ring length; needs ``n`` even, otherwise the
       unidirectional schedule is used).
-    buffering: receive slots per ring direction (1, 2, 4, ...): how far a
-      device may run ahead of its neighbour.
+    buffering: receive slots per ring direction (1, 2, 4, ...; the ring
+      schedule only, as ``bidirectional``): how far a device may run ahead
+      of its neighbour.
     preferred_element_type: output dtype, float32 (default) or bfloat16;
       accumulation is always in float32.
     block_sizes: tiles of the local matmul pipeline (see :class:`BlockSizes`).
@@ -145,9 +153,12 @@ def all_gather_matmul(
       ``"direct"``: every device DMAs its shard straight to every other
       device, then one matmul of the gathered ``lhs`` (on the CPU fallback,
       where devices run in step and nothing overlaps, that is one exchange
-      between them instead of ``D - 1``); None: the ring when building for
-      TPU (on a TPU or inside ``mpmd.tpu_target``) or simulating one
-      (``interpret`` a ``pltpu.InterpretParams``), else direct.
+      between them instead of ``D - 1``, but for large shards one ring
+      shift per peer); None: the ring when building for TPU (on a TPU,
+      inside ``mpmd.tpu_target``, or with ``$MPMD_TPU_TARGET`` set) or
+      simulating one (``interpret`` a ``pltpu.InterpretParams``), else
+      direct.
+      ``bidirectional`` and ``buffering`` shape the ring only.
     interpret: passed to ``mpmd.mpmd_map``: ``None`` compiles on TPU and
       runs the CPU fallback on CPU; a ``pltpu.InterpretParams`` forces the
       TPU simulator (e.g. with ``detect_races=True``).
@@ -195,7 +206,7 @@ def all_gather_matmul(
     schedule=resolve_schedule(fn_name, schedule, interpret),
   )
   # Check the tiles now, not deep inside the kernel trace.
-  if config.schedule == "direct" and ring_.size > 1:
+  if _direct(config.schedule, ring_):
     rows, k_tiled = n, k_local * ring_.size  # one matmul of everything
   else:
     streams = make_streams(n, config.bidirectional) if ring_.size > 1 else ()
@@ -267,11 +278,12 @@ def matmul_reduce_scatter(
   """``psum_scatter(lhs @ rhs, axis_name, scatter_dimension, tiled=True)``.
 
   Call inside ``jax.shard_map``. Each device's partial product ``lhs @ rhs``
-  is cut into ``D`` blocks along ``scatter_dimension``; the running sums of
-  the blocks travel the ring, and every device adds its own partial block
-  to the sum passing by, computing the next block while the previous sum is
-  on the wire. Differentiable: the VJP is an :func:`all_gather_matmul` plus
-  a local matmul with the gathered cotangent.
+  is cut into ``D`` blocks along ``scatter_dimension``; on the ring schedule
+  (what a TPU runs, see ``schedule``) the running sums of the blocks travel
+  the ring, and every device adds its own partial block to the sum passing
+  by, computing the next block while the previous sum is on the wire.
+  Differentiable: the VJP is an :func:`all_gather_matmul` plus a local
+  matmul with the gathered cotangent.
 
   Args:
     lhs: local ``(n, k)``, float32 or bfloat16 (typically the contraction
@@ -285,7 +297,8 @@ def matmul_reduce_scatter(
     bidirectional: split each block in two halves (along the other
       dimension) travelling in opposite directions; needs that dimension
       even, otherwise the unidirectional schedule is used.
-    buffering: receive slots per ring direction.
+    buffering: receive slots per ring direction (ring schedule only, as
+      ``bidirectional``).
     preferred_element_type: output dtype, float32 (default) or bfloat16;
       partial sums always travel and accumulate in float32.
     block_sizes: tiles of the local matmul pipeline (see :class:`BlockSizes`).
@@ -353,7 +366,7 @@ def matmul_reduce_scatter(
     interpret=interpret,
     schedule=resolve_schedule(fn_name, schedule, interpret),
   )
-  if config.schedule == "direct" and ring_.size > 1:
+  if _direct(config.schedule, ring_):
     region = (n, m)  # one matmul of the whole partial product
   else:
     _, _, region = rs_geometry(config, n, m)

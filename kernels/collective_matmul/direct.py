@@ -3,7 +3,9 @@
 The ring schedule hides each transfer behind a matmul. On the CPU fallback
 nothing overlaps (the devices run in step, and every exchange between them
 is a rendezvous of all of them), so there the kernels run a schedule with
-one exchange instead of ``D - 1``:
+one exchange instead of ``D - 1`` (its data in one ``all_gather``; blocks
+too large to gather everywhere move by one ring shift per peer, each a
+rendezvous of its own, see ``mpmd.lowering.exchange``):
 
   all-gather + matmul:   send own shard to every device's gathered buffer,
                          wait for the D - 1 others, one matmul of it all
@@ -49,9 +51,11 @@ class SumBuffers(NamedTuple):
   out: Any  # (block_n, block_m) in the output dtype
 
 
-def _scratch(dtype, out_dtype, tiles, num: int, axes: int) -> dict[str, Any]:
+def _scratch(
+  dtype, out_dtype, tiles, num: int, num_axes: int
+) -> dict[str, Any]:
   scratch = TileBuffers.scratch_types(dtype, out_dtype, *tiles).named()
-  scratch["ring_table"] = pltpu.SMEM((1 + axes, num), jnp.int32)
+  scratch["ring_table"] = pltpu.SMEM((1 + num_axes, num), jnp.int32)
   scratch["send"] = pltpu.SemaphoreType.DMA
   scratch["recv"] = pltpu.SemaphoreType.DMA
   return scratch

@@ -221,9 +221,11 @@ def add(bufs: TileBuffers, a: Any, b: Any, dst: Any) -> None:
   add_all(bufs, (a, b), dst)
 
 
-def add_all(bufs: TileBuffers, sources: Sequence[Any], dst: Any) -> None:
+def add_all(bufs: Any, sources: Sequence[Any], dst: Any) -> None:
   """``dst = sources[0] + sources[1] + ...`` (summed in that order) over
-  region-sized f32 HBM refs, tile by tile through the accumulator."""
+  region-sized f32 HBM refs, tile by tile through ``bufs``' VMEM ``acc``,
+  ``extra`` (f32) and ``out`` (``dst``'s dtype) tiles (a ``TileBuffers`` or
+  ``direct.SumBuffers``)."""
   bn, bm = bufs.acc.shape
   nrows, ncols = dst.shape
   ni, nj = nrows // bn, ncols // bm

@@ -457,7 +457,9 @@ class TestCpuRing(CollectiveMatmulTest):
   schedule = "ring"
 
 
-def test_default_schedule_follows_the_platform():
+def test_default_schedule_follows_the_platform(monkeypatch):
+  # $MPMD_TPU_TARGET would build for TPU (the ring) on this host too.
+  monkeypatch.delenv("MPMD_TPU_TARGET", raising=False)
   resolve = cm.api.resolve_schedule
   assert resolve("f", None, None) == "direct"  # the CPU fallback
   assert resolve("f", None, True) == "direct"
@@ -658,12 +660,13 @@ class TestTpuLowering:
         (4 * 256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P())
       ),
     ]
-    text = (
-      jax.jit(jax.grad(loss, argnums=(0, 1)))
-      .trace(*args)
-      .lower(lowering_platforms=("tpu",))
-      .as_text()
-    )
+    with mpmd.tpu_target():
+      text = (
+        jax.jit(jax.grad(loss, argnums=(0, 1)))
+        .trace(*args)
+        .lower(lowering_platforms=("tpu",))
+        .as_text()
+      )
     self.assert_collective_kernel(text, count=2)
 
   @pytest.mark.parametrize(
@@ -672,12 +675,13 @@ class TestTpuLowering:
   def test_registered_demo_lowers(self, name):
     demo = demos.registered()[name]()
     assert demo.platforms == ("tpu", "cpu")
-    text = (
-      jax.jit(demo.fn)
-      .trace(*demo.args)
-      .lower(lowering_platforms=("tpu",))
-      .as_text()
-    )
+    with mpmd.tpu_target():
+      text = (
+        jax.jit(demo.fn)
+        .trace(*demo.args)
+        .lower(lowering_platforms=("tpu",))
+        .as_text()
+      )
     self.assert_collective_kernel(text)
 
 
