@@ -255,20 +255,30 @@ def traced_manual_axes() -> tuple[Any, ...]:
   return fully_manual_axes(mesh.axis_names, getattr(mesh, "manual_axes", ()))
 
 
-def runs_callbacks(path: Path, jaxprs: Sequence[core.Jaxpr]) -> bool:
+def runs_callbacks(
+  path: Path, jaxprs: Sequence[core.Jaxpr], num_operands: int
+) -> bool:
   """Whether the CPU lowering of a launch on ``path`` runs host callbacks
-  (whose effects the launch declares where it is traced).
+  whose effects the launch declares where it is traced.
 
   They depend on the kernel (and on the enclosing shard_map), not on the
   host: one export may carry a CPU lowering next to the TPU / CUDA one, and
-  the native lowerings simply pass the effect tokens on. The lockstep path
-  reports deadlocks, and the fast path short semaphores, from a callback
-  after the run. The fast path's checks of DMA windows declare no effect:
-  a launch whose results go unused may be dropped, checks and all, as it
-  would be on hardware.
+  the native lowerings simply pass the effect tokens on. The simulators
+  call back all along. The fast and lockstep paths call back only to
+  report a failure after the run (a short semaphore, a deadlock, a failed
+  check), and declare no effect for it, which would cost every call JAX's
+  fast dispatch (about 0.5 ms): a launch whose results go unused may be
+  dropped, checks and all, as it would be on hardware. A launch with
+  semaphore operands (which outlive it; ``num_operands``: its inputs and
+  outputs, the kernel's first arguments) declares it, and up to jax 0.11
+  every launch with semaphores or on the lockstep path, whose failure would
+  otherwise outlive it (``_jax.CALLBACK_ERRORS_OUTLIVE_CALLS``).
   """
-  return path.kind != FAST or any(
-    is_semaphore(v.aval) for v in jaxprs[0].invars
+  invars = jaxprs[0].invars
+  if _jax.CALLBACK_ERRORS_OUTLIVE_CALLS:
+    return path.kind != FAST or any(is_semaphore(v.aval) for v in invars)
+  return path.kind not in (FAST, LOCKSTEP) or any(
+    is_semaphore(v.aval) for v in invars[:num_operands]
   )
 
 

@@ -61,6 +61,11 @@ SWITCH_COPIES_UPDATED_BUFFERS = JAX_VERSION < (0, 11)
 # updates in place.
 FLOAT16_UPDATES_CONVERT = JAX_VERSION < (0, 11)
 
+# Up to 0.11, a host callback's error in a computation that declares no
+# effect for it stays in JAX's runtime tokens: ``jax.effects_barrier`` (and
+# interpreter exit) raise it again. From 0.12 it ends with its call.
+CALLBACK_ERRORS_OUTLIVE_CALLS = JAX_VERSION < (0, 12)
+
 # ruff: noqa: E402, F401, I001
 from jax._src import api_util
 from jax._src import callback

@@ -204,7 +204,7 @@ def _mpmd_map_abstract_eval(
   effs = _kernel_effects(in_avals, jaxprs, meshes)
   # The CPU fallback's host callbacks: declared where the launch is traced,
   # whatever platform lowers it (one export may carry several).
-  if paths.runs_callbacks(cpu_path, jaxprs):
+  if paths.runs_callbacks(cpu_path, jaxprs, len(in_avals) + len(out_avals)):
     effs.add(host_callback_effect)
   out_to_in = {o: i for i, o in input_output_aliases.items()}
   # An aliased output keeps its input's type (weak type, sharding), but it
