@@ -7,8 +7,8 @@ one exchange instead of ``D - 1`` (its data in one ``all_gather``; blocks
 too large to gather everywhere move by one ring shift per peer, each a
 rendezvous of its own, see ``mpmd.lowering.exchange``):
 
-  all-gather + matmul:   send own shard to every device's gathered buffer,
-                         wait for the D - 1 others, one matmul of it all
+  all-gather + matmul:   send own shard to every other device, wait for
+                         the D - 1 others, gather, one matmul of it all
   matmul + reduce-scatter: one matmul of the whole partial product, send
                          block b to device b, wait for the D - 1 others,
                          sum own block + arrived blocks (upstream order)
@@ -76,10 +76,15 @@ def ag_direct_call(config, lhs: jax.Array, rhs: jax.Array, *, return_gathered):
   tiles = pick_blocks("all_gather_matmul", config.block_sizes, n, k_total, m)
   outs = {
     "out": out_type((n, m), config.out_dtype, (lhs, rhs), ring),
-    # HBM, an output (dropped unless asked for) so that remote DMAs may
-    # target it on every execution path.
     "gathered": out_type((n, k_total), dtype, (lhs,), ring),
   }
+  # Slot j receives the shard of the device j positions upstream: HBM
+  # outputs (dropped) so that remote DMAs may target them on every path.
+  # One each, then copied into ``gathered``: landing a shard in a window of
+  # one large buffer would, on the CPU fallback, thread the whole buffer
+  # through a conditional (jax 0.10.2's XLA copies it there).
+  for j in _others(num):
+    outs[f"slot_{j}"] = out_type((n, k_local), dtype, (lhs,), ring)
   scratch = _scratch(dtype, config.out_dtype, tiles, num, len(ring.axes))
   names = (*outs, *scratch)
 
@@ -87,18 +92,28 @@ def ag_direct_call(config, lhs: jax.Array, rhs: jax.Array, *, return_gathered):
     (table_ref, lhs_ref, rhs_ref), r = named_refs(refs, 3, names)
     pltpu.sync_copy(table_ref, r["ring_table"])
     coords = RingCoords(ring, r["ring_table"])
-    # Every device's shard lands in the columns of its flattened index.
-    mine = r["gathered"].at[:, pl.ds(coords.device_at(0) * k_local, k_local)]
-    pltpu.sync_copy(lhs_ref, mine)
+
+    def columns(offset):
+      # Every device's shard goes in the columns of its flattened index.
+      origin = coords.device_at(offset)
+      return r["gathered"].at[:, pl.ds(origin * k_local, k_local)]
+
+    pltpu.sync_copy(lhs_ref, columns(0))
     handshake(coords, _others(num))
     copies = [
-      remote_copy(lhs_ref, mine, r["send"], r["recv"], coords.device_id(j))
+      remote_copy(
+        lhs_ref, r[f"slot_{j}"], r["send"], r["recv"], coords.device_id(j)
+      )
       for j in _others(num)
     ]
     for copy in copies:
       copy.start()
+    # One semaphore counts every arrival's bytes (the same from every
+    # device): only after all of them is any one slot sure to be full.
     for copy in copies:
-      copy.wait_recv()  # same shape from every device: one shard's bytes
+      copy.wait_recv()
+    for j in _others(num):
+      pltpu.sync_copy(r[f"slot_{j}"], columns(-j))
     for copy in copies:
       copy.wait_send()
     matmul(
@@ -125,7 +140,7 @@ def ag_direct_call(config, lhs: jax.Array, rhs: jax.Array, *, return_gathered):
     bytes_accessed=(n * k_total + k_total * m) * dtype.itemsize
     + n * m * config.out_dtype.itemsize,
   )
-  out, gathered = call(ring_table(ring), lhs, rhs)
+  out, gathered, *_ = call(ring_table(ring), lhs, rhs)
   return out, gathered if return_gathered else None
 
 
