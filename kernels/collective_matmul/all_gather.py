@@ -12,8 +12,8 @@ from jax.experimental.pallas import tpu as pltpu
 from mpmd.kernels.collective_matmul.checks import BlockSizes, pick_blocks
 from mpmd.kernels.collective_matmul.ring import (
   Ring,
-  RingCoords,
   handshake,
+  load_coords,
   make_streams,
   ring_scratch,
   ring_table,
@@ -90,8 +90,7 @@ def ag_kernel_call(
     bufs = TileBuffers.from_named(r)
     out_ref = r["out"]
     acc_ref = out_ref if acc_in_out else r["acc"]
-    pltpu.sync_copy(table_ref, r["ring_table"])
-    coords = RingCoords(ring, r["ring_table"])
+    coords = load_coords(ring, table_ref, r["ring_table"])
     me = coords.device_at(0)
 
     def local_matmul(src, st_start, st_size, origin, *, first, final):

@@ -27,16 +27,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mpmd.kernels.collective_matmul.checks import pick_block, pick_blocks
+from mpmd.kernels.collective_matmul.reduce_scatter import rs_geometry
 from mpmd.kernels.collective_matmul.ring import (
-  RingCoords,
   handshake,
+  load_coords,
   ring_table,
 )
 from mpmd.kernels.collective_matmul.tiles import (
   TileBuffers,
   add_all,
   launch,
-  matmul,
+  matmul_whole,
   named_refs,
   out_type,
   remote_copy,
@@ -90,8 +91,7 @@ def ag_direct_call(config, lhs: jax.Array, rhs: jax.Array, *, return_gathered):
 
   def body(*refs):
     (table_ref, lhs_ref, rhs_ref), r = named_refs(refs, 3, names)
-    pltpu.sync_copy(table_ref, r["ring_table"])
-    coords = RingCoords(ring, r["ring_table"])
+    coords = load_coords(ring, table_ref, r["ring_table"])
 
     def columns(offset):
       # Every device's shard goes in the columns of its flattened index.
@@ -116,18 +116,7 @@ def ag_direct_call(config, lhs: jax.Array, rhs: jax.Array, *, return_gathered):
       pltpu.sync_copy(r[f"slot_{j}"], columns(-j))
     for copy in copies:
       copy.wait_send()
-    matmul(
-      TileBuffers.from_named(r),
-      r["gathered"],
-      rhs_ref,
-      r["out"],
-      rows=(0, n),
-      lhs_cols=0,
-      rhs_rows=0,
-      cols=(0, m),
-      k=k_total,
-      init=None,
-    )
+    matmul_whole(TileBuffers.from_named(r), r["gathered"], rhs_ref, r["out"])
 
   call = launch(
     body,
@@ -155,7 +144,7 @@ def rs_direct_call(config, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   dtype = jnp.dtype(lhs.dtype)
   out_dtype = config.out_dtype
   dim = config.scatter_dimension
-  block = (n // num, m) if dim == 0 else (n, m // num)
+  block, _, _ = rs_geometry(config, n, m)
   tiles = pick_blocks(fn_name, config.block_sizes, n, k, m)
   # The sums tile the block automatically (block_sizes tile the matmul).
   sum_n = pick_block(fn_name, "block_n", block[0], None)
@@ -182,21 +171,9 @@ def rs_direct_call(config, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
 
   def body(*refs):
     (table_ref, lhs_ref, rhs_ref), r = named_refs(refs, 3, names)
-    pltpu.sync_copy(table_ref, r["ring_table"])
-    coords = RingCoords(ring, r["ring_table"])
+    coords = load_coords(ring, table_ref, r["ring_table"])
     product = r["product"]
-    matmul(
-      TileBuffers.from_named(r),
-      lhs_ref,
-      rhs_ref,
-      product,
-      rows=(0, n),
-      lhs_cols=0,
-      rhs_rows=0,
-      cols=(0, m),
-      k=k,
-      init=None,
-    )
+    matmul_whole(TileBuffers.from_named(r), lhs_ref, rhs_ref, product)
 
     def block_of(device):
       if dim == 0:

@@ -12,8 +12,8 @@ from jax.experimental.pallas import tpu as pltpu
 from mpmd.kernels.collective_matmul.checks import BlockSizes, pick_blocks
 from mpmd.kernels.collective_matmul.ring import (
   Ring,
-  RingCoords,
   handshake,
+  load_coords,
   make_streams,
   ring_scratch,
   ring_table,
@@ -24,6 +24,7 @@ from mpmd.kernels.collective_matmul.tiles import (
   add_to_held,
   launch,
   matmul,
+  matmul_whole,
   named_refs,
   out_type,
   remote_copy,
@@ -111,8 +112,7 @@ def rs_kernel_call(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
     (table_ref, lhs_ref, rhs_ref), r = named_refs(refs, 3, names)
     bufs = TileBuffers.from_named(r)
     out_ref = r["out"]
-    pltpu.sync_copy(table_ref, r["ring_table"])
-    coords = RingCoords(ring, r["ring_table"])
+    coords = load_coords(ring, table_ref, r["ring_table"])
 
     def out_region(st):
       # The part of the output block this direction produces.
@@ -142,18 +142,7 @@ def rs_kernel_call(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
       )
 
     if not streams:
-      matmul(
-        bufs,
-        lhs_ref,
-        rhs_ref,
-        out_ref,
-        rows=(0, n),
-        lhs_cols=0,
-        rhs_rows=0,
-        cols=(0, m),
-        k=k,
-        init=None,
-      )
+      matmul_whole(bufs, lhs_ref, rhs_ref, out_ref)
       return
 
     handshake(coords)

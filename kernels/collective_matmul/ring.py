@@ -150,6 +150,13 @@ class RingCoords:
     return self._ids[column]
 
 
+def load_coords(ring: Ring, table: Any, smem: Any) -> RingCoords:
+  """Copies the ring table (an input, see ``ring_table``) into its SMEM
+  scratch ``smem`` and reads the coordinates from there."""
+  pltpu.sync_copy(table, smem)
+  return RingCoords(ring, smem)
+
+
 def handshake(coords: RingCoords, offsets: Sequence[int] = (-1, 1)) -> None:
   """The devices ``offsets`` ring positions away (default: both ring
   neighbours) are inside this kernel before any remote DMA to them."""

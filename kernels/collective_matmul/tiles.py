@@ -216,6 +216,24 @@ def matmul(
   lax.fori_loop(0, num_tiles, tile, 0)
 
 
+def matmul_whole(bufs: TileBuffers, lhs: Any, rhs: Any, dst: Any) -> None:
+  """``dst = lhs @ rhs`` over whole HBM refs (``matmul`` of every row and
+  column, the whole contraction)."""
+  (n, k), (_, m) = lhs.shape, rhs.shape
+  matmul(
+    bufs,
+    lhs,
+    rhs,
+    dst,
+    rows=(0, n),
+    lhs_cols=0,
+    rhs_rows=0,
+    cols=(0, m),
+    k=k,
+    init=None,
+  )
+
+
 def add(bufs: TileBuffers, a: Any, b: Any, dst: Any) -> None:
   """``dst = a + b`` over region-sized f32 HBM refs, tile by tile."""
   add_all(bufs, (a, b), dst)
