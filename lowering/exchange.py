@@ -264,6 +264,12 @@ def _from_words(rows: jax.Array, like: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(rows, like.dtype)
 
 
+def _witness(x: jax.Array) -> jax.Array:
+  """One element of ``x``, computed only once all of ``x`` is: XLA would
+  otherwise compute just that element from ``x``'s operands."""
+  return jnp.ravel(lax.optimization_barrier(x))[:1]
+
+
 def _traced(x: Any) -> bool:
   # Python ints (static indices) are the same on every device.
   return not isinstance(x, int)
@@ -414,6 +420,14 @@ class Exchanges:
         send.moving,
         None if p else send.data,
       ]
+    if any(map(_traced, tree_util.tree_leaves(leaves))):
+      # The gather waits for the shifted data too, as the device would:
+      # XLA runs a collective as soon as its operands are ready, and one
+      # that waits for the other devices holds a thread of XLA's pool (one
+      # per device), starving the devices still at work (a matmul) of it.
+      for n, (send, p) in enumerate(zip(sends, permuted, strict=True)):
+        if p and send.data is not None:
+          leaves[3 * n + 2] = _witness(send.data)
     flat, treedef = tree_util.tree_flatten(leaves)
     gathered = _Gathered(devices.axes, flat)
     # Where each of the 3 * n fields starts among the flat leaves.
