@@ -67,5 +67,8 @@ def _choose(flat_callback):
 
 def install() -> None:
   """Routes the simulators' callbacks and ours through ``_call`` (on first
-  use of a simulator); every other ``io_callback`` runs as JAX wrote it."""
+  use of a simulator); every other ``io_callback`` runs as JAX wrote it.
+  A failed launch's error ends with its call, a computation's first call
+  included (``_patches.end_launch_errors_with_their_call``)."""
   _patches.route_io_callbacks(_choose)
+  _patches.end_launch_errors_with_their_call(errors.reports_launch)

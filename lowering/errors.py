@@ -59,6 +59,11 @@ def _typed(error: BaseException) -> LaunchError | None:
   return None
 
 
+def reports_launch(error: BaseException) -> bool:
+  """Whether ``error`` is (XLA's report of) a failed launch of ours."""
+  return _typed(error) is not None
+
+
 class typed_errors(contextlib.ContextDecorator):  # noqa: N801 (reads as a function)
   """Re-raises a failed launch's error as its own type.
 

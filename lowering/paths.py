@@ -267,16 +267,14 @@ def runs_callbacks(
   call back all along. The fast and lockstep paths call back only to
   report a failure after the run (a short semaphore, a deadlock, a failed
   check), and declare no effect for it, which would cost every call JAX's
-  fast dispatch (about 0.5 ms): a launch whose results go unused may be
+  fast dispatch (0.1-0.2 ms): a launch whose results go unused may be
   dropped, checks and all, as it would be on hardware. A launch with
   semaphore operands (which outlive it; ``num_operands``: its inputs and
-  outputs, the kernel's first arguments) declares it, and up to jax 0.11
-  every launch with semaphores or on the lockstep path, whose failure would
-  otherwise outlive it (``_jax.CALLBACK_ERRORS_OUTLIVE_CALLS``).
+  outputs, the kernel's first arguments) declares it. (JAX keeps a failed
+  first call's error for ``effects_barrier``; the CPU lowering lets ours
+  end with their call: ``callbacks.install``.)
   """
   invars = jaxprs[0].invars
-  if _jax.CALLBACK_ERRORS_OUTLIVE_CALLS:
-    return path.kind != FAST or any(is_semaphore(v.aval) for v in invars)
   return path.kind not in (FAST, LOCKSTEP) or any(
     is_semaphore(v.aval) for v in invars[:num_operands]
   )

@@ -61,16 +61,12 @@ SWITCH_COPIES_UPDATED_BUFFERS = JAX_VERSION < (0, 11)
 # updates in place.
 FLOAT16_UPDATES_CONVERT = JAX_VERSION < (0, 11)
 
-# Up to 0.11, a host callback's error in a computation that declares no
-# effect for it stays in JAX's runtime tokens: ``jax.effects_barrier`` (and
-# interpreter exit) raise it again. From 0.12 it ends with its call.
-CALLBACK_ERRORS_OUTLIVE_CALLS = JAX_VERSION < (0, 12)
-
 # ruff: noqa: E402, F401, I001
 from jax._src import api_util
 from jax._src import callback
 from jax._src import config
 from jax._src import core
+from jax._src import dispatch
 from jax._src import effects
 from jax._src import linear_util as lu
 from jax._src import mesh as mesh_lib

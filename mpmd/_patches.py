@@ -181,6 +181,45 @@ def let_gpu_simulator_take_numpy() -> None:
   _wrap("gpu_simulator_to_int", (_jax.gpu().simulator_memory,), "_to_int", make)
 
 
+# -- a launch's error ends with its call ---------------------------------------
+
+
+@functools.cache
+def end_launch_errors_with_their_call(
+  ours: Callable[[BaseException], bool],
+) -> None:
+  """Lets ``jax.effects_barrier`` pass over errors of ours (``ours(error)``).
+
+  The first call of a computation with host callbacks takes JAX's Python
+  dispatch, which keeps each device's runtime token: if the call failed,
+  ``effects_barrier`` (and interpreter exit) raise its error again, though
+  it reached the caller with the call's results; later calls (JAX's C++
+  dispatch) keep none. A launch's failure report ends with its call, as a
+  later call's does; any other error is raised as JAX would.
+  """
+
+  def make(original):
+    @functools.wraps(original)
+    def block_until_ready(self):
+      tokens = self.output_runtime_tokens
+      for device, token in list(tokens.items()):
+        try:
+          token.block_until_ready()
+        except Exception as e:  # noqa: BLE001 (ours dropped, others kept)
+          if ours(e):
+            del tokens[device]
+      return original(self)
+
+    return block_until_ready
+
+  _wrap(
+    "runtime_token_errors",
+    (_jax.dispatch.RuntimeTokenSet,),
+    "block_until_ready",
+    make,
+  )
+
+
 # -- simulated waits the watchdog can see -------------------------------------
 
 

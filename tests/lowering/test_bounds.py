@@ -383,6 +383,20 @@ def test_lockstep_remote_dma_dynamic_window_fails_at_run_time(side, start):
   _still_healthy(functools.partial(_lockstep_in_bounds, side))
 
 
+def test_a_failed_first_call_leaves_no_error_behind():
+  """A computation's first call takes JAX's Python dispatch, which up to
+  jax 0.11 keeps every device's runtime token for ``effects_barrier`` (and
+  exit): a launch's failure report, which declares no effect, must end
+  with its call there too, without ``typed_errors`` as well."""
+  # The launch that runs after it has run before (a first call would
+  # replace the tokens), the failing one is a new jit.
+  _lockstep_in_bounds("source")
+  mesh, f = _lockstep.__wrapped__("source")
+  with pytest.raises(jax.errors.JaxRuntimeError, match="out of bounds"):
+    jax.block_until_ready(f(_start(12), _sharded_rows(mesh)))
+  _still_healthy(functools.partial(_lockstep_in_bounds, "source"))
+
+
 def _lockstep_in_bounds(side: str) -> None:
   mesh, f = _lockstep(side)
   x = _sharded_rows(mesh)

@@ -20,7 +20,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import mpmd
-from mpmd.lowering import watchdog
+from mpmd import _jax, _patches
+from mpmd.lowering import callbacks, errors, watchdog
 
 ROWS, COLS = 8, 128
 NUM_DEVICES = 2
@@ -288,3 +289,33 @@ def test_concurrent_correct_launches_from_threads():
     np.testing.assert_array_equal(out, x)
   for out in results["shard_map"]:
     np.testing.assert_array_equal(out, y)
+
+
+class _Token:
+  """A device's runtime token, as JAX keeps it for ``effects_barrier``."""
+
+  def __init__(self, error):
+    self.error = error
+
+  def block_until_ready(self):
+    raise self.error
+
+
+def test_effects_barrier_forgets_a_launchs_error_only():
+  """JAX keeps a failed first call's error in its runtime tokens; a
+  launch's error reached its caller with the call's results, so
+  ``effects_barrier`` passes over it, and raises any other as JAX would."""
+  callbacks.install()
+  assert _patches.installed()["runtime_token_errors"]
+  launch = errors.remember(mpmd.DeadlockError("mpmd_map deadlock: a test's"))
+  runtime = jax.errors.JaxRuntimeError
+  tokens = _jax.dispatch.RuntimeTokenSet()
+  tokens.output_runtime_tokens = {
+    "device 0": _Token(runtime(f"INTERNAL: CpuCallback error: {launch}")),
+    "device 1": _Token(runtime("INTERNAL: a user's callback failed")),
+  }
+  with pytest.raises(runtime, match="a user's callback failed"):
+    tokens.block_until_ready()
+  assert "device 0" not in tokens.output_runtime_tokens
+  tokens.output_runtime_tokens = {"device 0": _Token(runtime(str(launch)))}
+  tokens.block_until_ready()  # nothing else to raise

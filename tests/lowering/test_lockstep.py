@@ -829,12 +829,12 @@ def test_both_forms_of_16bit_float_updates(monkeypatch, as_integers):
 
 
 def test_the_failure_report_declares_no_effect():
-  """A launch that declares an effect leaves JAX's fast dispatch (about
-  0.5 ms a call): from jax 0.12 the failure report declares none; up to
-  0.11 it must (``_jax.CALLBACK_ERRORS_OUTLIVE_CALLS``)."""
+  """A launch that declares an effect leaves JAX's fast dispatch (0.1-0.2
+  ms a call at small shapes), on every supported version (a failed first
+  call's error ends with it all the same: see the failure tests)."""
   n = 4
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
   effects = jax.make_jaxpr(_sharded(mesh, P("x"), _ring_sum(n)))(
     _rows(mesh, P("x"))
   ).effects
-  assert bool(effects) == _jax.CALLBACK_ERRORS_OUTLIVE_CALLS, effects
+  assert not effects, effects
