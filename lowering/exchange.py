@@ -517,37 +517,29 @@ def _land_signal(send: _Send, mine: Any, moving_all: list[Any]) -> None:
 
 def _land_shifted(devices: Devices, send: _Send, branch, moving_all) -> None:
   """A DMA's data by ring shift (``ppermute``) when every device sends the
-  same number of positions on (``branch``), else gathered."""
+  same number of positions on (``branch``), else gathered. Each way lands
+  it in its own branch of one two-way conditional (which updates the
+  buffer in place): the shift lands unconditionally, with no pass over the
+  buffer to keep what it held."""
   count, me, data = devices.count, devices.me(), send.data
 
-  def shifted(k):
-    # The sender is k positions back.
-    sender = lax.rem(me - k + count, count)
-    return lambda: (devices.shift(k, data), sender, jnp.bool_(True))
+  def by_shift():
+    value = lax.switch(
+      branch, [functools.partial(devices.shift, k, data) for k in range(count)]
+    )
+    # The sender is branch positions back.
+    sender = lax.rem(me - branch + count, count)
+    send.land(value, _pick(send.moving, moving_all, sender), True)
 
   def gathered():
+    # Rarely: the devices send different numbers of positions on, or
+    # several target this one (each lands, in device order).
     data_all, target_all = devices.gather((data, send.target))
-    return data_all, target_all == me
-
-  def first_sender():
-    data_all, mine = gathered()
-    j = jnp.argmax(mine)
-    return _row(data_all, j), j, mine[j]
-
-  value, sender, found = lax.switch(
-    branch, [*map(shifted, range(count)), first_sender]
-  )
-  send.land(value, _pick(send.moving, moving_all, sender), found)
-
-  # Rarely, several devices target this one in the same step.
-  def other_senders():
-    data_all, mine = gathered()
-    first = jnp.argmax(mine)
+    mine = target_all == me
     for j in range(count):
-      others = jnp.logical_and(mine[j], j != first)
-      send.land(data_all[j], _pick(send.moving, moving_all, j), others)
+      send.land(data_all[j], _pick(send.moving, moving_all, j), mine[j])
 
-  lax.cond(branch == count, other_senders, lambda: None)
+  lax.cond(branch == count, gathered, by_shift)
 
 
 def remote_copy(exchanges: Exchanges, src, dst, dst_sem, src_sem, device_id):
@@ -564,8 +556,10 @@ def remote_copy(exchanges: Exchanges, src, dst, dst_sem, src_sem, device_id):
   def land(value, moved, found):
     dst_t, sem_t = tree_util.tree_unflatten(tree, moved)
     dst_j = with_transforms(dst_ref, dst_t)
-    old = state_primitives.ref_get(dst_j, None)
-    state_primitives.ref_set(dst_j, None, jnp.where(found, value, old))
+    if found is not True:  # keeps what it held where nothing arrives
+      old = state_primitives.ref_get(dst_j, None)
+      value = jnp.where(found, value, old)
+    state_primitives.ref_set(dst_j, None, value)
     signal(with_transforms(sem_ref, sem_t), jnp.where(found, ref_bytes(dst), 0))
 
   exchanges.issue(
