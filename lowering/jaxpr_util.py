@@ -135,26 +135,33 @@ def _retrace(jaxpr: core.Jaxpr, consts, rule: EqnRule, prologue=None, skip=0):
 
 def evaluate(program: Any, *args) -> list[Any]:
   """``core.eval_jaxpr`` of a discharged (closed) kernel program, with its
-  16-bit float buffers updated as integers where XLA would convert them
-  whole (``_jax.FLOAT16_UPDATES_CONVERT``)."""
+  16-bit float buffers updated and sliced as integers where XLA would
+  convert them whole (``_jax.FLOAT16_DYNAMIC_OPS_CONVERT``)."""
   jaxpr, consts = _jax.open_jaxpr(program)
-  if not _jax.FLOAT16_UPDATES_CONVERT:
+  if not _jax.FLOAT16_DYNAMIC_OPS_CONVERT:
     return core.eval_jaxpr(jaxpr, consts, *args)
-  return _eval(jaxpr, consts, args, _integer_updates)
+  return _eval(jaxpr, consts, args, _integer_windows)
 
 
-def _integer_updates(eqn: core.JaxprEqn, invals: list[Any]) -> list[Any] | None:
-  if eqn.primitive is not lax.dynamic_update_slice_p:
+def _integer_windows(eqn: core.JaxprEqn, invals: list[Any]) -> list[Any] | None:
+  prim = eqn.primitive
+  if prim not in (lax.dynamic_update_slice_p, lax.dynamic_slice_p):
     return None
-  operand, update, *starts = invals
+  operand = invals[0]
   dtype = jnp.dtype(operand.dtype)
   if dtype.itemsize != 2 or not jnp.issubdtype(dtype, jnp.floating):
     return None
   as_words = lambda x: lax.bitcast_convert_type(x, jnp.uint16)
-  updated = lax.dynamic_update_slice(
-    as_words(operand), as_words(update), starts
-  )
-  return [lax.bitcast_convert_type(updated, dtype)]
+  if prim is lax.dynamic_update_slice_p:
+    _, update, *starts = invals
+    out = lax.dynamic_update_slice(as_words(operand), as_words(update), starts)
+  else:
+    sizes = eqn.params["slice_sizes"]
+    starts = invals[1 : 1 + operand.ndim]
+    if len(invals) != 1 + operand.ndim:  # dynamic sizes: as it is
+      return None
+    out = lax.dynamic_slice(as_words(operand), starts, sizes)
+  return [lax.bitcast_convert_type(out, dtype)]
 
 
 def rewrite(jaxpr: core.Jaxpr, rule: EqnRule) -> core.Jaxpr:

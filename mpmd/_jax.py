@@ -55,11 +55,11 @@ JAX_VERSION = _version_tuple(jax.__version__)
 # large buffer chain pl.when there instead (measured: gmm's window switch).
 SWITCH_COPIES_UPDATED_BUFFERS = JAX_VERSION < (0, 11)
 
-# jaxlib 0.10.2's XLA:CPU runs a dynamic update of a 16-bit float buffer in
-# f32: it converts the whole buffer there and back for each update (later
-# ones update it in place). As unsigned integers of the same width it
-# updates in place.
-FLOAT16_UPDATES_CONVERT = JAX_VERSION < (0, 11)
+# jaxlib 0.10.2's XLA:CPU runs a dynamic update or slice of a 16-bit float
+# buffer in f32: it converts the whole buffer there and back for each one
+# (later ones update and slice in place). As unsigned integers of the same
+# width it does not.
+FLOAT16_DYNAMIC_OPS_CONVERT = JAX_VERSION < (0, 11)
 
 # ruff: noqa: E402, F401, I001
 from jax._src import api_util

@@ -788,8 +788,8 @@ def test_a_partially_manual_shard_map_is_not_lockstep():
 def test_both_forms_of_16bit_float_updates(monkeypatch, as_integers):
   """Remote bf16 blocks landing in windows of a larger buffer, updated as
   bf16 or (where jaxlib 0.10.2's XLA would convert the whole buffer to f32
-  for each update, ``FLOAT16_UPDATES_CONVERT``) as uint16: same result."""
-  monkeypatch.setattr(_jax, "FLOAT16_UPDATES_CONVERT", as_integers)
+  for each update, ``FLOAT16_DYNAMIC_OPS_CONVERT``) as uint16: same result."""
+  monkeypatch.setattr(_jax, "FLOAT16_DYNAMIC_OPS_CONVERT", as_integers)
   n, cols = 4, ROWS[1]
 
   def kernel(x_hbm, o_hbm, send, recv):
@@ -826,6 +826,41 @@ def test_both_forms_of_16bit_float_updates(monkeypatch, as_integers):
     assert "ui16" in updates and "bf16" not in updates, updates
   else:
     assert "bf16" in updates, updates
+
+
+@pytest.mark.parametrize("as_integers", [False, True])
+def test_both_forms_of_16bit_float_slices(monkeypatch, as_integers):
+  """A bf16 window read at a run-time offset, sliced as bf16 or (where
+  jaxlib 0.10.2's XLA would convert the whole buffer to f32 for it,
+  ``FLOAT16_DYNAMIC_OPS_CONVERT``) as uint16: same result."""
+  monkeypatch.setattr(_jax, "FLOAT16_DYNAMIC_OPS_CONVERT", as_integers)
+
+  def kernel(start_hbm, x_hbm, o_hbm, start_smem, window):
+    pltpu.sync_copy(start_hbm, start_smem)
+    pltpu.sync_copy(x_hbm.at[pl.ds(start_smem[0], ROWS[0])], window)
+    pltpu.sync_copy(window, o_hbm)
+
+  fn = jax.jit(
+    mpmd.mpmd_map(
+      [(CORE, kernel)],
+      jax.ShapeDtypeStruct(ROWS, jnp.bfloat16),
+      scratch_types=[
+        pltpu.SMEM((1,), jnp.int32),
+        pltpu.VMEM(ROWS, jnp.bfloat16),
+      ],
+    )
+  )
+  x = jnp.arange(4 * ROWS[0] * ROWS[1]).reshape(-1, ROWS[1]) % 256
+  x = x.astype(jnp.bfloat16)  # exact: integers below 256
+  start = jnp.array([5], jnp.int32)
+  np.testing.assert_array_equal(fn(start, x), x[5 : 5 + ROWS[0]])
+  slices = re.findall(
+    r"dynamic_slice.*-> tensor<\d+x\d+x(\w+)>", fn.lower(start, x).as_text()
+  )
+  if as_integers:
+    assert "ui16" in slices and "bf16" not in slices, slices
+  else:
+    assert "bf16" in slices, slices
 
 
 def test_the_failure_report_declares_no_effect():
