@@ -156,10 +156,10 @@ def _integer_windows(eqn: core.JaxprEqn, invals: list[Any]) -> list[Any] | None:
     _, update, *starts = invals
     out = lax.dynamic_update_slice(as_words(operand), as_words(update), starts)
   else:
-    sizes = eqn.params["slice_sizes"]
-    starts = invals[1 : 1 + operand.ndim]
-    if len(invals) != 1 + operand.ndim:  # dynamic sizes: as it is
+    _, *starts = invals
+    if len(starts) != operand.ndim:  # dynamic sizes: as it is
       return None
+    sizes = eqn.params["slice_sizes"]
     out = lax.dynamic_slice(as_words(operand), starts, sizes)
   return [lax.bitcast_convert_type(out, dtype)]
 
