@@ -384,10 +384,10 @@ def test_lockstep_remote_dma_dynamic_window_fails_at_run_time(side, start):
 
 
 def test_a_failed_first_call_leaves_no_error_behind():
-  """A computation's first call takes JAX's Python dispatch, which up to
-  jax 0.11 keeps every device's runtime token for ``effects_barrier`` (and
-  exit): a launch's failure report, which declares no effect, must end
-  with its call there too, without ``typed_errors`` as well."""
+  """A computation's first call takes JAX's Python dispatch, which keeps
+  every device's runtime token for ``effects_barrier`` (and exit), on
+  every supported jax: a launch's failure report, which declares no
+  effect, must end with its call there too, without ``typed_errors``."""
   # The launch that runs after it has run before (a first call would
   # replace the tokens), the failing one is a new jit.
   _lockstep_in_bounds("source")
