@@ -4,7 +4,11 @@ For each ring length D and shape, in one run:
   ours / XLA for  all_gather_matmul      vs shard_map(all_gather + dot)
   ours / XLA for  matmul_reduce_scatter  vs shard_map(dot + psum_scatter)
 for each kernel schedule (``direct``, the CPU fallback's default: one
-exchange between the devices; ``ring``, what runs on TPU: one per ring step)
+exchange between the devices; ``ring``, what runs on TPU: one per ring step),
+and for the reduce-scatter, the floor of the direct schedule's exchange:
+plain XLA moving each block to its device by one ``ppermute`` per peer, as
+the CPU fallback moves blocks too large to gather everywhere (the large
+shape; at the small one the blocks travel in one all_gather)
 (median wall time of ``--repeats`` rounds after a warm-up, ours and XLA's
 interleaved so that machine noise hits both, and in brackets the lowest and
 highest ratio of one round's pair; bf16 inputs, f32 results),
@@ -46,6 +50,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter  # noqa: E402
 from mpmd.kernels.collective_matmul.api import SCHEDULES  # noqa: E402
+from mpmd.lowering import exchange  # noqa: E402
 
 # (n, K, m): the issue's large shape and a small one.
 LARGE = (1024, 2048, 1024)
@@ -78,6 +83,34 @@ def _xla_matmul_reduce_scatter(lhs, rhs):
   return lax.psum_scatter(product, "x", scatter_dimension=0, tiled=True)
 
 
+def _xla_matmul_reduce_scatter_by_shifts(lhs, rhs, *, ring: int):
+  """dot, then block ``b`` to device ``b`` by one ring shift per peer, summed
+  on arrival: the exchange of the direct schedule at the large shape, in
+  plain XLA (its D - 1 ``ppermute``s are D - 1 rendezvous, XLA's
+  ``psum_scatter`` one)."""
+  product = jnp.dot(lhs, rhs, preferred_element_type=jnp.float32)
+  blocks = product.reshape(ring, -1, product.shape[1])
+  me = lax.axis_index("x")
+  total = lax.dynamic_index_in_dim(blocks, me, keepdims=False)
+  for shift in range(1, ring):
+    block = lax.dynamic_index_in_dim(
+      blocks, (me + shift) % ring, keepdims=False
+    )
+    perm = [(i, (i + shift) % ring) for i in range(ring)]
+    total = total + lax.ppermute(block, "x", perm)
+  return total
+
+
+def _shifts_floor(ring: int, shape):
+  """The by-shifts reference where the direct schedule moves its blocks by
+  ring shifts (too large to gather everywhere), else None."""
+  n, _, m = shape
+  block_bytes = n // ring * m * 4  # f32
+  if (ring - 1) * block_bytes <= exchange._GATHER_BYTES:
+    return None
+  return functools.partial(_xla_matmul_reduce_scatter_by_shifts, ring=ring)
+
+
 def _cases(ring: int, shape, repeats: int, schedules):
   n, k, m = shape
   mesh = jax.make_mesh((ring,), ("x",), devices=jax.devices()[:ring])
@@ -85,21 +118,24 @@ def _cases(ring: int, shape, repeats: int, schedules):
   lhs = jax.random.normal(key_lhs, (n, k), jnp.bfloat16)
   rhs = jax.random.normal(key_rhs, (k, m), jnp.bfloat16)
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+  # name: ours, XLA's, in and out specs, and XLA's floor of our exchange
   rows = {
     "all_gather_matmul": (
       functools.partial(all_gather_matmul, axis_name="x"),
       _xla_all_gather_matmul,
       (P(None, "x"), P()),
       P(),
+      None,
     ),
     "matmul_reduce_scatter": (
       functools.partial(matmul_reduce_scatter, axis_name="x"),
       _xla_matmul_reduce_scatter,
       (P(None, "x"), P("x")),
       P("x"),
+      _shifts_floor(ring, shape),
     ),
   }
-  for name, (ours, xla, in_specs, out_spec) in rows.items():
+  for name, (ours, xla, in_specs, out_spec, floor) in rows.items():
     args = (put(lhs, in_specs[0]), put(rhs, in_specs[1]))
     print(f"  D={ring} {name} n={n} K={k} m={m}:", flush=True)
     fns = {
@@ -109,6 +145,8 @@ def _cases(ring: int, shape, repeats: int, schedules):
       for schedule in schedules
     }
     fns["xla"] = _mapped(xla, mesh, in_specs, out_spec)
+    if floor is not None:
+      fns["shifts"] = _mapped(floor, mesh, in_specs, out_spec)
     times = time_rounds(
       {key: functools.partial(fn, *args) for key, fn in fns.items()}, repeats
     )
@@ -122,6 +160,16 @@ def _cases(ring: int, shape, repeats: int, schedules):
         flush=True,
       )
       yield name, schedule, ring, shape, t_ours / t_xla, spread
+    if floor is not None:
+      t_floor = statistics.median(times["shifts"])
+      spread = ratio_spread(times["shifts"], times["xla"])
+      print(
+        f"    XLA by ring shifts (the direct exchange's floor) "
+        f"{t_floor * 1e3:8.2f} ms  ratio {t_floor / t_xla:5.2f} "
+        f"[{spread[0]:.2f}-{spread[1]:.2f}]",
+        flush=True,
+      )
+      yield name, "shifts", ring, shape, t_floor / t_xla, spread
 
 
 def tpu_estimate(ring: int, shape) -> str:
@@ -194,7 +242,10 @@ def main(argv=None) -> int:
   for shape in shapes:
     for ring in rings:
       results.extend(_cases(ring, shape, args.repeats, schedules))
-  print("\nratios ours / XLA (lower is better):")
+  print(
+    "\nratios ours / XLA (lower is better; shifts: plain XLA by one ring "
+    "shift per peer, the floor of the direct schedule's exchange):"
+  )
   for name, schedule, ring, (n, k, m), ratio, (low, high) in results:
     print(
       f"  {name:<22} {schedule:<6} D={ring} n={n} K={k} m={m}: {ratio:5.2f} "
