@@ -24,6 +24,7 @@ from mpmd._jax import (
   tpu,
   tree_util,
 )
+from mpmd.lowering import device_ids
 
 # Far below any count a kernel reaches, and far from wrapping around.
 _POISON = -(1 << 30)
@@ -97,6 +98,10 @@ class Devices:
     self.sizes = tuple(sizes[a] for a in axes)
     self._patterns: dict[tuple[Any, ...], Any] = {}
     self.top_trace: Any = None  # set when the kernel's rewrite starts
+    # What the kernel computes from the device's coordinates alone, on
+    # every device (set before the rewrite where ``axes`` are all the
+    # shard_map's: a device id names a device of ``axes`` only).
+    self.known: device_ids.Known | None = None
 
   @property
   def count(self) -> int:
@@ -116,6 +121,25 @@ class Devices:
 
   def me(self) -> Any:
     return self.flat({})
+
+  def static_shift(self, device_id: Any) -> int | None:
+    """``k`` if ``device_id`` (the kernel's Vars and Literals) is known
+    when traced and names, on every device, the device ``k`` flat
+    positions on (a ring shift); None otherwise."""
+    known = self.known
+    if known is None:
+      return None
+    if not isinstance(device_id, dict):
+      device_id = {self.axes[0]: device_id}
+    index = np.zeros(self.count, np.int64)
+    for a, size in zip(self.axes, self.sizes, strict=True):
+      coord = device_id.get(a)
+      coord = known.coords(a) if coord is None else known.value(coord)
+      if coord is None or np.any((coord < 0) | (coord >= size)):
+        return None
+      index = index * size + coord
+    shifts = (index - np.arange(self.count)) % self.count
+    return int(shifts[0]) if np.all(shifts == shifts[0]) else None
 
   def _key(self, device_id: Any) -> tuple[Any, ...] | None:
     """The pattern cache's key of ``device_id``, if it may be remembered:
@@ -183,6 +207,7 @@ class _Gathered:
   def __init__(self, axes: Any, leaves: list[Any]):
     self._leaves = leaves
     self._where: dict[int, int] = {}  # leaf -> offset in the words
+    self.words: jax.Array | None = None  # every device's, once gathered
     traced = [i for i, x in enumerate(leaves) if _traced(x)]
     if not traced:
       return
@@ -197,7 +222,7 @@ class _Gathered:
       self._where[i] = offset
       offset += _num_words(x, self._word)
     self._arrays = arrays
-    self._words = lax.all_gather(
+    self.words = lax.all_gather(
       jnp.concatenate([_to_words(x, self._word) for x in arrays.values()]),
       axes,
     )
@@ -210,7 +235,7 @@ class _Gathered:
     """Leaf ``i`` of every device, stacked (None if static)."""
     if i not in self._where:
       return None
-    return _from_words(self._slice(i, self._words), self._arrays[i])
+    return _from_words(self._slice(i, self.words), self._arrays[i])
 
   def row(self, i: int, j: Any) -> Any:
     """Leaf ``i`` of device ``j`` (traced): picked while still in words,
@@ -218,7 +243,7 @@ class _Gathered:
     upcasts whole, and splits across threads)."""
     if i not in self._where:
       return self._leaves[i]
-    rows = lax.dynamic_slice_in_dim(self._slice(i, self._words), j, 1)
+    rows = lax.dynamic_slice_in_dim(self._slice(i, self.words), j, 1)
     return _from_words(rows, self._arrays[i])[0]
 
 
@@ -297,7 +322,9 @@ class _Send(NamedTuple):
 
   ``moving``: what travels with it (the sender's dynamic indices into the
   receiver's buffer and semaphore, a signal's increment); ``land(data,
-  moved, found)`` writes it on the receiver if ``found``; ``refs``: the
+  moved, found, counted=None)`` writes it on the receiver if ``found``,
+  counting it on its semaphore only where ``counted`` (a value that says
+  the collective carrying it has run) is not False; ``refs``: the
   receiver's Refs it writes.
   """
 
@@ -305,8 +332,11 @@ class _Send(NamedTuple):
   target: Any  # flat index of the receiving device
   data: Any  # a DMA's data; None for a signal
   moving: list[Any]
-  land: Callable[[Any, list[Any], Any], None]
+  land: Callable[..., None]
   refs: tuple[Any, ...]
+  # The ring shift its device id makes on every device, if known when
+  # traced (``Devices.static_shift``).
+  shift: int | None = None
 
 
 class _Frame:
@@ -332,7 +362,10 @@ class Exchanges:
   then travels in one exchange: small data and every device's indices and
   increments in one ``all_gather``; data large enough that gathering it
   everywhere would cost more than a rendezvous by a ring shift
-  (``ppermute``), one per DMA.
+  (``ppermute``), one per DMA. What every device knows when the kernel is
+  traced does not travel: a target that is a known ring shift
+  (``Devices.static_shift``), a literal increment; a signal with both lands
+  with no collective at all.
 
   A wait on a semaphore that a pending operation writes (a handshake's, a
   reception's) does not force the exchange: it waits for it (``wait``),
@@ -410,7 +443,12 @@ class Exchanges:
       if not by_shift:
         budget -= cost
       permuted.append(by_shift)
-      known.append(devices.known_pattern(send.device_id) if by_shift else None)
+      if send.shift is not None:
+        known.append(send.shift)
+      else:
+        known.append(
+          devices.known_pattern(send.device_id) if by_shift else None
+        )
     # Every send's target (unless its ring shift is known), its moving
     # values, and its data unless a ring shift carries it: leaf 3 * n + f.
     leaves = []
@@ -440,15 +478,45 @@ class Exchanges:
       return [gathered.stacked(i) for i in range(lo, hi)]
 
     me = devices.me()
+    # Shifts known when traced run unconditionally, before any landing.
+    shifted = {
+      n: devices.shift(k, send.data)
+      for n, (send, p, k) in enumerate(zip(sends, permuted, known, strict=True))
+      if p and isinstance(k, int)
+    }
+    # What lands where no collective decides it still counts on its
+    # semaphores only once a collective of this exchange has run: counts
+    # every device knows when traced would fold to constants, and the
+    # failure report, which reads them, could then run first; a device
+    # whose report raises stops there, and the others would wait for it in
+    # the collective forever.
+    collective = next(iter(shifted.values()), gathered.words)
+    arrived = None if collective is None else _arrival(collective)
     crowded = []  # gathered DMAs and whether several devices sent them here
     for n, (send, p, k) in enumerate(zip(sends, permuted, known, strict=True)):
       moving_all = field(n, 1)
+      if n in shifted:
+        sender = lax.rem(me - k + count, count)
+        moved = _pick(send.moving, moving_all, sender)
+        send.land(shifted[n], moved, True, _arrival(shifted[n]))
+        continue
       if p:
         [target_all] = field(n, 0) or [None]
         branch = (
           k if k is not None else devices.pattern(send.device_id, target_all)
         )
         _land_shifted(devices, send, branch, moving_all)
+        continue
+      if send.shift is not None:
+        # Every device hears from the one send.shift positions back.
+        sender = lax.rem(me - send.shift + count, count)
+        moved = _pick(send.moving, moving_all, sender)
+        if send.data is None:
+          # The sender's increment.
+          send.land(None, moved, moved[0], arrived)
+        else:
+          data = gathered.row(starts[3 * n + 2], sender)
+          send.land(data, moved, True, arrived)
         continue
       [target_all] = field(n, 0)
       if devices.known_pattern(send.device_id) is None:
@@ -542,25 +610,29 @@ def _land_shifted(devices: Devices, send: _Send, branch, moving_all) -> None:
   lax.cond(branch == count, gathered, by_shift)
 
 
-def remote_copy(exchanges: Exchanges, src, dst, dst_sem, src_sem, device_id):
+def remote_copy(
+  exchanges: Exchanges, src, dst, dst_sem, src_sem, device_id, shift=None
+):
   """A remote DMA: its data leaves now, and lands on its target in step
   with every device, at the next exchange (``Exchanges``). Buffers are
   written outside any conditional where they can be (a conditional that
-  threads a buffer costs XLA a copy of it)."""
+  threads a buffer costs XLA a copy of it). ``shift``: the ring shift
+  ``device_id`` makes, if known when traced (``Devices.static_shift``)."""
   data = state_primitives.ref_get(src, None)
   signal(src_sem, ref_bytes(src))
   dst_ref, dst_transforms = _split(dst)
   sem_ref, sem_transforms = _split(dst_sem)
   leaves, tree = tree_util.tree_flatten((dst_transforms, sem_transforms))
 
-  def land(value, moved, found):
+  def land(value, moved, found, counted=None):
     dst_t, sem_t = tree_util.tree_unflatten(tree, moved)
     dst_j = with_transforms(dst_ref, dst_t)
     if found is not True:  # keeps what it held where nothing arrives
       old = state_primitives.ref_get(dst_j, None)
       value = jnp.where(found, value, old)
     state_primitives.ref_set(dst_j, None, value)
-    signal(with_transforms(sem_ref, sem_t), jnp.where(found, ref_bytes(dst), 0))
+    inc = jnp.where(found, ref_bytes(dst), 0)
+    signal(with_transforms(sem_ref, sem_t), _counted(counted, inc))
 
   exchanges.issue(
     _Send(
@@ -570,17 +642,21 @@ def remote_copy(exchanges: Exchanges, src, dst, dst_sem, src_sem, device_id):
       leaves,
       land,
       (dst_ref, sem_ref),
+      shift,
     )
   )
 
 
-def remote_signal(exchanges: Exchanges, sem, transforms, inc, device_id):
+def remote_signal(
+  exchanges: Exchanges, sem, transforms, inc, device_id, shift=None
+):
   leaves, tree = tree_util.tree_flatten(tuple(transforms))
 
-  def land(_, moved, received):
+  def land(_, moved, received, counted=None):
     _, *indices = moved
     signal(
-      with_transforms(sem, tree_util.tree_unflatten(tree, indices)), received
+      with_transforms(sem, tree_util.tree_unflatten(tree, indices)),
+      _counted(counted, received),
     )
 
   exchanges.issue(
@@ -588,8 +664,39 @@ def remote_signal(exchanges: Exchanges, sem, transforms, inc, device_id):
       device_id,
       exchanges.devices.flat(device_id),
       None,
-      [inc if isinstance(inc, int) else jnp.asarray(inc, jnp.int32), *leaves],
+      [_static_int(inc), *leaves],
       land,
       (sem,),
+      shift,
     )
   )
+
+
+def _static_int(x: Any) -> Any:
+  """``x`` as a Python int if it is a literal (the same on every device, it
+  need not travel), else as a traced int32."""
+  if isinstance(x, (int, np.integer)) or (
+    isinstance(x, np.ndarray) and x.ndim == 0
+  ):
+    return int(x)
+  return jnp.asarray(x, jnp.int32)
+
+
+def _arrival(value: jax.Array) -> jax.Array | None:
+  """True, computed from ``value``'s first element in a way XLA does not
+  fold: it exists only once the collective that produced ``value`` has
+  run (None for an empty ``value``)."""
+  if value.size == 0:
+    return None
+  first = jnp.ravel(value)[:1]
+  if first.dtype == jnp.bool_:
+    first = first.astype(jnp.uint8)
+  bits = lax.bitcast_convert_type(first, _WORDS[_byte_width(first.dtype)])
+  return (bits[0] | 1) != 0
+
+
+def _counted(counted: Any, inc: Any) -> Any:
+  """``inc``, or 0 where ``counted`` is False (None: always ``inc``)."""
+  if counted is None:
+    return inc
+  return jnp.where(counted, inc, 0)

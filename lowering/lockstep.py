@@ -50,7 +50,15 @@ from mpmd._jax import (
   state_types,
   tree_util,
 )
-from mpmd.lowering import bounds, common, jaxpr_util, paths, ranges, watchdog
+from mpmd.lowering import (
+  bounds,
+  common,
+  device_ids,
+  jaxpr_util,
+  paths,
+  ranges,
+  watchdog,
+)
 from mpmd.lowering.exchange import (
   Devices,
   Exchanges,
@@ -106,7 +114,16 @@ def sync_rule(
         invals
       )
       if device_id is not None:
-        remote_copy(exchanges, src, dst, dst_sem, src_sem, device_id)
+        names = eqn.params["tree"].unflatten(eqn.invars)[4]
+        remote_copy(
+          exchanges,
+          src,
+          dst,
+          dst_sem,
+          src_sem,
+          device_id,
+          exchanges.devices.static_shift(names),
+        )
         return []
       data = state_primitives.ref_get(src, None)
       if eqn.params["add"]:
@@ -130,7 +147,9 @@ def sync_rule(
         invals
       )
       if device_id is not None:
-        remote_signal(exchanges, sem, transforms, inc, device_id)
+        names = eqn.params["args_tree"].unflatten(eqn.invars)[3]
+        shift = exchanges.devices.static_shift(names)
+        remote_signal(exchanges, sem, transforms, inc, device_id, shift)
       else:
         signal(with_transforms(sem, transforms), inc)
       return []
@@ -239,6 +258,9 @@ def lower(
       path="lockstep path (devices run in step)",
       where=functools.partial(_where, devices.all_axes),
     )
+
+    if devices.axes == devices.all_axes:
+      devices.known = device_ids.Known(jaxpr, devices.axes, sizes)
 
     def make_rule(barrier):
       devices.top_trace = core.unsafe_get_current_trace()

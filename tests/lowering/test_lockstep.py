@@ -147,13 +147,20 @@ def exchange(request, monkeypatch):
 def test_ring_all_reduce_runs_in_lockstep(n, capsys, exchange):
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
   x = _rows(mesh, P("x"))
-  out = _sharded(mesh, P("x"), _ring_sum(n, debug=True))(x)
+  fn = _sharded(mesh, P("x"), _ring_sum(n, debug=True))
+  out = fn(x)
   assert (
     "takes the lockstep path: it uses the cross-device barrier semaphore, "
     "in step on every device" in capsys.readouterr().out
   )
   expected = jnp.tile(x.reshape(n, *ROWS).sum(0), (n, 1))
   np.testing.assert_array_equal(out, expected)
+  hlo = fn.lower(x).compile().as_text()
+  permutes = re.findall(r"= \S+ collective-permute\(", hlo)
+  # The ring's device ids are the devices' own coordinates (the loop's
+  # invariants): known when traced, so its one DMA is one ring shift, not
+  # a switch over the n - 1 shifts the devices might agree on.
+  assert len(permutes) == (0 if exchange == "gathered" else 1)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -244,10 +251,14 @@ def test_remote_operations_in_a_row_travel_in_one_exchange(exchange):
   np.testing.assert_array_equal(out[:, 0], np.roll(blocks[:, 0], 1, axis=0))
   np.testing.assert_array_equal(out[:, 1], np.roll(blocks[:, 1], -1, axis=0))
   collectives = _top_level_collectives(fn.lower(x).compile())
-  # The handshake with the data. By ring shifts, the handshake travels
-  # with the DMAs' targets (which give their ring shifts), and the data
-  # after it, in a switch on the pattern.
-  assert collectives == ["all-gather"]
+  if exchange == "gathered":
+    # The handshake with the data.
+    assert collectives == ["all-gather"]
+  else:
+    # The device ids are the devices' own coordinates, shifted: known when
+    # traced, so the ring shifts move the data alone, and every device
+    # knows who signals it (``device_ids``).
+    assert collectives == ["collective-permute"] * 2
 
 
 def _ancestors(hlo: str, name: str) -> list[str]:
@@ -449,6 +460,44 @@ def test_a_deadlock_on_one_device_names_it_alone():
   with pytest.raises(Exception, match=r"lockstep path") as raised:
     jax.block_until_ready(f(x))
   assert re.findall(r"device \(x=(\d)\) waits", str(raised.value)) == ["2"]
+  np.testing.assert_array_equal(
+    _sharded(mesh, P("x"), _ring_sum(n))(x),
+    jnp.tile(x.reshape(n, *ROWS).sum(0), (n, 1)),
+  )
+
+
+def test_a_failed_launch_leaves_no_device_in_a_collective(exchange):
+  """Every device waits for its DMA twice, its device id known when
+  traced (the data lands with no exchange of targets): every device is
+  named, and the next launch runs. A device whose report raises stops
+  there, so the counts it reads wait for the collective that carries the
+  data (``exchange._arrival``; without it, jax 0.10.2 ran the report first
+  in test_semaphores_across_launches' deadlock test, and the other device
+  waited in the collective until XLA aborted the process)."""
+  n = 4
+
+  def kernel(x_hbm, o_hbm, send, recv):
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
+    copy = pltpu.make_async_remote_copy(
+      x_hbm, o_hbm, send, recv, device_id={"x": right}
+    )
+    copy.start()
+    copy.wait_send()
+    copy.wait_recv()
+    copy.wait_recv()
+
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+  f = _sharded(
+    mesh,
+    P("x"),
+    lambda x: _launch(kernel, ROWS, [pltpu.SemaphoreType.DMA(())] * 2)(x),
+  )
+  x = _rows(mesh, P("x"))
+  with pytest.raises(mpmd.DeadlockError) as raised, mpmd.typed_errors():
+    jax.block_until_ready(f(x))
+  assert sorted(re.findall(r"device \(x=(\d)\) waits", str(raised.value))) == [
+    str(d) for d in range(n)
+  ]
   np.testing.assert_array_equal(
     _sharded(mesh, P("x"), _ring_sum(n))(x),
     jnp.tile(x.reshape(n, *ROWS).sum(0), (n, 1)),
