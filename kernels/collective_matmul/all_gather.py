@@ -12,11 +12,10 @@ from jax.experimental.pallas import tpu as pltpu
 from mpmd.kernels.collective_matmul.checks import BlockSizes, pick_blocks
 from mpmd.kernels.collective_matmul.ring import (
   Ring,
+  RingCoords,
   handshake,
-  load_coords,
   make_streams,
   ring_scratch,
-  ring_table,
 )
 from mpmd.kernels.collective_matmul.tiles import (
   TileBuffers,
@@ -78,19 +77,17 @@ def ag_kernel_call(
     outs["gathered"] = out_type((n, k_total), dtype, (lhs,), ring)
   scratch = ring_scratch(
     TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named(),
-    ring,
-    num,
     streams,
     slots,
   )
   names = (*outs, *scratch)
 
   def body(*refs):
-    (table_ref, lhs_ref, rhs_ref), r = named_refs(refs, 3, names)
+    (lhs_ref, rhs_ref), r = named_refs(refs, 2, names)
     bufs = TileBuffers.from_named(r)
     out_ref = r["out"]
     acc_ref = out_ref if acc_in_out else r["acc"]
-    coords = load_coords(ring, table_ref, r["ring_table"])
+    coords = RingCoords(ring)
     me = coords.device_at(0)
 
     def local_matmul(src, st_start, st_size, origin, *, first, final):
@@ -199,5 +196,5 @@ def ag_kernel_call(
     bytes_accessed=(n * k_total + k_total * m) * dtype.itemsize
     + n * m * out_dtype.itemsize,
   )
-  results = dict(zip(outs, call(ring_table(ring), lhs, rhs), strict=True))
+  results = dict(zip(outs, call(lhs, rhs), strict=True))
   return results["out"], results.get("gathered")

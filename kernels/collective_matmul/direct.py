@@ -29,9 +29,8 @@ from jax.experimental.pallas import tpu as pltpu
 from mpmd.kernels.collective_matmul.checks import pick_block, pick_blocks
 from mpmd.kernels.collective_matmul.reduce_scatter import rs_geometry
 from mpmd.kernels.collective_matmul.ring import (
+  RingCoords,
   handshake,
-  load_coords,
-  ring_table,
 )
 from mpmd.kernels.collective_matmul.tiles import (
   TileBuffers,
@@ -52,11 +51,8 @@ class SumBuffers(NamedTuple):
   out: Any  # (block_n, block_m) in the output dtype
 
 
-def _scratch(
-  dtype, out_dtype, tiles, num: int, num_axes: int
-) -> dict[str, Any]:
+def _scratch(dtype, out_dtype, tiles) -> dict[str, Any]:
   scratch = TileBuffers.scratch_types(dtype, out_dtype, *tiles).named()
-  scratch["ring_table"] = pltpu.SMEM((1 + num_axes, num), jnp.int32)
   scratch["send"] = pltpu.SemaphoreType.DMA
   scratch["recv"] = pltpu.SemaphoreType.DMA
   return scratch
@@ -86,12 +82,12 @@ def ag_direct_call(config, lhs: jax.Array, rhs: jax.Array, *, return_gathered):
   # through a conditional (jax 0.10.2's XLA copies it there).
   for j in _others(num):
     outs[f"slot_{j}"] = out_type((n, k_local), dtype, (lhs,), ring)
-  scratch = _scratch(dtype, config.out_dtype, tiles, num, len(ring.axes))
+  scratch = _scratch(dtype, config.out_dtype, tiles)
   names = (*outs, *scratch)
 
   def body(*refs):
-    (table_ref, lhs_ref, rhs_ref), r = named_refs(refs, 3, names)
-    coords = load_coords(ring, table_ref, r["ring_table"])
+    (lhs_ref, rhs_ref), r = named_refs(refs, 2, names)
+    coords = RingCoords(ring)
 
     def columns(offset):
       # Every device's shard goes in the columns of its flattened index.
@@ -129,7 +125,7 @@ def ag_direct_call(config, lhs: jax.Array, rhs: jax.Array, *, return_gathered):
     bytes_accessed=(n * k_total + k_total * m) * dtype.itemsize
     + n * m * config.out_dtype.itemsize,
   )
-  out, gathered, *_ = call(ring_table(ring), lhs, rhs)
+  out, gathered, *_ = call(lhs, rhs)
   return out, gathered if return_gathered else None
 
 
@@ -160,7 +156,7 @@ def rs_direct_call(config, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   # only that block through it.
   for j in _others(num):
     outs[f"slot_{j}"] = out_type(block, f32, operands, ring)
-  scratch = _scratch(dtype, out_dtype, tiles, num, len(ring.axes))
+  scratch = _scratch(dtype, out_dtype, tiles)
   sums = SumBuffers(
     acc=pltpu.VMEM((sum_n, sum_m), f32),
     extra=pltpu.VMEM((sum_n, sum_m), f32),
@@ -170,8 +166,8 @@ def rs_direct_call(config, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   names = (*outs, *scratch)
 
   def body(*refs):
-    (table_ref, lhs_ref, rhs_ref), r = named_refs(refs, 3, names)
-    coords = load_coords(ring, table_ref, r["ring_table"])
+    (lhs_ref, rhs_ref), r = named_refs(refs, 2, names)
+    coords = RingCoords(ring)
     product = r["product"]
     matmul_whole(TileBuffers.from_named(r), lhs_ref, rhs_ref, product)
 
@@ -215,4 +211,4 @@ def rs_direct_call(config, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
     bytes_accessed=(n * k + k * m) * dtype.itemsize
     + block[0] * block[1] * out_dtype.itemsize,
   )
-  return call(ring_table(ring), lhs, rhs)[0]
+  return call(lhs, rhs)[0]

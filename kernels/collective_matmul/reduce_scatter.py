@@ -12,11 +12,10 @@ from jax.experimental.pallas import tpu as pltpu
 from mpmd.kernels.collective_matmul.checks import BlockSizes, pick_blocks
 from mpmd.kernels.collective_matmul.ring import (
   Ring,
+  RingCoords,
   handshake,
-  load_coords,
   make_streams,
   ring_scratch,
-  ring_table,
 )
 from mpmd.kernels.collective_matmul.tiles import (
   TileBuffers,
@@ -97,8 +96,6 @@ def rs_kernel_call(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
       outs[f"slots_{st.tag}_{i}"] = out_type(region, f32, operands, ring)
   scratch = ring_scratch(
     TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named(),
-    ring,
-    num,
     streams,
     slots,
   )
@@ -109,10 +106,10 @@ def rs_kernel_call(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
   names = (*outs, *scratch)
 
   def body(*refs):
-    (table_ref, lhs_ref, rhs_ref), r = named_refs(refs, 3, names)
+    (lhs_ref, rhs_ref), r = named_refs(refs, 2, names)
     bufs = TileBuffers.from_named(r)
     out_ref = r["out"]
-    coords = load_coords(ring, table_ref, r["ring_table"])
+    coords = RingCoords(ring)
 
     def out_region(st):
       # The part of the output block this direction produces.
@@ -208,4 +205,4 @@ def rs_kernel_call(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
     flops=2 * n * k * m + n * m,
     bytes_accessed=bytes_in + block[0] * block[1] * out_dtype.itemsize,
   )
-  return call(ring_table(ring), lhs, rhs)[0]
+  return call(lhs, rhs)[0]

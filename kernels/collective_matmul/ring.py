@@ -93,68 +93,62 @@ def check_ring(
   return Ring(axes, sizes, order)
 
 
-def ring_table(ring: Ring) -> jax.Array:
-  """This device's view of the ring, computed outside the kernel.
-
-  Row 0, column j: the flattened axis index of the device j positions
-  downstream of this one; row 1 + a: that device's coordinate along
-  ``ring.axes[a]``. The kernel reads it from SMEM with static column
-  indices. Computing it here (rather than from ``lax.axis_index`` inside the
-  kernel) keeps mesh-varying values out of the kernel's jaxpr, which the TPU
-  simulator cannot evaluate under ``shard_map(check_vma=True)``, and leaves
-  the kernel only scalar loads.
-  """
-  flat = lax.axis_index(ring.axes[0])
-  for a, size in zip(ring.axes[1:], ring.sizes[1:], strict=True):
-    flat = flat * size + lax.axis_index(a)
-  inverse = [0] * ring.size
-  for position, device in enumerate(ring.order):
-    inverse[device] = position
-  position = jnp.asarray(inverse, jnp.int32)[flat]
-  downstream = lax.rem(
-    position + jnp.arange(ring.size, dtype=jnp.int32), ring.size
-  )
-  devices = jnp.asarray(ring.order, jnp.int32)[downstream]
-  coords, rest = [], devices
-  for size in reversed(ring.sizes):
-    coords.append(lax.rem(rest, size))
-    rest = rest // size
-  return jnp.stack([devices, *reversed(coords)]).astype(jnp.int32)
-
-
 class RingCoords:
-  """Where this device's ring neighbours are, read from the ring table."""
+  """Where this device's ring neighbours are, computed in the kernel from
+  its own coordinates (``lax.axis_index`` of the ring's axes) and the
+  ring's static order: a few scalar operations on a TPU, and values the CPU
+  fallback knows for every device when it traces the kernel, so that its
+  devices need not exchange their targets to agree on a ring shift
+  (``mpmd.lowering.device_ids``)."""
 
-  def __init__(self, ring: Ring, table_smem: Any):
+  def __init__(self, ring: Ring):
     self.ring = ring
-    self.table = table_smem
+    self._position: jax.Array | None = None
     self._ids: dict[int, dict[str, jax.Array]] = {}
 
   def device_at(self, offset: int) -> jax.Array:
     """Flattened axis index of the device ``offset`` positions away."""
-    return self.table[0, offset % self.ring.size]
+    ring = self.ring
+    if self._position is None:
+      flat = lax.axis_index(ring.axes[0])
+      for a, size in zip(ring.axes[1:], ring.sizes[1:], strict=True):
+        flat = flat * size + lax.axis_index(a)
+      inverse = [0] * ring.size
+      for position, device in enumerate(ring.order):
+        inverse[device] = position
+      self._position = _lookup(flat, inverse)
+    position = lax.rem(self._position + offset % ring.size, ring.size)
+    return _lookup(position, ring.order)
 
   def device_id(self, offset: int) -> dict[str, jax.Array]:
     """Mesh coordinates (along the ring's axes) for a remote DMA/signal.
 
-    Read once per offset, so the first call must be at the kernel's top
-    level (not under ``pl.when`` or in a loop body): every
-    transfer to a neighbour then names it by the same values, which lets
-    the CPU lockstep path reuse what it learnt about the ring.
+    Computed once per offset, so the first call must be at the kernel's
+    top level (not under ``pl.when`` or in a loop body): every transfer to
+    a neighbour then names it by the same values.
     """
     column = offset % self.ring.size
     if column not in self._ids:
-      self._ids[column] = {
-        a: self.table[1 + i, column] for i, a in enumerate(self.ring.axes)
-      }
+      rest, coords = self.device_at(column), []
+      for size in reversed(self.ring.sizes):
+        coords.append(lax.rem(rest, size))
+        rest = rest // size
+      self._ids[column] = dict(
+        zip(self.ring.axes, reversed(coords), strict=True)
+      )
     return self._ids[column]
 
 
-def load_coords(ring: Ring, table: Any, smem: Any) -> RingCoords:
-  """Copies the ring table (an input, see ``ring_table``) into its SMEM
-  scratch ``smem`` and reads the coordinates from there."""
-  pltpu.sync_copy(table, smem)
-  return RingCoords(ring, smem)
+def _lookup(index: jax.Array, table: Sequence[int]) -> jax.Array:
+  """``table[index]`` for a traced scalar index into a static table (a
+  kernel captures no arrays): the index itself for the identity, else one
+  select per entry."""
+  if list(table) == list(range(len(table))):
+    return index
+  out = jnp.int32(table[0])
+  for i, value in enumerate(table[1:], 1):
+    out = jnp.where(index == i, jnp.int32(value), out)
+  return out
 
 
 def handshake(coords: RingCoords, offsets: Sequence[int] = (-1, 1)) -> None:
@@ -183,10 +177,9 @@ def make_streams(size: int, bidirectional: bool) -> tuple[_Stream, ...]:
   return (_Stream(1, "cw", 0, size),)
 
 
-def ring_scratch(scratch, ring: Ring, num: int, streams, slots: int):
-  """Adds the ring table (SMEM) and, per stream, the send / receive DMA
-  semaphores and the capacity semaphore to a kernel's named scratch."""
-  scratch["ring_table"] = pltpu.SMEM((1 + len(ring.axes), num), jnp.int32)
+def ring_scratch(scratch, streams, slots: int):
+  """Adds, per stream, the send / receive DMA semaphores and the capacity
+  semaphore to a kernel's named scratch."""
   for st in streams:
     scratch[f"send_{st.tag}"] = pltpu.SemaphoreType.DMA
     scratch[f"recv_{st.tag}"] = pltpu.SemaphoreType.DMA((slots,))
