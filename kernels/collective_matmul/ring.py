@@ -102,21 +102,20 @@ class RingCoords:
   (``mpmd.lowering.device_ids``)."""
 
   def __init__(self, ring: Ring):
+    """Built at the kernel's top level: its values are used throughout."""
     self.ring = ring
-    self._position: jax.Array | None = None
+    flat = lax.axis_index(ring.axes[0])
+    for a, size in zip(ring.axes[1:], ring.sizes[1:], strict=True):
+      flat = flat * size + lax.axis_index(a)
+    inverse = [0] * ring.size
+    for position, device in enumerate(ring.order):
+      inverse[device] = position
+    self._position = _lookup(flat, inverse)  # this device's, on the ring
     self._ids: dict[int, dict[str, jax.Array]] = {}
 
-  def device_at(self, offset: int) -> jax.Array:
+  def device_at(self, offset: int | jax.Array) -> jax.Array:
     """Flattened axis index of the device ``offset`` positions away."""
     ring = self.ring
-    if self._position is None:
-      flat = lax.axis_index(ring.axes[0])
-      for a, size in zip(ring.axes[1:], ring.sizes[1:], strict=True):
-        flat = flat * size + lax.axis_index(a)
-      inverse = [0] * ring.size
-      for position, device in enumerate(ring.order):
-        inverse[device] = position
-      self._position = _lookup(flat, inverse)
     position = lax.rem(self._position + offset % ring.size, ring.size)
     return _lookup(position, ring.order)
 
