@@ -124,7 +124,10 @@ class Known:
       out = eqn.primitive.bind(*xs, **eqn.params)
       return out if eqn.primitive.multiple_results else [out]
 
-    outs = jax.vmap(one)(*map(jnp.asarray, inputs))
+    try:
+      outs = jax.vmap(one)(*map(jnp.asarray, inputs))
+    except NotImplementedError:  # no batching rule: known at run time only
+      return None
     return [np.asarray(x) for x in outs]
 
 

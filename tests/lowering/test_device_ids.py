@@ -70,3 +70,16 @@ def test_a_loop_knows_its_invariants_not_its_carries():
   np.testing.assert_array_equal(invariant, (np.arange(N) + 1) % N)
   assert all(v is None for v in values[n_consts:])  # the counter and sum
   assert known.value(closed.jaxpr.outvars[0]) is None
+
+
+def test_a_primitive_without_a_batching_rule_is_left_to_run_time():
+  unbatched = _jax.core.Primitive("mpmd_test_unbatched")
+  unbatched.def_impl(lambda x: x + 1)
+  unbatched.def_abstract_eval(lambda x: x)
+
+  def fn():
+    return unbatched.bind(lax.axis_index("x")), lax.axis_index("x") + 1
+
+  unknown, known = _known(fn)
+  assert unknown is None
+  np.testing.assert_array_equal(known, np.arange(N) + 1)
