@@ -485,12 +485,15 @@ class Exchanges:
       if p and isinstance(k, int)
     }
     # What lands where no collective decides it still counts on its
-    # semaphores only once a collective of this exchange has run: counts
+    # semaphores only once the collective that carries it (a signal: one of
+    # this exchange's) has run: counts
     # every device knows when traced would fold to constants, and the
     # failure report, which reads them, could then run first; a device
     # whose report raises stops there, and the others would wait for it in
     # the collective forever.
-    collective = next(iter(shifted.values()), gathered.words)
+    collective = gathered.words
+    if collective is None:
+      collective = next(iter(shifted.values()), None)
     arrived = None if collective is None else _arrival(collective)
     crowded = []  # gathered DMAs and whether several devices sent them here
     for n, (send, p, k) in enumerate(zip(sends, permuted, known, strict=True)):
@@ -516,7 +519,7 @@ class Exchanges:
           send.land(None, moved, moved[0], arrived)
         else:
           data = gathered.row(starts[3 * n + 2], sender)
-          send.land(data, moved, True, arrived)
+          send.land(data, moved, True, _arrival(data))
         continue
       [target_all] = field(n, 0)
       if devices.known_pattern(send.device_id) is None:
