@@ -107,11 +107,16 @@ class Devices:
   def count(self) -> int:
     return math.prod(self.sizes)
 
+  def _by_axis(self, device_id: Any) -> dict[Any, Any]:
+    """``device_id`` as a dict (an index alone is along the first axis)."""
+    if isinstance(device_id, dict):
+      return device_id
+    return {self.axes[0]: device_id}
+
   def flat(self, device_id: Any) -> Any:
     """The flat index of ``device_id`` (a dict, or an index along the only
     axis); axes a dict leaves out keep this device's coordinate."""
-    if not isinstance(device_id, dict):
-      device_id = {self.axes[0]: device_id}
+    device_id = self._by_axis(device_id)
     index = jnp.int32(0)
     for a, size in zip(self.axes, self.sizes, strict=True):
       coord = device_id.get(a)
@@ -129,8 +134,7 @@ class Devices:
     known = self.known
     if known is None:
       return None
-    if not isinstance(device_id, dict):
-      device_id = {self.axes[0]: device_id}
+    device_id = self._by_axis(device_id)
     index = np.zeros(self.count, np.int64)
     for a, size in zip(self.axes, self.sizes, strict=True):
       coord = device_id.get(a)
@@ -486,11 +490,10 @@ class Exchanges:
     }
     # What lands where no collective decides it still counts on its
     # semaphores only once the collective that carries it (a signal: one of
-    # this exchange's) has run: counts
-    # every device knows when traced would fold to constants, and the
-    # failure report, which reads them, could then run first; a device
-    # whose report raises stops there, and the others would wait for it in
-    # the collective forever.
+    # this exchange's) has run: counts every device knows when traced would
+    # fold to constants, and the failure report, which reads them, could
+    # then run first; a device whose report raises stops there, and the
+    # others would wait for it in the collective forever.
     collective = gathered.words
     if collective is None:
       collective = next(iter(shifted.values()), None)
@@ -498,10 +501,17 @@ class Exchanges:
     crowded = []  # gathered DMAs and whether several devices sent them here
     for n, (send, p, k) in enumerate(zip(sends, permuted, known, strict=True)):
       moving_all = field(n, 1)
-      if n in shifted:
+      if isinstance(k, int):  # a ring shift known when traced
+        # Every device hears from the one k positions back.
         sender = lax.rem(me - k + count, count)
         moved = _pick(send.moving, moving_all, sender)
-        send.land(shifted[n], moved, True, _arrival(shifted[n]))
+        if send.data is None:
+          send.land(None, moved, moved[0], arrived)  # the sender's increment
+          continue
+        value = shifted.get(n)
+        if value is None:
+          value = gathered.row(starts[3 * n + 2], sender)
+        send.land(value, moved, True, _arrival(value))
         continue
       if p:
         [target_all] = field(n, 0) or [None]
@@ -509,17 +519,6 @@ class Exchanges:
           k if k is not None else devices.pattern(send.device_id, target_all)
         )
         _land_shifted(devices, send, branch, moving_all)
-        continue
-      if send.shift is not None:
-        # Every device hears from the one send.shift positions back.
-        sender = lax.rem(me - send.shift + count, count)
-        moved = _pick(send.moving, moving_all, sender)
-        if send.data is None:
-          # The sender's increment.
-          send.land(None, moved, moved[0], arrived)
-        else:
-          data = gathered.row(starts[3 * n + 2], sender)
-          send.land(data, moved, True, _arrival(data))
         continue
       [target_all] = field(n, 0)
       if devices.known_pattern(send.device_id) is None:
