@@ -242,7 +242,9 @@ def _time(fns: _Functions, ops: _Operands, rounds: int) -> dict[str, float]:
 def _schedule(case: Case, tiling: gm.Tiling | None) -> str:
   if tiling is None:
     tiling = gm.default_tiling(case.m, case.k, case.n)
-  return "one window per group" if tiling is None else f"tiling {tiling}"
+  if tiling is None:
+    return "chunks and a tail window per group"
+  return f"tiling {tiling}"
 
 
 def run_case(

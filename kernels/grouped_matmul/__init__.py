@@ -32,9 +32,10 @@ else the default backend. On TPU: megablox's (128, 128, 128) tiles, two
 buffers per operand. On the CPU fallback no tiles: each pipeline step there
 is a loop iteration around a small XLA dot, and a tile straddling a group
 boundary is computed once per group, so ``tiling=None`` runs
-``windows.py`` instead: one dot per group over a window of its rows (at
-most 1.5x them) and a row mask. A tiling passed explicitly runs the tiled
-kernel on every platform.
+``windows.py`` instead: per group, a dot per whole chunk of 256 of its
+rows, then one over a tail window (at most 15 rows more than the rest)
+under a row mask. A tiling passed explicitly runs the tiled kernel on every
+platform.
 """
 
 from mpmd.kernels.grouped_matmul.api import gmm as gmm

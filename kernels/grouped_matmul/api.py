@@ -175,9 +175,9 @@ def gmm(
       accumulation is always float32.
     tiling: ``(tm, tk, tn)``; a function ``(m, k, n) -> (tm, tk, tn)``; or
       None for ``default_tiling`` of the target platform (on TPU megablox's
-      tiles; on the CPU fallback no tiles but one dot per group, see
-      ``grouped_matmul.windows``). ``tm`` must divide ``m``; K and N may be
-      ragged (the remainders are separate strips).
+      tiles; on the CPU fallback no tiles but a few dots per group over its
+      rows, see ``grouped_matmul.windows``). ``tm`` must divide ``m``; K
+      and N may be ragged (the remainders are separate strips).
     group_offset: int32 scalar: the first global group held by ``rhs``.
     existing_out: ``(m, n)`` of ``preferred_element_type``: rows outside the
       local groups keep these values (the result of other shards).

@@ -31,9 +31,9 @@ def default_tiling(
   """The tiling ``gmm``/``tgmm`` use when ``tiling=None``.
 
   On TPU, megablox's tiles. Elsewhere None: the CPU fallback runs no tiles
-  but one dot per group over a window of its rows
-  (``mpmd.kernels.grouped_matmul.windows``); pass a tiling to run the
-  tiled kernel there instead.
+  but, per group, a dot per whole chunk of its rows and one over a tail
+  window (``mpmd.kernels.grouped_matmul.windows``); pass a tiling to run
+  the tiled kernel there instead.
 
   Args:
     m: rows of ``lhs`` (the grouped dimension).

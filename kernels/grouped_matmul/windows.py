@@ -1,19 +1,29 @@
-"""The CPU fallback's schedule of ``gmm`` / ``tgmm``: one dot per group.
+"""The CPU fallback's schedule of ``gmm`` / ``tgmm``: whole chunks of each
+group's rows, then one tail window.
 
 A tiled kernel runs one small dot per (row tile, group) visit, and a tile
 that straddles a group boundary is computed once per group that owns rows
 of it; on CPU, where every visit is a loop iteration around an XLA dot,
 that measured 2-3x one dense matmul of the same FLOPs on MoE-like ragged
-groups. Here each group's rows ``[lo, hi)`` are covered by *one* window:
-the smallest of a few static sizes (``window_sizes``: 8, 12, 16, 24, 32,
-...; at most 1.5x the group's rows) that holds them, moved back from
-the end of the array if it would run past it. The kernel loops over the
-local groups and switches to the window size's branch, which copies the
-window, runs one dot and keeps only the group's rows: rows of the window
-outside the group are dropped from gmm's store and zeroed in both of
-tgmm's operands (other groups' rows may hold inf). A window's buffers are
-scoped to its branch: buffers that every branch saw would be carried (and
-copied) through each of them.
+groups. Here the kernel loops over the local groups, and a group's rows
+``[lo, hi)`` run as
+
+* whole chunks of ``chunk`` rows (256, or all rows when fewer), in a loop:
+  exactly the group's rows, so no mask, and big enough that an XLA:CPU dot
+  runs at the dense dot's rate per row;
+* then the rest, if any, as one *tail window*: the smallest multiple of a
+  step (``chunk / 16`` rounded up to whole sublanes of 8) that holds it,
+  moved back from the end of the array if it would run past it, chosen by
+  a switch with one branch per size. Rows of the window outside the group
+  are dropped from gmm's store and zeroed in both of tgmm's operands
+  (other groups' rows may hold inf).
+
+A group computes fewer than a step's rows more than it owns (at most 15),
+the switch has at most 16 branches whatever ``m``, and no buffer holds
+more than a chunk of rows. A window's buffers are scoped to its branch:
+buffers that every branch saw would be carried (and copied) through each
+of them. tgmm runs the tail first, so that a group of fewer rows than a
+chunk (most of them) stores its one product with no zeros to add it to.
 
 The TPU keeps the tiled megablox kernels (``kernels.py``); this schedule
 runs where the target is not a TPU and ``tiling=None``.
@@ -41,61 +51,82 @@ from mpmd.kernels.grouped_matmul.kernels import (
 )
 from mpmd.kernels.grouped_matmul.metadata import group_rows, row_mask
 
+# Rows of a whole chunk. On XLA:CPU (jax 0.12, 2 cores, k=n=512) a dot of
+# 256 rows runs at the dense 1024-row dot's time per row, and one of 64-128
+# rows at 1.1-1.7x it; chunks of 512 rows measured no faster.
+CHUNK = 256
 
-def window_sizes(m: int) -> tuple[int, ...]:
-  """Static window sizes for ``m`` rows: 2**j and 3 * 2**j from 8 up, and m.
+# Tail window sizes per chunk: the tail computes fewer than chunk / TAILS
+# rows it does not own (a sixteenth of a chunk, at least 8), with one switch
+# branch per size.
+TAILS = 16
 
-  Consecutive sizes differ by at most 1.5x, so a group computes at most
-  half again its rows (about a fifth more on average), with one compiled
-  branch per size (15 for m=1024). Sizes 1.25x apart measured 5-10% faster
-  in f32 and compiled twice as slowly.
+
+class Schedule(NamedTuple):
+  """The static part of the schedule for ``m`` rows."""
+
+  chunk: int  # rows of a whole chunk
+  tails: tuple[int, ...]  # tail window sizes, increasing; the last is chunk
+
+
+def schedule(m: int) -> Schedule:
+  """The chunk and tail window sizes for ``m`` rows.
 
   Example:
-    >>> window_sizes(64)
-    (8, 12, 16, 24, 32, 48, 64)
+    >>> schedule(1024).chunk, schedule(1024).tails[:3]
+    (256, (16, 32, 48))
+    >>> schedule(40)
+    Schedule(chunk=40, tails=(8, 16, 24, 32, 40))
   """
-  sizes = {m}
-  size = 8
-  while size < m:
-    sizes.update(s for s in (size, size * 3 // 2) if s < m)
-    size *= 2
-  return tuple(sorted(sizes))
+  chunk = min(CHUNK, m)
+  # Whole sublanes, at most TAILS sizes.
+  step = 8 * -(-chunk // (8 * TAILS))
+  return Schedule(chunk, (*range(step, chunk, step), chunk))
 
 
-class _Windows(NamedTuple):
-  """Per local group: its rows and the window that covers them."""
+class _Group(NamedTuple):
+  """Per local group: its rows, whole chunks and tail window."""
 
   lo: jax.Array  # (num_local,) int32: first row of the group
   hi: jax.Array  # (num_local,) int32: one past its last row (lo == hi: empty)
-  # (num_local,) int32: index into window_sizes(m); len(window_sizes(m))
-  # for an empty group.
-  size: jax.Array
-  start: jax.Array  # (num_local,) int32: first row of the window
+  chunks: jax.Array  # (num_local,) int32: whole chunks, from lo
+  # (num_local,) int32: index into the tail sizes; len(tails) for no tail.
+  tail: jax.Array
+  start: jax.Array  # (num_local,) int32: first row of the tail window
 
 
-def _windows(
-  group_sizes: jax.Array, group_offset: jax.Array, num_local: int, m: int
+def _metadata(
+  group_sizes: jax.Array,
+  group_offset: jax.Array,
+  num_local: int,
+  m: int,
+  plan: Schedule,
 ) -> jax.Array:
-  """The flat int32 metadata ``(lo, hi, size, start)``, ``num_local`` each."""
+  """The flat int32 metadata ``(lo, hi, chunks, tail, start)``,
+  ``num_local`` each."""
   lo, hi = group_rows(group_sizes, group_offset, num_local, m)
-  sizes = jnp.asarray(window_sizes(m), jnp.int32)
-  size = jnp.searchsorted(sizes, hi - lo, side="left").astype(jnp.int32)
-  start = jnp.minimum(lo, m - sizes[size])
-  # An empty group's size index is one past the window sizes.
-  size = jnp.where(hi > lo, size, len(sizes))
-  return jnp.concatenate([lo, hi, size, start]).astype(jnp.int32)
+  chunks = (hi - lo) // plan.chunk
+  first = lo + chunks * plan.chunk  # the tail's first row
+  tails = jnp.asarray(plan.tails, jnp.int32)
+  tail = jnp.searchsorted(tails, hi - first, side="left").astype(jnp.int32)
+  start = jnp.minimum(first, m - tails[jnp.minimum(tail, len(tails) - 1)])
+  tail = jnp.where(hi > first, tail, len(tails))
+  fields = [lo, hi, chunks, tail, start]
+  return jnp.concatenate(fields).astype(jnp.int32)
 
 
-def _unpack(meta_ref, num_local: int, g) -> _Windows:
-  return _Windows(*(meta_ref[i * num_local + g] for i in range(4)))
+def _unpack(meta_ref, num_local: int, g) -> _Group:
+  return _Group(*(meta_ref[i * num_local + g] for i in range(5)))
 
 
-def _for_each_group(num_local: int, body) -> None:
-  def step(g, carry):
-    body(g)
+def _for_each(count, body) -> None:
+  """``body(i)`` for ``i`` in ``range(count)`` (``count`` static or traced)."""
+
+  def step(i, carry):
+    body(i)
     return carry
 
-  lax.fori_loop(0, num_local, step, 0)
+  lax.fori_loop(0, count, step, 0)
 
 
 def _dot(x, w, contract_w: int, in_dtype):
@@ -115,8 +146,8 @@ def gmm_windows_call(
   existing_out: jax.Array | None,
   cfg: GmmConfig,
 ) -> jax.Array:
-  """``gmm`` as one window dot per local group (see the module docstring);
-  ``cfg.tiling`` and ``cfg.buffer_count`` are unused.
+  """``gmm`` as whole chunks and a tail window per local group (see the
+  module docstring); ``cfg.tiling`` and ``cfg.buffer_count`` are unused.
 
   The output starts as ``existing_out`` (zeros when None), so rows outside
   the local groups keep it; each group overwrites only its own rows.
@@ -126,37 +157,53 @@ def gmm_windows_call(
   n = rhs.shape[1] if cfg.transpose_rhs else rhs.shape[2]
   out_dtype = cfg.preferred_element_type
   in_dtype = input_dtype(lhs, rhs)
-  sizes = window_sizes(m)
-  meta = _windows(group_sizes, group_offset, num_local, m)
+  plan = schedule(m)
+  meta = _metadata(group_sizes, group_offset, num_local, m, plan)
   if existing_out is None:
     existing_out = jnp.zeros((m, n), out_dtype)
   varying = _common.varying_axes(lhs, rhs, group_sizes, group_offset)
   # The output is written in place of existing_out: their types must match.
   varying |= _common.varying_axes(existing_out)
   existing_out = _common.vary(existing_out, varying)
+  contract_w = 1 if cfg.transpose_rhs else 0
 
   def kernel(meta_hbm, lhs_ref, rhs_ref, _, out_ref, meta_ref, w):
     pltpu.sync_copy(meta_hbm, meta_ref)
 
     def group(g):
-      win = _unpack(meta_ref, num_local, g)
+      grp = _unpack(meta_ref, num_local, g)
+      first = grp.lo + grp.chunks * plan.chunk
+
+      def part(start, rows: int, x_win):
+        """The product of rows [start, start + rows), f32."""
+        pltpu.sync_copy(lhs_ref.at[pl.ds(start, rows)], x_win)
+        return _dot(x_win[...], w[...], contract_w, in_dtype)
 
       @_scoped(lambda rows: [((rows, k), lhs.dtype), ((rows, n), out_dtype)])
-      def window(rows: int, x_win, y_win):
-        rows_hbm = pl.ds(win.start, rows)
-        pltpu.sync_copy(lhs_ref.at[rows_hbm], x_win)
-        pltpu.sync_copy(out_ref.at[rows_hbm], y_win)
-        part = _dot(x_win[...], w[...], 1 if cfg.transpose_rhs else 0, in_dtype)
-        mask = row_mask(win.start, win.lo, win.hi, (rows, n), 0)
-        y_win[...] = jnp.where(mask, part.astype(out_dtype), y_win[...])
-        pltpu.sync_copy(y_win, out_ref.at[rows_hbm])
+      def chunks(rows: int, x_win, y_win):
+        def chunk(i):
+          start = grp.lo + i * rows
+          y_win[...] = part(start, rows, x_win).astype(out_dtype)
+          pltpu.sync_copy(y_win, out_ref.at[pl.ds(start, rows)])
 
-      @pl.when(win.lo < win.hi)
+        _for_each(grp.chunks, chunk)
+
+      @_scoped(lambda rows: [((rows, k), lhs.dtype), ((rows, n), out_dtype)])
+      def tail(rows: int, x_win, y_win):
+        window = pl.ds(grp.start, rows)
+        pltpu.sync_copy(out_ref.at[window], y_win)
+        mask = row_mask(grp.start, first, grp.hi, (rows, n), 0)
+        new = part(grp.start, rows, x_win).astype(out_dtype)
+        y_win[...] = jnp.where(mask, new, y_win[...])
+        pltpu.sync_copy(y_win, out_ref.at[window])
+
+      @pl.when(grp.lo < grp.hi)
       def _():
         pltpu.sync_copy(rhs_ref.at[g], w)
-        _switch(win.size, [functools.partial(window, s) for s in sizes])
+        chunks(plan.chunk)
+        _switch(grp.tail, [functools.partial(tail, s) for s in plan.tails])
 
-    _for_each_group(num_local, group)
+    _for_each(num_local, group)
 
   w_shape = (n, k) if cfg.transpose_rhs else (k, n)
   call = mpmd_map(
@@ -182,56 +229,77 @@ def tgmm_windows_call(
   existing_out: jax.Array | None,
   cfg: TgmmConfig,
 ) -> jax.Array:
-  """``tgmm`` as one window dot per local group (see the module docstring):
-  ``out[g] = lhs[:, window] @ rhs[window]`` with rows outside the group
-  zeroed in both operands, plus ``existing_out[g]``."""
+  """``tgmm`` as whole chunks and a tail window per local group (see the
+  module docstring): ``out[g] = sum over them of lhs[:, rows] @ rhs[rows]``
+  in f32, the tail's rows outside the group zeroed in both operands, plus
+  ``existing_out[g]``."""
   k, m = lhs.shape
   n = rhs.shape[1]
   num_local = cfg.num_actual_groups
   out_dtype = cfg.preferred_element_type
   in_dtype = input_dtype(lhs, rhs)
-  sizes = window_sizes(m)
-  meta = _windows(group_sizes, group_offset, num_local, m)
+  plan = schedule(m)
+  meta = _metadata(group_sizes, group_offset, num_local, m, plan)
   has_existing = existing_out is not None
   operands = [meta, lhs, rhs] + ([existing_out] if has_existing else [])
 
   def kernel(meta_hbm, lhs_ref, rhs_ref, *refs):
-    *_, out_ref, meta_ref, o = refs
+    # existing_out's input ref (aliased to the output) comes first.
+    out_ref, meta_ref, acc, *o = refs[has_existing:]
+    o = o[0] if o else acc  # the output's dtype
     pltpu.sync_copy(meta_hbm, meta_ref)
 
     def group(g):
-      win = _unpack(meta_ref, num_local, g)
-      in_group = functools.partial(row_mask, win.start, win.lo, win.hi)
+      grp = _unpack(meta_ref, num_local, g)
+      first = grp.lo + grp.chunks * plan.chunk
       if has_existing:
         # out_ref starts as existing_out (aliased).
         pltpu.sync_copy(out_ref.at[g], o)
 
-      @_scoped(lambda rows: [((k, rows), lhs.dtype), ((rows, n), rhs.dtype)])
-      def window(rows: int, x, r):
-        rows_hbm = pl.ds(win.start, rows)
+      def start_with(part):
+        """acc = existing_out[g] + part (either may be absent)."""
+        if has_existing:
+          old = o[...].astype(jnp.float32)
+          part = old if part is None else part + old
+        acc[...] = jnp.zeros_like(acc) if part is None else part
+
+      def product(x, r, rows_hbm):
         pltpu.sync_copy(lhs_ref.at[:, rows_hbm], x)
         pltpu.sync_copy(rhs_ref.at[rows_hbm], r)
-        xs = jnp.where(in_group((k, rows), 1), x[...], _zero(lhs))
-        rs = jnp.where(in_group((rows, n), 0), r[...], _zero(rhs))
-        part = _dot(xs, rs, 0, in_dtype)
-        if has_existing:
-          part += o[...].astype(jnp.float32)
-        o[...] = part.astype(out_dtype)
+        return x[...], r[...]
 
-      def empty():
-        if not has_existing:
-          o[...] = jnp.zeros_like(o)
+      # The tail first: most groups have no whole chunk, and then its
+      # product is the result, with no zeros to add it to.
+      @_scoped(lambda rows: [((k, rows), lhs.dtype), ((rows, n), rhs.dtype)])
+      def tail(rows: int, x, r):
+        xs, rs = product(x, r, pl.ds(grp.start, rows))
+        in_group = functools.partial(row_mask, grp.start, first, grp.hi)
+        xs = jnp.where(in_group((k, rows), 1), xs, _zero(lhs))
+        rs = jnp.where(in_group((rows, n), 0), rs, _zero(rhs))
+        start_with(_dot(xs, rs, 0, in_dtype))
 
-      # The last branch is the empty group's. The branches write o, stored
-      # after the switch: a switch that updated the whole output would copy
-      # it on jax 0.10.2 (see _switch), and a pl.when per size measured
-      # slower than copying o there.
-      lax.switch(
-        win.size, [functools.partial(window, s) for s in sizes] + [empty]
+      _switch(
+        grp.tail,
+        [functools.partial(tail, s) for s in plan.tails],
+        otherwise=lambda: start_with(None),
       )
-      pltpu.sync_copy(o, out_ref.at[g])
 
-    _for_each_group(num_local, group)
+      @_scoped(lambda rows: [((k, rows), lhs.dtype), ((rows, n), rhs.dtype)])
+      def chunks(rows: int, x, r):
+        def chunk(i):
+          xs, rs = product(x, r, pl.ds(grp.lo + i * rows, rows))
+          acc[...] += _dot(xs, rs, 0, in_dtype)
+
+        _for_each(grp.chunks, chunk)
+
+      chunks(plan.chunk)
+      if o is acc:
+        pltpu.sync_copy(acc, out_ref.at[g])
+      else:
+        o[...] = acc[...].astype(out_dtype)
+        pltpu.sync_copy(o, out_ref.at[g])
+
+    _for_each(num_local, group)
 
   out_bytes = num_local * k * n * out_dtype.itemsize
   call = mpmd_map(
@@ -242,8 +310,9 @@ def tgmm_windows_call(
     input_output_aliases={EXISTING_OUT_INDEX: 0} if has_existing else {},
     scratch_types=[
       pltpu.SMEM(meta.shape, jnp.int32),
-      pltpu.VMEM((k, n), out_dtype),
-    ],
+      pltpu.VMEM((k, n), jnp.float32),
+    ]
+    + ([] if out_dtype == jnp.float32 else [pltpu.VMEM((k, n), out_dtype)]),
     interpret=cfg.interpret,
     cost_estimate=_cost(
       lhs, rhs, m * k * n, out_bytes * (2 if has_existing else 1)
@@ -268,15 +337,17 @@ def _scoped(buffers):
   return wrap
 
 
-def _switch(index, branches) -> None:
-  """Runs ``branches[index]()`` (no operands, refs closed over): one
-  ``lax.switch``, or, where XLA would copy the buffers it updates
+def _switch(index, branches, otherwise=lambda: None) -> None:
+  """Runs ``branches[index]()`` (no operands, refs closed over), or
+  ``otherwise()`` where ``index == len(branches)``: one ``lax.switch``, or,
+  where XLA would copy the buffers it updates
   (``_jax.SWITCH_COPIES_UPDATED_BUFFERS``), a ``pl.when`` per branch."""
   if not _jax.SWITCH_COPIES_UPDATED_BUFFERS:
-    lax.switch(index, branches)
+    lax.switch(index, [*branches, otherwise])
     return
   for i, branch in enumerate(branches):
     pl.when(index == i)(branch)
+  pl.when(index == len(branches))(otherwise)
 
 
 def _zero(x: jax.Array) -> jax.Array:

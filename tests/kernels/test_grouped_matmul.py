@@ -372,37 +372,40 @@ class TestCpuFallback(GroupedMatmulTest):
 
 
 class TestCpuWindows(GroupedMatmulTest):
-  """Every case with the CPU fallback's default schedule (tiling=None): one
-  dot per group over a window of its rows (``grouped_matmul.windows``)."""
+  """Every case with the CPU fallback's default schedule (tiling=None): per
+  group, whole chunks of its rows, then one tail window
+  (``grouped_matmul.windows``)."""
 
   tiling = None
 
-  def test_default_is_one_window_per_group(self, rng):
+  def test_default_is_chunks_then_a_tail_window(self, rng):
     lhs, rhs = operands(rng, M, K, N, G)
     sizes = jnp.full((G,), M // G, jnp.int32)
-    num_sizes = len(windows.window_sizes(M))
-    for f, args, branches in [
-      (self.gmm(), (lhs, rhs, sizes), num_sizes),
-      # tgmm writes an empty group's output: one more branch.
-      (self.tgmm(), (lhs.T, rhs[0][:M], sizes), num_sizes + 1),
+    # One branch per tail size, and one for no tail.
+    branches = len(windows.schedule(M).tails) + 1
+    for f, args in [
+      (self.gmm(), (lhs, rhs, sizes)),
+      (self.tgmm(), (lhs.T, rhs[0][:M], sizes)),
     ]:
       (launch,) = launch_eqns(f, *args)
       assert launch.params["cpu_path"].kind == paths.FAST
-      # A loop over the groups, switching over the window sizes: one
-      # switch, or for gmm a pl.when per size where XLA copies what a
-      # switch updates.
+      kernel = list(eqns(launch.params["jaxprs"][0]))
+      # A loop over the groups, holding a loop over whole chunks, and a
+      # switch over the tail sizes: one switch, or a pl.when per size where
+      # XLA copies what a switch updates.
+      loops = [e for e in kernel if e.primitive in (lax.while_p, lax.scan_p)]
+      assert len(loops) == 2, [e.primitive for e in kernel]
       conds = [
-        len(e.params["branches"])
-        for e in eqns(launch.params["jaxprs"][0])
-        if e.primitive is lax.cond_p
+        len(e.params["branches"]) for e in kernel if e.primitive is lax.cond_p
       ]
-      if _jax.SWITCH_COPIES_UPDATED_BUFFERS and f.func is gm.gmm:
+      if _jax.SWITCH_COPIES_UPDATED_BUFFERS:
         assert conds.count(2) >= branches, conds
       else:
         assert [c for c in conds if c > 2] == [branches], conds
 
-  def test_both_forms_of_gmms_window_switch(self, rng, monkeypatch):
-    # The other jax versions' form of gmm's window switch (see _switch).
+  @pytest.mark.parametrize("kernel", ["gmm", "tgmm"])
+  def test_both_forms_of_the_tail_switch(self, rng, monkeypatch, kernel):
+    # The other jax versions' form of the tail switch (see _switch).
     monkeypatch.setattr(
       _jax,
       "SWITCH_COPIES_UPDATED_BUFFERS",
@@ -410,22 +413,61 @@ class TestCpuWindows(GroupedMatmulTest):
     )
     lhs, rhs = operands(rng, M, K, N, G)
     sizes = jnp.asarray(group_size_patterns(rng, M, G, 16)["random_0"])
-    cfg = gm.api.GmmConfig(None, jnp.dtype(jnp.float32), False, None, 1)
-    got = jax.jit(windows.gmm_windows_call, static_argnums=5)(
-      lhs, rhs, sizes, jnp.int32(0), None, cfg
-    )
-    np.testing.assert_allclose(
-      got, ragged_dot_ref(lhs, rhs, sizes), **tolerances(jnp.float32)
-    )
+    f32 = jnp.dtype(jnp.float32)
+    if kernel == "gmm":
+      cfg = gm.api.GmmConfig(None, f32, False, None, 1)
+      call, args = windows.gmm_windows_call, (lhs, rhs)
+      want = ragged_dot_ref(lhs, rhs, sizes)
+    else:
+      cfg = gm.api.TgmmConfig(None, f32, G, None, 1)
+      dy = rhs[0][:M]
+      call, args = windows.tgmm_windows_call, (lhs.T, dy)
+      want = tgmm_ref(lhs.T, dy, np.asarray(sizes))
+    got = jax.jit(call, static_argnums=5)(*args, sizes, jnp.int32(0), None, cfg)
+    np.testing.assert_allclose(got, want, **tolerances(jnp.float32))
 
-  def test_window_sizes(self):
-    assert windows.window_sizes(64) == (8, 12, 16, 24, 32, 48, 64)
-    assert windows.window_sizes(5) == (5,)
-    for m in (1, 8, 61, 100, 1024, 4096):
-      sizes = windows.window_sizes(m)
-      assert sizes[-1] == m and sizes[0] == min(8, m), (m, sizes)
-      ratios = np.asarray(sizes[1:]) / np.asarray(sizes[:-1])
-      assert ratios.max(initial=1) <= 1.5, (m, sizes)
+  def test_schedule(self):
+    assert windows.schedule(1024) == (256, tuple(range(16, 257, 16)))
+    assert windows.schedule(40) == (40, (8, 16, 24, 32, 40))
+    assert windows.schedule(5) == (5, (5,))
+    for m in (1, 8, 61, 100, 255, 1024, 4096):
+      chunk, tails = windows.schedule(m)
+      assert chunk == min(windows.CHUNK, m) and tails[-1] == chunk, m
+      assert len(tails) <= windows.TAILS, (m, tails)
+      # Equal steps of whole sublanes: a tail computes fewer than one
+      # step's rows that it does not own.
+      steps = np.diff((0, *tails))
+      assert (steps[:-1] == steps[0]).all() and steps[-1] <= steps[0], m
+      assert steps[0] % 8 == 0 or len(tails) == 1, (m, tails)
+
+  def test_groups_longer_than_a_chunk(self, rng):
+    # m > CHUNK: groups of whole chunks, chunks and a tail, a tail moved
+    # back over the group's own last chunk at the end of the array.
+    m, k, n = 600, 16, 24
+    lhs, rhs = operands(rng, m, k, n, 4)
+    x = jnp.asarray(rng.standard_normal((m, n)) / np.sqrt(m), jnp.float32)
+    existing = jnp.asarray(rng.standard_normal((4, k, n)), jnp.float32)
+    for sizes in (
+      [256, 3, 0, 341],
+      [512, 1, 87, 0],
+      [0, 599, 0, 1],
+      [1, 0, 0, 599],
+      [256, 256, 0, 40],
+    ):
+      sizes = np.asarray(sizes, np.int32)
+      s = jnp.asarray(sizes)
+      np.testing.assert_allclose(
+        self.gmm()(lhs, rhs, s),
+        ragged_dot_ref(lhs, rhs, s),
+        err_msg=f"gmm {sizes}",
+        **tolerances(jnp.float32),
+      )
+      np.testing.assert_allclose(
+        self.tgmm()(lhs.T, x, s, existing_out=existing),
+        tgmm_ref(lhs.T, x, sizes) + existing,
+        err_msg=f"tgmm {sizes}",
+        **tolerances(jnp.float32),
+      )
 
   @pytest.mark.parametrize("m", [5, 61])
   def test_rows_not_a_multiple_of_eight(self, rng, m):
