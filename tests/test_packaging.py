@@ -1,6 +1,7 @@
 """Packaging, the jax._src door, and the command line."""
 
 import importlib
+import os
 import subprocess
 import sys
 import zipfile
@@ -131,6 +132,27 @@ def test_mpmd_lower_a_registered_kernel(capsys):
   assert "tpu_custom_call" in capsys.readouterr().out
   with pytest.raises(SystemExit, match="unknown kernel 'nope'"):
     cli.main(["lower", "nope"])
+
+
+@pytest.mark.timeout(120)
+def test_mpmd_bench_leaves_the_cpu_devices_to_the_benchmark():
+  # check and lower ask for 8 CPU devices; a benchmark asks for what it
+  # needs, as more devices slow one device's small dots (see cli.py). A
+  # fresh process: this one's backend already has its devices.
+  code = (
+    "import jax\n"
+    "from mpmd import cli\n"
+    "cli._bench = lambda args: print('devices', jax.device_count())\n"
+    "cli.main(['bench', 'any'])\n"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    check=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  ).stdout
+  assert "devices 1" in out, out
 
 
 def test_version():
