@@ -22,9 +22,10 @@ from mpmd import demos, registry, targets
 
 # Shard_map demos need several devices: main() asks for them before check
 # or lower starts a backend (importing this module changes nothing). A
-# benchmark asks for the devices it needs itself: a process with 8 CPU
-# devices ran one device's small dots slower (gmm and XLA's per-group dots
-# 1.2-1.3x on jax 0.12, in four pairs of runs).
+# benchmark asks for the devices it needs itself: with 8 CPU devices XLA's
+# CPU client runs 8 intra-op threads (2 with one or two devices on 2
+# cores), and one device's small dots, split across them, ran slower (gmm
+# and XLA's per-group dots 1.2-1.3x on jax 0.12, in four pairs of runs).
 _NUM_CPU_DEVICES = 8
 
 
