@@ -90,6 +90,7 @@ class _Group(NamedTuple):
   lo: jax.Array  # (num_local,) int32: first row of the group
   hi: jax.Array  # (num_local,) int32: one past its last row (lo == hi: empty)
   chunks: jax.Array  # (num_local,) int32: whole chunks, from lo
+  first: jax.Array  # (num_local,) int32: the first row after them
   # (num_local,) int32: index into the tail sizes; len(tails) for no tail.
   tail: jax.Array
   start: jax.Array  # (num_local,) int32: first row of the tail window
@@ -102,8 +103,7 @@ def _metadata(
   m: int,
   plan: Schedule,
 ) -> jax.Array:
-  """The flat int32 metadata ``(lo, hi, chunks, tail, start)``,
-  ``num_local`` each."""
+  """The flat int32 metadata: ``_Group``'s fields, ``num_local`` each."""
   lo, hi = group_rows(group_sizes, group_offset, num_local, m)
   chunks = (hi - lo) // plan.chunk
   first = lo + chunks * plan.chunk  # the tail's first row
@@ -111,12 +111,13 @@ def _metadata(
   tail = jnp.searchsorted(tails, hi - first, side="left").astype(jnp.int32)
   start = jnp.minimum(first, m - tails[jnp.minimum(tail, len(tails) - 1)])
   tail = jnp.where(hi > first, tail, len(tails))
-  fields = [lo, hi, chunks, tail, start]
+  fields = _Group(lo, hi, chunks, first, tail, start)
   return jnp.concatenate(fields).astype(jnp.int32)
 
 
 def _unpack(meta_ref, num_local: int, g) -> _Group:
-  return _Group(*(meta_ref[i * num_local + g] for i in range(5)))
+  fields = len(_Group._fields)
+  return _Group(*(meta_ref[i * num_local + g] for i in range(fields)))
 
 
 def _for_each(count, body) -> None:
@@ -172,7 +173,6 @@ def gmm_windows_call(
 
     def group(g):
       grp = _unpack(meta_ref, num_local, g)
-      first = grp.lo + grp.chunks * plan.chunk
 
       def part(start, rows: int, x_win):
         """The product of rows [start, start + rows), f32."""
@@ -192,7 +192,7 @@ def gmm_windows_call(
       def tail(rows: int, x_win, y_win):
         window = pl.ds(grp.start, rows)
         pltpu.sync_copy(out_ref.at[window], y_win)
-        mask = row_mask(grp.start, first, grp.hi, (rows, n), 0)
+        mask = row_mask(grp.start, grp.first, grp.hi, (rows, n), 0)
         new = part(grp.start, rows, x_win).astype(out_dtype)
         y_win[...] = jnp.where(mask, new, y_win[...])
         pltpu.sync_copy(y_win, out_ref.at[window])
@@ -251,7 +251,6 @@ def tgmm_windows_call(
 
     def group(g):
       grp = _unpack(meta_ref, num_local, g)
-      first = grp.lo + grp.chunks * plan.chunk
       if has_existing:
         # out_ref starts as existing_out (aliased).
         pltpu.sync_copy(out_ref.at[g], o)
@@ -273,7 +272,7 @@ def tgmm_windows_call(
       @_scoped(lambda rows: [((k, rows), lhs.dtype), ((rows, n), rhs.dtype)])
       def tail(rows: int, x, r):
         xs, rs = product(x, r, pl.ds(grp.start, rows))
-        in_group = functools.partial(row_mask, grp.start, first, grp.hi)
+        in_group = functools.partial(row_mask, grp.start, grp.first, grp.hi)
         xs = jnp.where(in_group((k, rows), 1), xs, _zero(lhs))
         rs = jnp.where(in_group((rows, n), 0), rs, _zero(rhs))
         start_with(_dot(xs, rs, 0, in_dtype))

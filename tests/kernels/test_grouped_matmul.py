@@ -599,7 +599,7 @@ class TestTpuCrossLowering:
   def test_default_tiling_is_the_tpu_one_under_tpu_target(self):
     with mpmd.tpu_target("v5e"):
       assert gm.default_tiling(1024, 512, 512) == (128, 128, 128)
-    # Off TPU: no tiles, the CPU fallback's one window per group.
+    # Off TPU: no tiles, the CPU fallback's chunks and tail windows.
     assert gm.default_tiling(1024, 512, 512) is None
 
   @pytest.mark.parametrize("name", ["gmm", "tgmm"])
