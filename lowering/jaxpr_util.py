@@ -4,9 +4,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from mpmd import _jax
 from mpmd._jax import (
@@ -18,6 +16,7 @@ from mpmd._jax import (
   pe,
   source_info_util,
 )
+from mpmd.lowering import words
 
 
 def _map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:
@@ -135,33 +134,12 @@ def _retrace(jaxpr: core.Jaxpr, consts, rule: EqnRule, prologue=None, skip=0):
 
 def evaluate(program: Any, *args) -> list[Any]:
   """``core.eval_jaxpr`` of a discharged (closed) kernel program, with its
-  16-bit float buffers updated and sliced as integers where XLA would
-  convert them whole (``_jax.FLOAT16_DYNAMIC_OPS_CONVERT``)."""
+  16-bit float buffers moved as integers where XLA would convert them whole
+  (``_jax.FLOAT16_DYNAMIC_OPS_CONVERT``, ``lowering/words.py``)."""
   jaxpr, consts = _jax.open_jaxpr(program)
   if not _jax.FLOAT16_DYNAMIC_OPS_CONVERT:
     return core.eval_jaxpr(jaxpr, consts, *args)
-  return _eval(jaxpr, consts, args, _integer_windows)
-
-
-def _integer_windows(eqn: core.JaxprEqn, invals: list[Any]) -> list[Any] | None:
-  prim = eqn.primitive
-  if prim not in (lax.dynamic_update_slice_p, lax.dynamic_slice_p):
-    return None
-  operand = invals[0]
-  dtype = jnp.dtype(operand.dtype)
-  if dtype.itemsize != 2 or not jnp.issubdtype(dtype, jnp.floating):
-    return None
-  as_words = lambda x: lax.bitcast_convert_type(x, jnp.uint16)
-  if prim is lax.dynamic_update_slice_p:
-    _, update, *starts = invals
-    out = lax.dynamic_update_slice(as_words(operand), as_words(update), starts)
-  else:
-    _, *starts = invals
-    if len(starts) != operand.ndim:  # dynamic sizes: as it is
-      return None
-    sizes = eqn.params["slice_sizes"]
-    out = lax.dynamic_slice(as_words(operand), starts, sizes)
-  return [lax.bitcast_convert_type(out, dtype)]
+  return words.evaluate(jaxpr, consts, args)
 
 
 def rewrite(jaxpr: core.Jaxpr, rule: EqnRule) -> core.Jaxpr:

@@ -70,6 +70,7 @@ from jax._src import dispatch
 from jax._src import effects
 from jax._src import linear_util as lu
 from jax._src import mesh as mesh_lib
+from jax._src import pjit
 from jax._src import sharding_impls
 from jax._src import source_info_util
 from jax._src import state
@@ -81,6 +82,7 @@ from jax._src.interpreters import ad
 from jax._src.interpreters import batching
 from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
+from jax._src.lax import control_flow as lax_control_flow
 from jax._src.lax import parallel as lax_parallel
 from jax._src.pallas import core as pallas_core
 from jax._src.pallas import pallas_call
@@ -213,6 +215,15 @@ def closed_jaxpr(jaxpr: core.Jaxpr, consts=()):
   if JAX_VERSION >= (0, 11):
     return jaxpr.with_consts(consts) if consts else jaxpr
   return core.ClosedJaxpr(jaxpr, consts)
+
+
+def scan_consts_and_carry(params) -> tuple[int, int]:
+  """How many of a scan's operands are constants, and how many carried:
+  counts up to 0.10, a flat tree of (consts, carry, xs) from 0.11 on."""
+  if "ft_in" not in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(list(consts.vals)), len(list(carry.vals))
 
 
 def open_jaxpr(j) -> tuple[core.Jaxpr, list]:
