@@ -28,7 +28,8 @@ from jax import lax
 from mpmd import _jax
 from mpmd._jax import core, lax_control_flow, lu, pe, pjit, source_info_util
 
-# Operations that only move elements: they run on words as on floats.
+# Operations that only move elements: they run on words as on floats (their
+# operands that are no 16-bit floats, indices and predicates, as they are).
 _MOVES = frozenset(
   [
     lax.broadcast_in_dim_p,
@@ -62,8 +63,8 @@ def _is_half(aval: Any) -> bool:
   """A 16-bit float array (not a Ref)."""
   if not isinstance(aval, core.ShapedArray):
     return False
-  dtype = jnp.dtype(aval.dtype)
-  return dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+  # Floating first: extended dtypes (PRNG keys) have no numpy dtype.
+  return jnp.issubdtype(aval.dtype, jnp.floating) and aval.dtype.itemsize == 2
 
 
 def _convert(x: Any, aval: Any, words: bool, to_words: bool) -> Any:
@@ -226,6 +227,8 @@ class _Forms:
     halves = [_is_half(v.aval) for v in eqn.invars]
     subs = _subs(eqn)
     if subs is not None:
+      # Each operand in its nested inputs' form: the same as its own, as
+      # they share a class, except for literals.
       ins = [self.words(v) for v in eqn.invars]
       for sub in subs:
         inner = _jax.open_jaxpr(sub.closed)[0]
@@ -249,8 +252,10 @@ class _Forms:
     elif _is_window(eqn):
       ins, outs_words = halves, [True]
     elif prim in _MOVES:
-      ins = [h and self.words(eqn.outvars[0]) for h in halves]
-      outs_words = [self.words(eqn.outvars[0])]
+      # As words if its result is, or any operand: a slice of a buffer held
+      # as words converts the slice, not the buffer.
+      as_words = self.words(eqn.outvars[0]) or any(map(self.words, eqn.invars))
+      ins, outs_words = [h and as_words for h in halves], [as_words]
     else:
       ins, outs_words = [False] * len(halves), [False] * len(eqn.outvars)
     invals = [

@@ -61,6 +61,18 @@ def test_a_buffer_only_sliced_is_converted_once_at_the_start():
   assert _conversions_of(evaluation, (64, 128)) == (1, 0)
 
 
+def test_a_static_slice_of_words_converts_the_slice():
+  def rows(x):
+    return x[8:16].astype(jnp.float32) * 2
+
+  x = _bf16((64, 128))
+  (got,), evaluation = _in_words(rows, x)
+  np.testing.assert_array_equal(got, rows(x))
+  # x is only sliced: words from the start, and only its slice converted.
+  assert _conversions_of(evaluation, (64, 128)) == (1, 0)
+  assert _conversions_of(evaluation, (8, 128)) == (1, 0)
+
+
 def test_which_buffers_are_words():
   """Only moved (sliced, updated in place, carried): words. Read by a
   computing operation anywhere, through carries and updates: a float."""
@@ -91,7 +103,8 @@ def test_which_buffers_are_words():
 
 def test_loops_branches_scans_and_calls_give_the_same_bits():
   """Carries that start as literals, a branch that returns a literal, a
-  scan over bf16 rows, a nested jit, f16 next to bf16."""
+  scan over bf16 rows, a nested jit, f16 next to bf16, a PRNG key (an
+  extended dtype)."""
 
   def mixed(x, y, h):
     def body(i, buf):
@@ -112,7 +125,8 @@ def test_loops_branches_scans_and_calls_give_the_same_bits():
       lambda c: (c[0] + 1, lax.dynamic_update_slice(c[1], h[:1], (c[0], 0))),
       (0, jnp.zeros_like(h)),
     )[1]
-    return buf, jax.jit(lambda t: t.T)(total), rows, halves
+    noise = jax.random.uniform(jax.random.key(0), (128, 8), jnp.bfloat16)
+    return buf, jax.jit(lambda t: t.T)(total) + noise, rows, halves
 
   x, y = _bf16((16, 128)), _bf16((4, 8, 128), 1)
   h = jnp.asarray(np.arange(4 * 128).reshape(4, 128), jnp.float16)
