@@ -41,3 +41,11 @@ def ratio_spread(
   timed next to each other)."""
   ratios = [a / b for a, b in zip(ours, reference, strict=True)]
   return min(ratios), max(ratios)
+
+
+def paired_ratio(ours: list[float], reference: list[float]) -> float:
+  """The median of each round's ratio (ours / reference, timed next to each
+  other): where the machine slows down for a stretch of rounds, both sides
+  of a pair slow down together, and the ratio of medians can mix a slow
+  median with a fast one."""
+  return statistics.median(a / b for a, b in zip(ours, reference, strict=True))
