@@ -30,6 +30,7 @@ from mpmd.lowering import (
   paths,
   ranges,
   watchdog,
+  words,
 )
 from mpmd.primitives import mpmd_map as prim
 
@@ -233,7 +234,7 @@ def _run_program(program, p: int, args, outs, shared, b: _Buffers):
     ),
   ]
   # The discharged program returns the final value of each Ref operand.
-  updated = iter(jaxpr_util.evaluate(program, *operands))
+  updated = iter(words.evaluate(program, *operands))
   operands = [
     next(updated) if r else x for x, r in zip(operands, b.is_ref, strict=True)
   ]

@@ -16,7 +16,6 @@ from mpmd._jax import (
   pe,
   source_info_util,
 )
-from mpmd.lowering import words
 
 
 def _map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:
@@ -55,7 +54,9 @@ def iter_eqns(jaxpr: core.Jaxpr) -> Iterator[core.JaxprEqn]:
 EqnRule = Callable[[core.JaxprEqn, list[Any]], list[Any] | None]
 
 
-def _eval(jaxpr: core.Jaxpr, consts, args, rule: EqnRule):
+def eval_with_rule(jaxpr: core.Jaxpr, consts, args, rule: EqnRule) -> list:
+  """``core.eval_jaxpr``, with ``rule(eqn, invals)`` binding each equation
+  (or None: bound as it is, its nested jaxprs rewritten with ``rule``)."""
   env: dict[core.Var, Any] = {}
 
   def read(a):
@@ -123,23 +124,13 @@ def _retrace(jaxpr: core.Jaxpr, consts, rule: EqnRule, prologue=None, skip=0):
   def body(*args):
     if prologue is not None:
       prologue(args[skip:])
-    return _eval(jaxpr, consts, args, rule)
+    return eval_with_rule(jaxpr, consts, args, rule)
 
   fun = lu.wrap_init(body, debug_info=jaxpr.debug_info)
   new, _, new_consts = pe.trace_to_jaxpr_dynamic(
     fun, [v.aval for v in jaxpr.invars]
   )
   return new, new_consts
-
-
-def evaluate(program: Any, *args) -> list[Any]:
-  """``core.eval_jaxpr`` of a discharged (closed) kernel program, with its
-  16-bit float buffers moved as integers where XLA would convert them whole
-  (``_jax.FLOAT16_DYNAMIC_OPS_CONVERT``, ``lowering/words.py``)."""
-  jaxpr, consts = _jax.open_jaxpr(program)
-  if not _jax.FLOAT16_DYNAMIC_OPS_CONVERT:
-    return core.eval_jaxpr(jaxpr, consts, *args)
-  return words.evaluate(jaxpr, consts, args)
 
 
 def rewrite(jaxpr: core.Jaxpr, rule: EqnRule) -> core.Jaxpr:
@@ -170,7 +161,7 @@ def rewrite_with_inputs(
   num = len(jaxpr.invars)
 
   def body(*args):
-    outs = _eval(jaxpr, (), args[:num], make_rule(args[num:]))
+    outs = eval_with_rule(jaxpr, (), args[:num], make_rule(args[num:]))
     if finish is not None:
       finish()
     return outs

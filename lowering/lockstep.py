@@ -58,6 +58,7 @@ from mpmd.lowering import (
   paths,
   ranges,
   watchdog,
+  words,
 )
 from mpmd.lowering.exchange import (
   Devices,
@@ -347,7 +348,7 @@ def _run(
 
   def launch(*operands):
     # The discharged program returns the final value of each Ref operand.
-    updated = iter(jaxpr_util.evaluate(program, *operands))
+    updated = iter(words.evaluate(program, *operands))
     return [
       next(updated) if r else x for x, r in zip(operands, is_ref, strict=True)
     ]

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from mpmd import _jax
-from mpmd._jax import core, lax_control_flow, lu, pe, pjit, source_info_util
+from mpmd._jax import core, lax_control_flow, lu, pe, pjit
+from mpmd.lowering import jaxpr_util
 
 # Operations that only move elements: they run on words as on floats (their
 # operands that are no 16-bit floats, indices and predicates, as they are).
@@ -48,7 +49,17 @@ _MOVES = frozenset(
 )
 
 
-def evaluate(jaxpr: core.Jaxpr, consts: Sequence[Any], args) -> list[Any]:
+def evaluate(program: Any, *args) -> list[Any]:
+  """``core.eval_jaxpr`` of a discharged (closed) kernel program; where XLA
+  would convert 16-bit float buffers whole for each window
+  (``_jax.FLOAT16_DYNAMIC_OPS_CONVERT``), with ``evaluate_words``."""
+  jaxpr, consts = _jax.open_jaxpr(program)
+  if not _jax.FLOAT16_DYNAMIC_OPS_CONVERT:
+    return core.eval_jaxpr(jaxpr, consts, *args)
+  return evaluate_words(jaxpr, consts, args)
+
+
+def evaluate_words(jaxpr: core.Jaxpr, consts: Sequence[Any], args) -> list:
   """``core.eval_jaxpr``, holding the 16-bit float buffers that nothing
   computes on as words (see the module docstring)."""
   forms = _Forms(jaxpr)
@@ -198,28 +209,14 @@ class _Forms:
   def eval(self, jaxpr, consts, args, out_words: Sequence[bool]) -> list[Any]:
     """Evaluates ``jaxpr`` on ``args`` (each in its variable's form); its
     results as words where ``out_words`` says."""
-    env: dict[core.Var, Any] = {}
-
-    def read(a):
-      return a.val if isinstance(a, core.Literal) else env[a]
-
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-      env[v] = _convert(x, v.aval, False, self.words(v))
-    for v, x in zip(jaxpr.invars, args, strict=True):
-      env[v] = x
-    for eqn in jaxpr.eqns:
-      invals = [read(a) for a in eqn.invars]
-      with (
-        source_info_util.user_context(eqn.source_info.traceback),
-        eqn.ctx.manager,
-      ):
-        outs = self._bind(eqn, invals)
-      for v, x in zip(eqn.outvars, outs, strict=True):
-        if not isinstance(v, core.DropVar):
-          env[v] = x
+    consts = [
+      _convert(x, v.aval, False, self.words(v))
+      for x, v in zip(consts, jaxpr.constvars, strict=True)
+    ]
+    outs = jaxpr_util.eval_with_rule(jaxpr, consts, args, self._bind)
     return [
-      _convert(read(a), a.aval, self.words(a), w)
-      for a, w in zip(jaxpr.outvars, out_words, strict=True)
+      _convert(x, a.aval, self.words(a), w)
+      for x, a, w in zip(outs, jaxpr.outvars, out_words, strict=True)
     ]
 
   def _bind(self, eqn: core.JaxprEqn, invals: list[Any]) -> list[Any]:

@@ -14,12 +14,12 @@ from mpmd.lowering import jaxpr_util, words
 
 
 def _in_words(f, *args):
-  """``f`` traced, then evaluated through ``words.evaluate``: its results,
+  """``f`` traced, then evaluated through ``words.evaluate_words``: its results,
   and the jaxpr of that evaluation."""
   jaxpr, consts = _jax.open_jaxpr(jax.make_jaxpr(f)(*args))
 
   def run(*a):
-    return words.evaluate(jaxpr, consts, a)
+    return words.evaluate_words(jaxpr, consts, a)
 
   return jax.jit(run)(*args), jax.make_jaxpr(run)(*args)
 
