@@ -294,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   )
   args = parser.parse_args(argv)
   cases = QUICK_CASES if args.quick else FULL_CASES
-  # Few-hundred-row dots move from round to round on 2 cores (README).
+  # Few-hundred-row dots move from round to round on 2 cores
+  # (benchmarks/RESULTS.md).
   rounds = args.rounds or (3 if args.quick else 21)
   print(
     f"grouped_matmul on the {jax.default_backend()} backend "
