@@ -20,15 +20,14 @@ groups. Here the kernel loops over the local groups, and a group's rows
   gmm's store and zeroed in both of tgmm's operands (other groups' rows may
   hold inf).
 
-Every XLA:CPU dot has a fixed cost (that of a few dozen rows at k=n=512), so
+Every XLA:CPU dot has a fixed cost (that of 60-100 rows at k=n=512), so
 a group of up to two chunks runs as one dot, not as a chunk and a small
 tail. A group computes fewer than two steps' rows more than it owns (at
 most 31), there are at most 24 window sizes whatever ``m``, and no buffer
 holds more than two chunks of rows. A window's buffers are scoped to its
 branch: buffers that every branch saw would be carried (and copied) through
-each of them. tgmm runs the tail first, so that a group of fewer rows than
-two chunks (most of them) stores its one product with no zeros to add it
-to.
+each of them. tgmm runs the tail first, so that a group of at most two
+chunks (most of them) stores its one product with no zeros to add it to.
 
 The TPU keeps the tiled megablox kernels (``kernels.py``); this schedule
 runs where the target is not a TPU and ``tiling=None``.
@@ -57,8 +56,8 @@ from mpmd.kernels.grouped_matmul.kernels import (
 from mpmd.kernels.grouped_matmul.metadata import group_rows, row_mask
 
 # Rows of a whole chunk. On XLA:CPU (jax 0.12, 2 cores, k=n=512) a dot of
-# 256 rows runs at the dense 1024-row dot's time per row, and one of 64-128
-# rows at 1.1-1.7x it; chunks of 512 rows measured no faster.
+# 256 rows takes about 1.25x the dense 1024-row dot's time per row, and one
+# of 64-128 rows 1.1-1.7x; chunks of 512 rows measured no faster.
 CHUNK = 256
 
 # Tail window sizes per chunk: up to a chunk, the tail computes fewer than

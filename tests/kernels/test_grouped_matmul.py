@@ -444,6 +444,7 @@ class TestCpuWindows(GroupedMatmulTest):
       one = np.diff((0, *[t for t in tails if t <= chunk]))
       two = np.diff([t for t in tails if t >= chunk])
       assert len(one) <= windows.TAILS, (m, tails)
+      assert len(tails) <= windows.TAILS * 3 // 2, (m, tails)
       assert (one[:-1] == one[0]).all() and one[-1] <= one[0], m
       assert one[0] % 8 == 0 or len(one) == 1, (m, tails)
       assert (two[:-1] == 2 * one[0]).all() and (two <= 2 * one[0]).all(), m
@@ -479,21 +480,33 @@ class TestCpuWindows(GroupedMatmulTest):
     used = grp.hi > grp.lo
     np.testing.assert_array_equal(grp.start[used], np.asarray(starts)[used])
 
-  def test_groups_longer_than_a_chunk(self, rng):
+  @pytest.mark.parametrize(
+    "m, cases",
+    [
+      (
+        1100,
+        (
+          [256, 3, 0, 841],
+          [512, 1, 87, 500],
+          [0, 1099, 0, 1],
+          [1, 0, 0, 1099],
+          [768, 256, 0, 76],
+        ),
+      ),
+      # Fewer than two chunks of rows: the largest window is all m rows,
+      # moved back to row 0 over the groups before.
+      (300, ([10, 290, 0, 0], [290, 10, 0, 0], [3, 0, 0, 297], [0, 0, 0, 300])),
+    ],
+  )
+  def test_groups_longer_than_a_chunk(self, rng, m, cases):
     # m > CHUNK: a group of one to two chunks as one window; longer ones as
     # chunks and a window, moved back over the group's own last chunk at
     # the end of the array.
-    m, k, n = 1100, 16, 24
+    k, n = 16, 24
     lhs, rhs = operands(rng, m, k, n, 4)
     x = jnp.asarray(rng.standard_normal((m, n)) / np.sqrt(m), jnp.float32)
     existing = jnp.asarray(rng.standard_normal((4, k, n)), jnp.float32)
-    for sizes in (
-      [256, 3, 0, 841],
-      [512, 1, 87, 500],
-      [0, 1099, 0, 1],
-      [1, 0, 0, 1099],
-      [768, 256, 0, 76],
-    ):
+    for sizes in cases:
       sizes = np.asarray(sizes, np.int32)
       s = jnp.asarray(sizes)
       np.testing.assert_allclose(
