@@ -1,5 +1,6 @@
 """Timing shared by the benchmarks: ratios measured side by side."""
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -12,16 +13,22 @@ def time_rounds(
 ) -> dict[str, list[float]]:
   """Seconds per call of each fn in each round, timed round-robin.
 
-  Rounds interleave the functions (a, b, c, a, b, c, ...) so that load from
-  other processes hits every side alike; each is compiled and warmed first.
+  Rounds interleave the functions so that load from other processes hits
+  every side alike; each is compiled and warmed first. Each round runs them
+  in a new order (seeded, so runs repeat it): in a fixed order, a function
+  inherits the caches its predecessor left, and two calls of the same
+  program measured 3-4% apart by their place in the round.
   """
   for fn in fns.values():
     jax.block_until_ready(fn())
   times: dict[str, list[float]] = {name: [] for name in fns}
+  order = list(fns)
+  shuffle = random.Random(0).shuffle
   for _ in range(rounds):
-    for name, fn in fns.items():
+    shuffle(order)
+    for name in order:
       start = time.perf_counter()
-      jax.block_until_ready(fn())
+      jax.block_until_ready(fns[name]())
       times[name].append(time.perf_counter() - start)
   return times
 

@@ -5,8 +5,9 @@ warp-specialized) and of ``jnp.dot`` (cuBLAS), and their ratio.
 On CPU: seconds per call in the Mosaic GPU simulator vs ``jnp.dot`` on the
 same shapes, as a ratio (the simulator's cost, not a GPU prediction).
 
-Rounds are interleaved (ours, reference, ours, ...) so that load from other
-processes hits all sides alike; each time is the median over rounds.
+Rounds are interleaved (each runs every side once, in a shuffled order) so
+that load from other processes hits all sides alike; each time is the median
+over rounds.
 
   python benchmarks/gpu_matmul.py            # default shapes
   python benchmarks/gpu_matmul.py --quick    # smallest shapes

@@ -1,8 +1,9 @@
 """gmm / tgmm on the CPU fallback vs jax.lax.ragged_dot and a dense matmul.
 
 Every ratio is ours / reference, timed in the same run with rounds
-interleaved (ours, reference, dense, ours, ...) so that load from other
-processes hits all sides alike; each side's time is its median over rounds.
+interleaved (each round runs every side once, in a shuffled order) so that
+load from other processes hits all sides alike; each side's time is its
+median over rounds.
 The dense ratios also come as the median of each round's ratio ("paired"),
 steadier where the machine slows down for a stretch of rounds.
 

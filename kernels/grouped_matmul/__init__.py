@@ -33,9 +33,9 @@ buffers per operand. On the CPU fallback no tiles: each pipeline step there
 is a loop iteration around a small XLA dot, and a tile straddling a group
 boundary is computed once per group, so ``tiling=None`` runs
 ``windows.py`` instead: per group, a dot per whole chunk of 256 of its
-rows while more than 512 remain, then one over a tail window of up to 512
-(at most 31 rows more than the rest) under a row mask. A tiling passed
-explicitly runs the tiled kernel on every platform.
+rows, then one over a tail window (at most 15 rows more than the rest)
+under a row mask. A tiling passed explicitly runs the tiled kernel on every
+platform.
 """
 
 from mpmd.kernels.grouped_matmul.api import gmm as gmm

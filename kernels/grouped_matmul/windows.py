@@ -8,26 +8,22 @@ that measured 2-3x one dense matmul of the same FLOPs on MoE-like ragged
 groups. Here the kernel loops over the local groups, and a group's rows
 ``[lo, hi)`` run as
 
-* whole chunks of ``chunk`` rows (256, or all rows when fewer), in a loop,
-  as many as leave at most two chunks' rows: exactly the group's rows, so no
-  mask, and big enough that an XLA:CPU dot runs at the dense dot's rate per
-  row;
-* then the rest as one *tail window*: the smallest size that holds it, of
-  multiples of a step (``chunk / 16`` rounded up to whole sublanes of 8) up
-  to a chunk and of twice the step up to two chunks, moved back from the
-  end of the array if it would run past it, chosen by a switch with one
-  branch per size. Rows of the window outside the group are dropped from
-  gmm's store and zeroed in both of tgmm's operands (other groups' rows may
-  hold inf).
+* whole chunks of ``chunk`` rows (256, or all rows when fewer), in a loop:
+  exactly the group's rows, so no mask, and big enough that an XLA:CPU dot
+  runs at the dense dot's rate per row;
+* then the rest, if any, as one *tail window*: the smallest multiple of a
+  step (``chunk / 16`` rounded up to whole sublanes of 8) that holds it,
+  moved back from the end of the array if it would run past it, chosen by
+  a switch with one branch per size. Rows of the window outside the group
+  are dropped from gmm's store and zeroed in both of tgmm's operands
+  (other groups' rows may hold inf).
 
-Every XLA:CPU dot has a fixed cost (that of 60-100 rows at k=n=512), so
-a group of up to two chunks runs as one dot, not as a chunk and a small
-tail. A group computes fewer than two steps' rows more than it owns (at
-most 31), there are at most 24 window sizes whatever ``m``, and no buffer
-holds more than two chunks of rows. A window's buffers are scoped to its
-branch: buffers that every branch saw would be carried (and copied) through
-each of them. tgmm runs the tail first, so that a group of at most two
-chunks (most of them) stores its one product with no zeros to add it to.
+A group computes fewer than a step's rows more than it owns (at most 15),
+the switch has at most 16 branches whatever ``m``, and no buffer holds
+more than a chunk of rows. A window's buffers are scoped to its branch:
+buffers that every branch saw would be carried (and copied) through each
+of them. tgmm runs the tail first, so that a group of fewer rows than a
+chunk (most of them) stores its one product with no zeros to add it to.
 
 The TPU keeps the tiled megablox kernels (``kernels.py``); this schedule
 runs where the target is not a TPU and ``tiling=None``.
@@ -57,12 +53,15 @@ from mpmd.kernels.grouped_matmul.metadata import group_rows, row_mask
 
 # Rows of a whole chunk. On XLA:CPU (jax 0.12, 2 cores, k=n=512) a dot of
 # 256 rows takes about 1.25x the dense 1024-row dot's time per row, and one
-# of 64-128 rows 1.1-1.7x; chunks of 512 rows measured no faster.
+# of 64-128 rows 1.1-1.7x; chunks of 512 rows measured no faster, and
+# windows of up to two chunks (one dot for a group of 257-512 rows) no
+# faster either, side by side, while the kernels took 1.4-1.5x as long to
+# compile.
 CHUNK = 256
 
-# Tail window sizes per chunk: up to a chunk, the tail computes fewer than
-# chunk / TAILS rows it does not own (a sixteenth of a chunk, at least 8);
-# from one chunk to two, fewer than twice that. One switch branch per size.
+# Tail window sizes per chunk: the tail computes fewer than chunk / TAILS
+# rows it does not own (a sixteenth of a chunk, at least 8), with one switch
+# branch per size.
 TAILS = 16
 
 
@@ -70,28 +69,22 @@ class Schedule(NamedTuple):
   """The static part of the schedule for ``m`` rows."""
 
   chunk: int  # rows of a whole chunk
-  # Tail window sizes, increasing; the last is min(2 * chunk, m).
-  tails: tuple[int, ...]
+  tails: tuple[int, ...]  # tail window sizes, increasing; the last is chunk
 
 
 def schedule(m: int) -> Schedule:
   """The chunk and tail window sizes for ``m`` rows.
 
   Example:
-    >>> plan = schedule(1024)
-    >>> plan.chunk, plan.tails[:3], plan.tails[14:18], plan.tails[-1]
-    (256, (16, 32, 48), (240, 256, 288, 320), 512)
+    >>> schedule(1024).chunk, schedule(1024).tails[:3]
+    (256, (16, 32, 48))
     >>> schedule(40)
     Schedule(chunk=40, tails=(8, 16, 24, 32, 40))
   """
   chunk = min(CHUNK, m)
-  # Whole sublanes, at most TAILS sizes per chunk (half as many in the
-  # second).
+  # Whole sublanes, at most TAILS sizes.
   step = 8 * -(-chunk // (8 * TAILS))
-  last = min(2 * chunk, m)
-  return Schedule(
-    chunk, (*range(step, chunk, step), *range(chunk, last, 2 * step), last)
-  )
+  return Schedule(chunk, (*range(step, chunk, step), chunk))
 
 
 class _Group(NamedTuple):
@@ -99,9 +92,7 @@ class _Group(NamedTuple):
 
   lo: jax.Array  # (num_local,) int32: first row of the group
   hi: jax.Array  # (num_local,) int32: one past its last row (lo == hi: empty)
-  # (num_local,) int32: whole chunks, from lo: as many as leave at most
-  # the largest tail window's rows.
-  chunks: jax.Array
+  chunks: jax.Array  # (num_local,) int32: whole chunks, from lo
   first: jax.Array  # (num_local,) int32: the first row after them
   # (num_local,) int32: index into the tail sizes; len(tails) for no tail.
   tail: jax.Array
@@ -117,7 +108,7 @@ def _metadata(
 ) -> jax.Array:
   """The flat int32 metadata: ``_Group``'s fields, ``num_local`` each."""
   lo, hi = group_rows(group_sizes, group_offset, num_local, m)
-  chunks = jnp.maximum(-(-(hi - lo - plan.tails[-1]) // plan.chunk), 0)
+  chunks = (hi - lo) // plan.chunk
   first = lo + chunks * plan.chunk  # the tail's first row
   tails = jnp.asarray(plan.tails, jnp.int32)
   tail = jnp.searchsorted(tails, hi - first, side="left").astype(jnp.int32)
