@@ -13,10 +13,16 @@ steadier where the machine slows down for a stretch of rounds.
   (the same computation), and vs the dense ``(k, m) @ (m, n)`` (<= 1.5x).
 * both vs ``per-group dots``: one XLA dot per group over exactly its rows,
   with the group sizes fixed when traced (so not usable when sizes are
-  data, as in a model). Any kernel that runs a dot per group costs at least
-  this: on XLA:CPU a dot has a fixed cost per call (55-70 us at k=n=512,
-  2 cores), which seven non-empty groups pay seven times and the dense
-  matmul once.
+  data, as in a model). Any kernel that runs a dot per group pays the
+  same fixed costs: on XLA:CPU a dot has a fixed cost per call (55-70 us
+  at k=n=512, 2 cores), which seven non-empty groups pay seven times and
+  the dense matmul once.
+* "the window schedule's dots alone" / dense: the dots that the CPU schedule
+  (``grouped_matmul.windows``) runs, whole chunks and a tail window per
+  group, as plain XLA with the sizes fixed when traced: the kernel's dots
+  without its copies at run-time offsets, control flow and stores. Not a
+  strict floor: at the larger MoE case this static program took longer
+  than tgmm itself.
 
 Cases: "ragged" has MoE-routing group sizes (not multiples of any tile, an
 empty group); "dirichlet" draws friendlier uneven sizes; "moe-large" is a
@@ -44,6 +50,7 @@ from _timing import paired_ratio, time_rounds
 from jax import lax
 
 from mpmd.kernels import grouped_matmul as gm
+from mpmd.kernels.grouped_matmul import windows
 
 
 class Case(NamedTuple):
@@ -114,6 +121,8 @@ class _Functions(NamedTuple):
   ragged_dot_grad: Callable[..., tuple[jax.Array, jax.Array]]
   group_dots: Callable[..., jax.Array]
   group_dots_t: Callable[..., jax.Array]
+  window_dots: Callable[..., jax.Array]
+  window_dots_t: Callable[..., jax.Array]
 
 
 def _group_dots(sizes: Sequence[int]):
@@ -139,9 +148,76 @@ def _group_dots(sizes: Sequence[int]):
   return jax.jit(gmm), jax.jit(tgmm)
 
 
+class _Window(NamedTuple):
+  start: int  # its first row
+  rows: int
+  lo: int  # the rows it contributes, [lo, hi)
+  hi: int
+
+
+def _windows(sizes: Sequence[int], m: int) -> list[list[_Window]]:
+  """Per group, the windows that the CPU schedule computes for it (read from
+  the kernel's own metadata, ``windows._metadata``): whole chunks, then a
+  tail window, moved back from the end of the array where it would run
+  past it."""
+  plan = windows.schedule(m)
+  num = len(sizes)
+  meta = windows._metadata(
+    jnp.asarray(sizes, jnp.int32), jnp.int32(0), num, m, plan
+  )
+  fields = windows._Group(*np.asarray(meta).reshape(-1, num).tolist())
+  groups = []
+  for g in range(num):
+    lo, chunks, first = fields.lo[g], fields.chunks[g], fields.first[g]
+    group = [
+      _Window(s, plan.chunk, s, s + plan.chunk)
+      for s in range(lo, lo + chunks * plan.chunk, plan.chunk)
+    ]
+    if fields.tail[g] < len(plan.tails):
+      rows = plan.tails[fields.tail[g]]
+      group.append(_Window(fields.start[g], rows, first, fields.hi[g]))
+    groups.append(group)
+  return groups
+
+
+def _window_dots(sizes: Sequence[int], m: int):
+  """gmm and tgmm as the dots of the CPU schedule, the sizes fixed at trace
+  time: per group, a dot per whole chunk and one over its tail window
+  (tgmm's window rows outside the group zeroed, as the kernel does). The
+  kernel's dots alone, without its copies at run-time offsets, control
+  flow and stores."""
+  f32 = jnp.float32
+  groups = _windows(sizes, m)
+
+  def gmm(a, b):
+    out = []
+    for g, group in enumerate(groups):
+      for w in group:
+        x = a[w.start : w.start + w.rows]
+        y = jnp.dot(x, b[g], preferred_element_type=f32)
+        out.append(y[w.lo - w.start : w.hi - w.start])
+    return jnp.concatenate(out)
+
+  def tgmm(x, y):
+    out = []
+    for group in groups:
+      total = jnp.zeros((x.shape[0], y.shape[1]), f32)
+      for w in group:
+        rows = np.arange(w.start, w.start + w.rows)
+        mine = (rows >= w.lo) & (rows < w.hi)
+        xs = jnp.where(mine[None], x[:, w.start : w.start + w.rows], 0)
+        ys = jnp.where(mine[:, None], y[w.start : w.start + w.rows], 0)
+        total += jnp.dot(xs, ys, preferred_element_type=f32)
+      out.append(total)
+    return jnp.stack(out)
+
+  return jax.jit(gmm), jax.jit(tgmm)
+
+
 def _functions(
   dy: jax.Array, sizes: Sequence[int], tiling: gm.Tiling | None
 ) -> _Functions:
+  m = dy.shape[0]
   f32 = jnp.float32
 
   def gmm(a, b, s):
@@ -163,6 +239,7 @@ def _functions(
     return jax.jit(jax.grad(f, argnums=(0, 1)))
 
   group_dots, group_dots_t = _group_dots(sizes)
+  window_dots, window_dots_t = _window_dots(sizes, m)
   return _Functions(
     gmm=jax.jit(gmm),
     ragged_dot=jax.jit(ragged_dot),
@@ -181,6 +258,8 @@ def _functions(
     ragged_dot_grad=loss_grad(ragged_dot),
     group_dots=group_dots,
     group_dots_t=group_dots_t,
+    window_dots=window_dots,
+    window_dots_t=window_dots_t,
   )
 
 
@@ -199,12 +278,19 @@ def _check_answers(fns: _Functions, ops: _Operands) -> None:
     rtol=2e-2,
     atol=2e-2 * np.sqrt(lhs.shape[0]),
   )
-  # The per-group dots reference computes the same rows.
+  # The per-group and window dots references compute the same rows.
+  for group_dots in (fns.group_dots, fns.window_dots):
+    np.testing.assert_allclose(
+      group_dots(lhs, rhs),
+      fns.ragged_dot(lhs, rhs, sizes)[: int(sizes.sum())],
+      rtol=2e-2,
+      atol=2e-2,
+    )
   np.testing.assert_allclose(
-    fns.group_dots(lhs, rhs),
-    fns.ragged_dot(lhs, rhs, sizes)[: int(sizes.sum())],
+    fns.window_dots_t(lhs.T, dy),
+    fns.ragged_dot_general(lhs, dy, sizes),
     rtol=2e-2,
-    atol=2e-2,
+    atol=2e-2 * np.sqrt(lhs.shape[0]),
   )
 
 
@@ -225,6 +311,10 @@ def _time(
       "group_dots": lambda: fns.group_dots(lhs, rhs),
     },
     {
+      "window_dots": lambda: fns.window_dots(lhs, rhs),
+      "dense vs window_dots": lambda: fns.dense(lhs, rhs0),
+    },
+    {
       "gmm vs ragged_dot": lambda: fns.gmm(lhs, rhs, sizes),
       "ragged_dot": lambda: fns.ragged_dot(lhs, rhs, sizes),
     },
@@ -232,6 +322,10 @@ def _time(
       "tgmm": lambda: fns.tgmm(lhs_t, dy, sizes),
       "dense_t": lambda: fns.dense(lhs_t, dy),
       "group_dots_t": lambda: fns.group_dots_t(lhs_t, dy),
+    },
+    {
+      "window_dots_t": lambda: fns.window_dots_t(lhs_t, dy),
+      "dense_t vs window_dots_t": lambda: fns.dense(lhs_t, dy),
     },
     {
       "tgmm vs ragged_dot_general": lambda: fns.tgmm(lhs_t, dy, sizes),
@@ -277,6 +371,12 @@ def run_case(
     "tgmm/dense paired": paired_ratio(times["tgmm"], times["dense_t"]),
     "gmm/group_dots": t["gmm"] / t["group_dots"],
     "tgmm/group_dots": t["tgmm"] / t["group_dots_t"],
+    "window_dots/dense": paired_ratio(
+      times["window_dots"], times["dense vs window_dots"]
+    ),
+    "window_dots_t/dense": paired_ratio(
+      times["window_dots_t"], times["dense_t vs window_dots_t"]
+    ),
     "grad/ragged_dot_grad": t["gmm fwd+bwd"] / t["ragged_dot fwd+bwd"],
   }
 
@@ -325,6 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       f"(paired {r['tgmm/dense paired']:.2f}x, target <= 1.5)  "
       f"vs per-group dots: gmm {r['gmm/group_dots']:.2f}x  "
       f"tgmm {r['tgmm/group_dots']:.2f}x\n    "
+      "the window schedule's dots alone / dense: "
+      f"gmm {r['window_dots/dense']:.2f}x "
+      f"tgmm {r['window_dots_t/dense']:.2f}x\n    "
       f"tgmm/ragged_dot_general {r['tgmm/ragged_dot_general']:.2f}x  "
       f"fwd+bwd vs ragged_dot {r['grad/ragged_dot_grad']:.2f}x",
       flush=True,
