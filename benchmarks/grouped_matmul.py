@@ -17,12 +17,11 @@ steadier where the machine slows down for a stretch of rounds.
   same fixed costs: on XLA:CPU a dot has a fixed cost per call (55-70 us
   at k=n=512, 2 cores), which seven non-empty groups pay seven times and
   the dense matmul once.
-* "the window schedule's dots alone" / dense: the dots that the CPU schedule
-  (``grouped_matmul.windows``) runs, whole chunks and a tail window per
-  group, as plain XLA with the sizes fixed when traced: the kernel's dots
-  without its copies at run-time offsets, control flow and stores. Not a
-  strict floor: at the larger MoE case this static program took longer
-  than tgmm itself.
+* "the window schedule in static XLA" / dense: the CPU schedule
+  (``grouped_matmul.windows``: whole chunks and a tail window per group) as
+  plain XLA with the sizes fixed when traced: the kernel's dots, window
+  copies and stores, at offsets known when compiled and with no control
+  flow. Not a floor: at the larger MoE case it took longer than tgmm.
 
 Cases: "ragged" has MoE-routing group sizes (not multiples of any tile, an
 empty group); "dirichlet" draws friendlier uneven sizes; "moe-large" is a
@@ -159,7 +158,7 @@ def _windows(sizes: Sequence[int], m: int) -> list[list[_Window]]:
   """Per group, the windows that the CPU schedule computes for it (read from
   the kernel's own metadata, ``windows._metadata``): whole chunks, then a
   tail window, moved back from the end of the array where it would run
-  past it."""
+  past it. Checks that each group's windows hold exactly its rows."""
   plan = windows.schedule(m)
   num = len(sizes)
   meta = windows._metadata(
@@ -176,16 +175,20 @@ def _windows(sizes: Sequence[int], m: int) -> list[list[_Window]]:
     if fields.tail[g] < len(plan.tails):
       rows = plan.tails[fields.tail[g]]
       group.append(_Window(fields.start[g], rows, first, fields.hi[g]))
+    covered = [r for w in group for r in range(w.lo, w.hi)]
+    assert covered == list(range(lo, fields.hi[g])), (sizes, g, group)
+    assert all(
+      0 <= w.start <= w.lo <= w.hi <= w.start + w.rows <= m for w in group
+    )
     groups.append(group)
   return groups
 
 
 def _window_dots(sizes: Sequence[int], m: int):
-  """gmm and tgmm as the dots of the CPU schedule, the sizes fixed at trace
-  time: per group, a dot per whole chunk and one over its tail window
-  (tgmm's window rows outside the group zeroed, as the kernel does). The
-  kernel's dots alone, without its copies at run-time offsets, control
-  flow and stores."""
+  """gmm and tgmm as the CPU schedule with the sizes fixed at trace time:
+  per group, a dot per whole chunk and one over its tail window (tgmm's
+  window rows outside the group zeroed, as the kernel does), each stored
+  once; XLA:CPU copies each window, as the kernel does."""
   f32 = jnp.float32
   groups = _windows(sizes, m)
 
@@ -425,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       f"(paired {r['tgmm/dense paired']:.2f}x, target <= 1.5)  "
       f"vs per-group dots: gmm {r['gmm/group_dots']:.2f}x  "
       f"tgmm {r['tgmm/group_dots']:.2f}x\n    "
-      "the window schedule's dots alone / dense: "
+      "the window schedule in static XLA / dense (paired): "
       f"gmm {r['window_dots/dense']:.2f}x "
       f"tgmm {r['window_dots_t/dense']:.2f}x\n    "
       f"tgmm/ragged_dot_general {r['tgmm/ragged_dot_general']:.2f}x  "
