@@ -22,6 +22,12 @@ steadier where the machine slows down for a stretch of rounds.
   plain XLA with the sizes fixed when traced: the kernel's dots, window
   copies and stores, at offsets known when compiled and with no control
   flow. Not a floor: at the larger MoE case it took longer than tgmm.
+* "tgmm's output alone" / dense: the dense dot, then its product stored
+  into each group's slot of a ``(groups, k, n)`` f32 output that starts
+  filled, one slot per step of a loop whose trip count is data. tgmm pays
+  all of it besides its per-group dots: its group loop's output buffer
+  starts filled (XLA:CPU has no unfilled buffer) and it stores each
+  group's product once.
 
 Cases: "ragged" has MoE-routing group sizes (not multiples of any tile, an
 empty group); "dirichlet" draws friendlier uneven sizes; "moe-large" is a
@@ -122,6 +128,7 @@ class _Functions(NamedTuple):
   group_dots_t: Callable[..., jax.Array]
   window_dots: Callable[..., jax.Array]
   window_dots_t: Callable[..., jax.Array]
+  output_alone: Callable[..., jax.Array]
 
 
 def _group_dots(sizes: Sequence[int]):
@@ -217,6 +224,25 @@ def _window_dots(sizes: Sequence[int], m: int):
   return jax.jit(gmm), jax.jit(tgmm)
 
 
+def _output_alone(groups: int):
+  """The dense ``x @ y`` stored into each of ``groups`` slots of an f32
+  output that starts as NaN (as the CPU fallback starts a kernel's
+  outputs), one slot per step of a loop over ``count`` (traced, so that XLA
+  cannot unroll it and drop the fill)."""
+
+  def output_alone(x, y, count):
+    product = jnp.dot(x, y, preferred_element_type=jnp.float32)
+    out = jnp.full((groups, *product.shape), jnp.nan, jnp.float32)
+    return lax.fori_loop(
+      0,
+      count,
+      lambda g, out: lax.dynamic_update_index_in_dim(out, product, g, 0),
+      out,
+    )
+
+  return jax.jit(output_alone)
+
+
 def _functions(
   dy: jax.Array, sizes: Sequence[int], tiling: gm.Tiling | None
 ) -> _Functions:
@@ -263,6 +289,7 @@ def _functions(
     group_dots_t=group_dots_t,
     window_dots=window_dots,
     window_dots_t=window_dots_t,
+    output_alone=_output_alone(len(sizes)),
   )
 
 
@@ -295,6 +322,12 @@ def _check_answers(fns: _Functions, ops: _Operands) -> None:
     rtol=2e-2,
     atol=2e-2 * np.sqrt(lhs.shape[0]),
   )
+  # Every slot of the output-alone reference holds the dense product.
+  groups = sizes.shape[0]
+  np.testing.assert_array_equal(
+    fns.output_alone(lhs.T, dy, jnp.int32(groups)),
+    jnp.broadcast_to(fns.dense(lhs.T, dy), (groups, *rhs.shape[1:])),
+  )
 
 
 def _time(
@@ -307,6 +340,7 @@ def _time(
   the operands of what runs after them in a round."""
   lhs, rhs, dy, sizes = ops
   rhs0, lhs_t = rhs[0], lhs.T
+  slots = jnp.int32(sizes.shape[0])
   groups = [
     {
       "gmm": lambda: fns.gmm(lhs, rhs, sizes),
@@ -329,6 +363,10 @@ def _time(
     {
       "window_dots_t": lambda: fns.window_dots_t(lhs_t, dy),
       "dense_t vs window_dots_t": lambda: fns.dense(lhs_t, dy),
+    },
+    {
+      "output_alone": lambda: fns.output_alone(lhs_t, dy, slots),
+      "dense_t vs output_alone": lambda: fns.dense(lhs_t, dy),
     },
     {
       "tgmm vs ragged_dot_general": lambda: fns.tgmm(lhs_t, dy, sizes),
@@ -379,6 +417,9 @@ def run_case(
     ),
     "window_dots_t/dense": paired_ratio(
       times["window_dots_t"], times["dense_t vs window_dots_t"]
+    ),
+    "output_alone/dense": paired_ratio(
+      times["output_alone"], times["dense_t vs output_alone"]
     ),
     "grad/ragged_dot_grad": t["gmm fwd+bwd"] / t["ragged_dot fwd+bwd"],
   }
@@ -431,6 +472,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       "the window schedule in static XLA / dense (paired): "
       f"gmm {r['window_dots/dense']:.2f}x "
       f"tgmm {r['window_dots_t/dense']:.2f}x\n    "
+      "tgmm's output alone / dense (paired): "
+      f"{r['output_alone/dense']:.2f}x (the dense dot stored into each "
+      "group's slot of a filled output)\n    "
       f"tgmm/ragged_dot_general {r['tgmm/ragged_dot_general']:.2f}x  "
       f"fwd+bwd vs ragged_dot {r['grad/ragged_dot_grad']:.2f}x",
       flush=True,
