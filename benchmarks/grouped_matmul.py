@@ -163,15 +163,15 @@ class _Window(NamedTuple):
 
 def _windows(sizes: Sequence[int], m: int) -> list[list[_Window]]:
   """Per group, the windows that the CPU schedule computes for it (read from
-  the kernel's own metadata, ``windows._metadata``): whole chunks, then a
+  the kernel's own metadata, ``windows.group_windows``): whole chunks, then a
   tail window, moved back from the end of the array where it would run
   past it. Checks that each group's windows hold exactly its rows."""
   plan = windows.schedule(m)
   num = len(sizes)
-  meta = windows._metadata(
+  fields = windows.group_windows(
     jnp.asarray(sizes, jnp.int32), jnp.int32(0), num, m, plan
   )
-  fields = windows._Group(*np.asarray(meta).reshape(-1, num).tolist())
+  fields = windows.Group(*(np.asarray(f).tolist() for f in fields))
   groups = []
   for g in range(num):
     lo, chunks, first = fields.lo[g], fields.chunks[g], fields.first[g]

@@ -87,7 +87,7 @@ def schedule(m: int) -> Schedule:
   return Schedule(chunk, (*range(step, chunk, step), chunk))
 
 
-class _Group(NamedTuple):
+class Group(NamedTuple):
   """Per local group: its rows, whole chunks and tail window."""
 
   lo: jax.Array  # (num_local,) int32: first row of the group
@@ -99,14 +99,42 @@ class _Group(NamedTuple):
   start: jax.Array  # (num_local,) int32: first row of the tail window
 
 
-def _metadata(
+def group_windows(
   group_sizes: jax.Array,
   group_offset: jax.Array,
   num_local: int,
   m: int,
   plan: Schedule,
-) -> jax.Array:
-  """The flat int32 metadata: ``_Group``'s fields, ``num_local`` each."""
+) -> Group:
+  """Where each local group's whole chunks and tail window lie.
+
+  Args:
+    group_sizes: (num_groups,) int32, the rows of each group, in order.
+    group_offset: () int32, the first local group.
+    num_local: the local groups, ``group_offset`` on.
+    m: rows of the array.
+    plan: ``schedule(m)``.
+
+  Returns:
+    A ``Group`` of (num_local,) int32 arrays. The tail window of group ``g``
+    holds ``plan.tails[tail[g]]`` rows from ``start[g]`` and contributes
+    rows ``[first[g], hi[g])``.
+
+  Example:
+    >>> from mpmd.kernels.grouped_matmul import windows
+    >>> sizes = jnp.array([300, 0, 20], jnp.int32)
+    >>> g = windows.group_windows(sizes, jnp.int32(0), 3, 320,
+    ...                           windows.schedule(320))
+    >>> [int(x) for x in g.chunks], [int(x) for x in g.first]
+    ([1, 0, 0], [256, 300, 300])
+
+    Group 0's 44 remaining rows run in a window of 48 from row 256; group
+    2's 20 rows in one of 32, moved back to end at row 320:
+
+    >>> tails = windows.schedule(320).tails
+    >>> [(tails[int(g.tail[i])], int(g.start[i])) for i in (0, 2)]
+    [(48, 256), (32, 288)]
+  """
   lo, hi = group_rows(group_sizes, group_offset, num_local, m)
   chunks = (hi - lo) // plan.chunk
   first = lo + chunks * plan.chunk  # the tail's first row
@@ -114,13 +142,18 @@ def _metadata(
   tail = jnp.searchsorted(tails, hi - first, side="left").astype(jnp.int32)
   start = jnp.minimum(first, m - tails[jnp.minimum(tail, len(tails) - 1)])
   tail = jnp.where(hi > first, tail, len(tails))
-  fields = _Group(lo, hi, chunks, first, tail, start)
+  return Group(lo, hi, chunks, first, tail, start)
+
+
+def _metadata(group_sizes, group_offset, num_local, m, plan) -> jax.Array:
+  """The flat int32 metadata: ``Group``'s fields, ``num_local`` each."""
+  fields = group_windows(group_sizes, group_offset, num_local, m, plan)
   return jnp.concatenate(fields).astype(jnp.int32)
 
 
-def _unpack(meta_ref, num_local: int, g) -> _Group:
-  fields = len(_Group._fields)
-  return _Group(*(meta_ref[i * num_local + g] for i in range(fields)))
+def _unpack(meta_ref, num_local: int, g) -> Group:
+  fields = len(Group._fields)
+  return Group(*(meta_ref[i * num_local + g] for i in range(fields)))
 
 
 def _for_each(count, body) -> None:
