@@ -168,10 +168,10 @@ def _windows(sizes: Sequence[int], m: int) -> list[list[_Window]]:
   past it. Checks that each group's windows hold exactly its rows."""
   plan = windows.schedule(m)
   num = len(sizes)
-  fields = windows.group_windows(
+  where = windows.group_windows(
     jnp.asarray(sizes, jnp.int32), jnp.int32(0), num, m, plan
   )
-  fields = windows.Group(*(np.asarray(f).tolist() for f in fields))
+  fields = windows.Group(*(np.asarray(f).tolist() for f in where))
   groups = []
   for g in range(num):
     lo, chunks, first = fields.lo[g], fields.chunks[g], fields.first[g]
