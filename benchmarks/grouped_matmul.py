@@ -171,19 +171,18 @@ def _windows(sizes: Sequence[int], m: int) -> list[list[_Window]]:
   where = windows.group_windows(
     jnp.asarray(sizes, jnp.int32), jnp.int32(0), num, m, plan
   )
-  fields = windows.Group(*(np.asarray(f).tolist() for f in where))
+  # One tuple of plain ints per group, in Group's field order.
+  per_group = zip(*(np.asarray(f).tolist() for f in where), strict=True)
   groups = []
-  for g in range(num):
-    lo, chunks, first = fields.lo[g], fields.chunks[g], fields.first[g]
+  for lo, hi, chunks, first, tail, start in per_group:
     group = [
       _Window(s, plan.chunk, s, s + plan.chunk)
       for s in range(lo, lo + chunks * plan.chunk, plan.chunk)
     ]
-    if fields.tail[g] < len(plan.tails):
-      rows = plan.tails[fields.tail[g]]
-      group.append(_Window(fields.start[g], rows, first, fields.hi[g]))
+    if tail < len(plan.tails):
+      group.append(_Window(start, plan.tails[tail], first, hi))
     covered = [r for w in group for r in range(w.lo, w.hi)]
-    assert covered == list(range(lo, fields.hi[g])), (sizes, g, group)
+    assert covered == list(range(lo, hi)), (sizes, lo, group)
     assert all(
       0 <= w.start <= w.lo <= w.hi <= w.start + w.rows <= m for w in group
     )
