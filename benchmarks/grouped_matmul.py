@@ -174,7 +174,7 @@ def _windows(sizes: Sequence[int], m: int) -> list[list[_Window]]:
   # One tuple of plain ints per group, in Group's field order.
   per_group = zip(*(np.asarray(f).tolist() for f in where), strict=True)
   groups = []
-  for lo, hi, chunks, first, tail, start in per_group:
+  for g, (lo, hi, chunks, first, tail, start) in enumerate(per_group):
     group = [
       _Window(s, plan.chunk, s, s + plan.chunk)
       for s in range(lo, lo + chunks * plan.chunk, plan.chunk)
@@ -182,7 +182,7 @@ def _windows(sizes: Sequence[int], m: int) -> list[list[_Window]]:
     if tail < len(plan.tails):
       group.append(_Window(start, plan.tails[tail], first, hi))
     covered = [r for w in group for r in range(w.lo, w.hi)]
-    assert covered == list(range(lo, hi)), (sizes, lo, group)
+    assert covered == list(range(lo, hi)), (sizes, g, group)
     assert all(
       0 <= w.start <= w.lo <= w.hi <= w.start + w.rows <= m for w in group
     )
