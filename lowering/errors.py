@@ -34,6 +34,21 @@ class OutOfBoundsError(LaunchError, IndexError):
   """
 
 
+class UninitializedError(LaunchError):
+  """A program read memory that nothing wrote (uninitialised scratch or
+  output, or the window of a DMA that has not landed yet)."""
+
+
+class LeftoverError(LaunchError):
+  """A launch (or a ``run_scoped`` scope) ended with work outstanding: a
+  semaphore not back to zero, or a DMA nobody waited for."""
+
+
+class NondeterminismError(LaunchError):
+  """The outputs depend on the schedule: two schedules of the same launch,
+  with the same inputs, returned different bytes."""
+
+
 _recent: collections.deque[LaunchError] = collections.deque(maxlen=64)
 _lock = threading.Lock()
 
@@ -113,3 +128,4 @@ def _forget_reported() -> None:
     others = [x for x in getattr(e, "exceptions", (e,)) if _typed(x) is None]
     if others:
       raise others[0] from None
+
