@@ -11,7 +11,7 @@ from typing import Any
 
 from mpmd import _jax, _patches
 from mpmd._jax import core, gpu, mlir, pallas_core, source_info_util
-from mpmd.lowering import callbacks, common, watchdog
+from mpmd.lowering import callbacks, common, host_programs, watchdog
 
 
 @contextlib.contextmanager
@@ -75,6 +75,7 @@ def lower(
   """Lowers one (possibly merged) GPU mesh kernel to the simulator."""
   _patches.watch_gpu_barrier_waits(_watch_wait)
   _patches.let_gpu_simulator_take_numpy()
+  host_programs.install()
   callbacks.install()
   num_operands = len(in_nodes) + len(params["out_avals"])
   # Barriers as kernel scratch fail in the simulator (trap 6); the rest

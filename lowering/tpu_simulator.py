@@ -25,7 +25,14 @@ from mpmd._jax import (
   tree_util,
   util,
 )
-from mpmd.lowering import callbacks, common, jaxpr_util, paths, watchdog
+from mpmd.lowering import (
+  callbacks,
+  common,
+  host_programs,
+  jaxpr_util,
+  paths,
+  watchdog,
+)
 from mpmd.primitives import mpmd_map as prim
 
 
@@ -117,7 +124,7 @@ def lower(
       "default paths can: pass interpret=None."
     )
   _patches.watch_tpu_semaphore_waits(_watch_wait)
-  _patches.cache_tpu_simulator_programs(watchdog.launch_running)
+  host_programs.install()
   callbacks.install()
   [core_axis] = mesh.shape
   with prim.tracing_context(mesh, params["meshes"]):

@@ -34,11 +34,21 @@ _INSTALLED: dict[str, tuple[tuple[Any, str, Any], ...]] = {}
 
 def installed() -> dict[str, bool]:
   """Every adaptation installed so far -> whether JAX still calls ours
-  (``False`` means something replaced it after us)."""
+  (``False`` means something replaced it after us; a wrapper of ours
+  around another one of ours still calls it)."""
   return {
-    name: all(getattr(owner, attr) is ours for owner, attr, ours in sites)
+    name: all(_calls(getattr(owner, attr), ours) for owner, attr, ours in sites)
     for name, sites in _INSTALLED.items()
   }
+
+
+def _calls(fn, ours) -> bool:
+  """Whether ``fn`` is ``ours`` or wraps it (``functools.wraps``)."""
+  while fn is not None:
+    if fn is ours:
+      return True
+    fn = getattr(fn, "__wrapped__", None)
+  return False
 
 
 def _wrap(name: str, owners, attr: str, make: Callable[[Any], Any]) -> None:
@@ -301,3 +311,28 @@ def cache_tpu_simulator_programs(active: Callable[[], bool]) -> None:
     return _run_jaxpr
 
   _wrap("tpu_simulator_run_jaxpr", (thread_map,), "_run_jaxpr", make)
+
+
+# -- where a simulated program runs -------------------------------------------
+
+
+@functools.cache
+def route_simulator_programs(run: Callable[..., None]) -> None:
+  """Lets ``run(compiled, jaxpr, consts, args)`` run each simulated program.
+
+  Both simulators run every program of a launch (``thread_map``: one thread
+  per TPU core or GPU warpgroup) as one XLA computation, ``compiled()``,
+  which blocks while its program waits; XLA:CPU runs at most 32 at once
+  per device. ``run`` decides where each program runs (calling
+  ``compiled()`` runs it as JAX would).
+  """
+  thread_map = _jax.tpu().simulator_threads
+
+  def make(original):
+    @functools.wraps(original)
+    def _run_jaxpr(jaxpr, consts, *args):
+      run(lambda: original(jaxpr, consts, *args), jaxpr, consts, args)
+
+    return _run_jaxpr
+
+  _wrap("simulator_programs", (thread_map,), "_run_jaxpr", make)

@@ -198,6 +198,7 @@ def test_adaptations_install_on_first_use_and_take_effect():
     "tpu_semaphore_wait",
     "gpu_barrier_wait",
     "runtime_token_errors",
+    "simulator_programs",
   }
   if _jax.JAX_VERSION < (0, 11):
     expected.add("tpu_simulator_run_jaxpr")  # 0.11 compiles once itself

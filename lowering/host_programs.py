@@ -1,0 +1,213 @@
+"""Simulated programs past XLA:CPU's limit run on the host, outside XLA.
+
+Both Pallas simulators run each simulated program (a TPU core or subcore,
+a GPU warpgroup) as an XLA computation of its own, in a thread of its own;
+that computation blocks inside a host callback while its program waits on
+a semaphore or a barrier. XLA:CPU runs at most 32 computations at once on
+one device (measured on jaxlib 0.10.2 and 0.12: a 33rd call waits, before
+it starts, until one ends), and every program's computation goes to the
+default device. A launch of more programs than that (2 SparseCores x 16
+vector subcores + 2 scalar subcores: 34) deadlocks as soon as the programs
+that run wait on one that cannot start: their waits end short of their
+count, as though signals had been lost.
+
+So at most ``compiled_limit()`` programs run compiled at once (upstream's
+way); the others run here, equation by equation: their host callbacks are
+called directly, loops and branches that hold callbacks run in Python, and
+everything else is bound eagerly, as a short XLA computation that never
+waits on another program. Only our launches are routed; any other use of
+the simulators runs as JAX wrote it.
+"""
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from mpmd import _jax, _patches
+from mpmd._jax import callback, core, lax_control_flow, pjit
+from mpmd.lowering import jaxpr_util, watchdog
+
+# XLA:CPU's limit is 32 per device. The launch's own computation holds one
+# on the default device while its programs run, and the programs that run
+# here need room for their eager operations (and the process for its other
+# work), so compiled programs take half.
+_COMPILED_LIMIT = 16
+
+_limit = _COMPILED_LIMIT
+_compiled_now = 0
+_lock = threading.Lock()
+
+
+def compiled_limit() -> int:
+  """How many simulated programs may run compiled at once."""
+  return _limit
+
+
+@contextlib.contextmanager
+def limit_compiled(limit: int) -> Iterator[None]:
+  """Inside: at most ``limit`` simulated programs run compiled at once (0:
+  every program runs on the host)."""
+  global _limit
+  if limit < 0:
+    raise ValueError(f"limit_compiled: expected 'limit' >= 0, got {limit}")
+  previous, _limit = _limit, limit
+  try:
+    yield
+  finally:
+    _limit = previous
+
+
+def install() -> None:
+  """Routes the simulators' programs through ``_run`` (on first use of a
+  simulator)."""
+  # 0.10.2's own compile-once adaptation first: ours calls it.
+  _patches.cache_tpu_simulator_programs(watchdog.launch_running)
+  _patches.route_simulator_programs(_run)
+
+
+def _run(compiled: Callable[[], Any], jaxpr, consts, args) -> None:
+  """Runs one simulated program: ``compiled()`` while there is room for
+  it, here otherwise."""
+  global _compiled_now
+  if not watchdog.launch_running():
+    compiled()
+    return
+  with _lock:
+    room = _compiled_now < _limit
+    if room:
+      _compiled_now += 1
+  if not room:
+    run_on_host(jaxpr, consts, args)
+    return
+  try:
+    compiled()
+  finally:
+    with _lock:
+      _compiled_now -= 1
+
+
+# -- the evaluator -------------------------------------------------------------
+
+
+def run_on_host(jaxpr: core.Jaxpr, consts: Sequence[Any], args) -> list:
+  """``core.eval_jaxpr(jaxpr, consts, *args)``, with host callbacks called
+  here, never inside an XLA computation."""
+  return _eval(jaxpr, list(consts), list(args))
+
+
+def _eval(jaxpr: core.Jaxpr, consts: list, args: list) -> list:
+  env: dict[core.Var, Any] = {}
+
+  def read(a):
+    return a.val if isinstance(a, core.Literal) else env[a]
+
+  binders = [*jaxpr.constvars, *jaxpr.invars]
+  for v, x in zip(binders, [*consts, *args], strict=True):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    outs = _eval_eqn(eqn, [read(a) for a in eqn.invars])
+    for v, x in zip(eqn.outvars, outs, strict=True):
+      if not isinstance(v, core.DropVar):
+        env[v] = x
+  return [read(a) for a in jaxpr.outvars]
+
+
+def _eval_eqn(eqn: core.JaxprEqn, invals: list) -> list:
+  prim = eqn.primitive
+  if prim is callback.io_callback_p:
+    # Through JAX's implementation (where ours routes the simulators'
+    # callbacks), without the XLA computation around it.
+    return list(callback.io_callback_impl(*map(_host, invals), **eqn.params))
+  rule = _RULES.get(prim) if _calls_back(eqn) else None
+  if rule is None:
+    # No callback inside: a short computation that waits on nobody. (A
+    # primitive without a rule here that holds callbacks is bound whole
+    # too, as a compiled program would be.)
+    outs = prim.bind(*invals, **prim.get_bind_params(eqn.params))
+    return list(outs) if prim.multiple_results else [outs]
+  return rule(eqn, invals)
+
+
+def _host(x):
+  """A callback argument as numpy (what XLA would hand it)."""
+  return x if isinstance(x, np.generic) else np.asarray(x)
+
+
+_calls_back_cache: dict[int, tuple[core.Jaxpr, bool]] = {}
+
+
+def _jaxpr_calls_back(jaxpr: core.Jaxpr) -> bool:
+  hit = _calls_back_cache.get(id(jaxpr))
+  if hit is not None and hit[0] is jaxpr:
+    return hit[1]
+  found = any(
+    e.primitive is callback.io_callback_p for e in jaxpr_util.iter_eqns(jaxpr)
+  )
+  if len(_calls_back_cache) > 4096:
+    _calls_back_cache.clear()
+  _calls_back_cache[id(jaxpr)] = (jaxpr, found)
+  return found
+
+
+def _calls_back(eqn: core.JaxprEqn) -> bool:
+  return any(_jaxpr_calls_back(j) for j in jaxpr_util.sub_jaxprs(eqn.params))
+
+
+def _eval_sub(j, args: Sequence[Any]) -> list:
+  jaxpr, consts = _jax.open_jaxpr(j)
+  return _eval(jaxpr, consts, list(args))
+
+
+def _cond(eqn, invals):
+  index, *ops = invals
+  branches = eqn.params["branches"]
+  chosen = int(np.clip(int(_host(index)), 0, len(branches) - 1))
+  return _eval_sub(branches[chosen], ops)
+
+
+def _while(eqn, invals):
+  p = eqn.params
+  num_cond, num_body = p["cond_nconsts"], p["body_nconsts"]
+  cond_consts = invals[:num_cond]
+  body_consts = invals[num_cond : num_cond + num_body]
+  carry = invals[num_cond + num_body :]
+  while bool(_host(_eval_sub(p["cond_jaxpr"], [*cond_consts, *carry])[0])):
+    carry = _eval_sub(p["body_jaxpr"], [*body_consts, *carry])
+  return carry
+
+
+def _scan(eqn, invals):
+  p = eqn.params
+  num_consts, num_carry = _jax.scan_layout(p)
+  consts = invals[:num_consts]
+  carry = invals[num_consts : num_consts + num_carry]
+  xs = [_host(x) for x in invals[num_consts + num_carry :]]
+  length = p["length"]
+  ys = [np.empty(v.aval.shape, v.aval.dtype) for v in eqn.outvars[num_carry:]]
+  steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
+  for i in steps:
+    outs = _eval_sub(p["jaxpr"], [*consts, *carry, *(x[i] for x in xs)])
+    carry = outs[:num_carry]
+    for y, out in zip(ys, outs[num_carry:], strict=True):
+      y[i] = _host(out)
+  return [*carry, *ys]
+
+
+def _call(eqn, invals):
+  """A call of one jaxpr on the equation's operands (jit, custom rules)."""
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    if key in eqn.params:
+      return _eval_sub(eqn.params[key], invals)
+  raise AssertionError(f"no jaxpr to call in '{eqn.primitive}'")
+
+
+_RULES: dict[core.Primitive, Callable[[core.JaxprEqn, list], list]] = {
+  lax_control_flow.cond_p: _cond,
+  lax_control_flow.while_p: _while,
+  lax_control_flow.scan_p: _scan,
+  pjit.jit_p: _call,
+  core.closed_call_p: _call,
+}
