@@ -42,6 +42,10 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     )
   if path.kind == paths.FAST:
     return fast.lower(ctx, *in_nodes, **params)
+  if path.kind == paths.CHECK:
+    from mpmd.lowering.check import launch
+
+    return launch.lower(ctx, *in_nodes, path=path, **params)
   ranges = None
   if len(meshes) == 1 and getattr(meshes[0], "num_threads", 0) is None:
     # A GPU mesh without warpgroups: nothing to merge or share.

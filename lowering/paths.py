@@ -10,6 +10,9 @@
   (``mpmd.lowering.lockstep``).
 * ``tpu-simulator`` / ``gpu-simulator``: Pallas' threaded simulators, one
   thread per program, with simulated memories, DMAs, semaphores, barriers.
+* ``check``: our checking executor (``mpmd.lowering.check``): every program
+  under one deterministic, seeded scheduler, with oracles for deadlocks,
+  races, uninitialised reads and leftovers.
 """
 
 import dataclasses
@@ -28,9 +31,10 @@ FAST = "fast"
 LOCKSTEP = "lockstep"
 TPU_SIMULATOR = "tpu-simulator"
 GPU_SIMULATOR = "gpu-simulator"
+CHECK = "check"
 
 
-KINDS = (FAST, LOCKSTEP, TPU_SIMULATOR, GPU_SIMULATOR)
+KINDS = (FAST, LOCKSTEP, TPU_SIMULATOR, GPU_SIMULATOR, CHECK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +204,14 @@ def choose(
   """
   tpu_params = _jax.tpu().interpret.InterpretParams
   gpu_params = _jax.gpu().interpret.InterpretGPUParams
+  from mpmd.lowering.check import params as check_params
+
+  if isinstance(interpret, check_params.CheckParams):
+    return Path(CHECK, "interpret= gave mpmd.CheckParams", interpret)
+  forced = check_params.forced()
+  if forced is not None and not any(is_gpu_mesh(m) for m in meshes):
+    if not isinstance(interpret, (tpu_params, gpu_params)):
+      return Path(CHECK, "the mpmd_check config state asks for it", forced)
   if isinstance(interpret, tpu_params):
     return Path(TPU_SIMULATOR, "interpret= gave TPU InterpretParams", interpret)
   if isinstance(interpret, gpu_params):

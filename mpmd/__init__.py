@@ -7,12 +7,22 @@ fallback on CPU.
 """
 
 from mpmd import _jax as _jax  # checks the jax pin before anything else
+from mpmd import testing as testing
 from mpmd.api import mpmd_map as mpmd_map
+from mpmd.checking import Failure as Failure
+from mpmd.checking import Report as Report
+from mpmd.checking import explore as explore
+from mpmd.checking import replay as replay
+from mpmd.checking import timeline as timeline
 from mpmd.lowering import register as _register  # the per-platform rules
+from mpmd.lowering.check.params import CheckParams as CheckParams
 from mpmd.lowering.errors import DeadlockError as DeadlockError
 from mpmd.lowering.errors import LaunchError as LaunchError
+from mpmd.lowering.errors import LeftoverError as LeftoverError
+from mpmd.lowering.errors import NondeterminismError as NondeterminismError
 from mpmd.lowering.errors import OutOfBoundsError as OutOfBoundsError
 from mpmd.lowering.errors import RaceError as RaceError
+from mpmd.lowering.errors import UninitializedError as UninitializedError
 from mpmd.lowering.errors import typed_errors as typed_errors
 from mpmd.lowering.watchdog import Races as Races
 from mpmd.lowering.watchdog import deadlock_timeout as deadlock_timeout
@@ -30,23 +40,32 @@ from mpmd.targets import tpu_target as tpu_target
 __version__ = "0.1.0"
 
 __all__ = [
+  "CheckParams",
   "DeadlockError",
+  "Failure",
   "GPUInterpretParams",
   "LaunchError",
+  "LeftoverError",
+  "NondeterminismError",
   "OutOfBoundsError",
   "RaceError",
   "Races",
+  "Report",
   "TPU_TARGETS",
+  "UninitializedError",
   "deadlock_timeout",
+  "explore",
   "get_deadlock_timeout",
   "get_race_policy",
   "get_races",
   "mpmd_map",
   "mpmd_map_p",
   "race_policy",
+  "replay",
   "set_deadlock_timeout",
   "set_race_policy",
   "tensorcore_mesh",
+  "timeline",
   "tpu_target",
   "typed_errors",
 ]

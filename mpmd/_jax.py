@@ -66,6 +66,7 @@ from jax._src import api_util
 from jax._src import callback
 from jax._src import config
 from jax._src import core
+from jax._src import custom_derivatives as _custom_derivatives
 from jax._src import dispatch
 from jax._src import effects
 from jax._src import linear_util as lu
@@ -129,6 +130,11 @@ def tpu():
     simulator_memory=shared_memory,
     simulator_threads=thread_map,
   )
+
+
+def custom_derivatives():
+  """``jax._src.custom_derivatives`` (its call primitives)."""
+  return _custom_derivatives
 
 
 def is_fusion_dtype(dtype: Any) -> bool:

@@ -158,6 +158,16 @@ def check_interpret(interpret: Any, meshes: Sequence[Any]) -> None:
   gpu_params = _jax.gpu().interpret.InterpretGPUParams
   if interpret is None or interpret is True:
     return
+  from mpmd.lowering.check.params import CheckParams
+
+  if isinstance(interpret, CheckParams):
+    if gpu:
+      raise NotImplementedError(
+        "mpmd_map: interpret=mpmd.CheckParams on GPU meshes: the checking "
+        "executor runs TPU meshes only so far; pass interpret=None (the "
+        "Mosaic GPU simulator)"
+      )
+    return
   if isinstance(interpret, gpu_params if gpu else tpu_params):
     return
   if isinstance(interpret, (tpu_params, gpu_params)):
@@ -167,8 +177,8 @@ def check_interpret(interpret: Any, meshes: Sequence[Any]) -> None:
       f"{type(interpret).__name__}"
     )
   raise TypeError(
-    "mpmd_map: expected 'interpret' to be None, True, or an InterpretParams "
-    f"object, got {interpret!r}"
+    "mpmd_map: expected 'interpret' to be None, True, an InterpretParams or "
+    f"mpmd.CheckParams object, got {interpret!r}"
   )
 
 

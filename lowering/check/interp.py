@@ -1,0 +1,343 @@
+"""One program of a launch, evaluated equation by equation as a generator.
+
+The program runs eagerly until it reaches a synchronisation point (a DMA
+start or wait, a semaphore signal, wait or read); there it yields a
+:class:`Sync` to the scheduler, which decides when it goes on and sends back
+the operation's result. Everything between two synchronisation points runs
+without interruption: loads and stores go to the launch's simulated memory
+(``memory.Memory``), which checks them; pure equations run as JAX runs them.
+"""
+
+import dataclasses
+from collections.abc import Generator
+from typing import Any
+
+import numpy as np
+
+from mpmd import _jax
+from mpmd._jax import (
+  core,
+  lax_control_flow,
+  pallas_primitives,
+  pjit,
+  source_info_util,
+  state,
+  state_primitives,
+)
+from mpmd.lowering.check import records
+
+_custom = _jax.custom_derivatives()
+
+
+@dataclasses.dataclass
+class Sync:
+  """A synchronisation point a program reached: the operation (a record of
+  ``records``) and where in the kernel it is."""
+
+  op: Any
+  where: str
+
+
+Program = Generator[Sync, Any, None]
+
+
+def where(eqn: core.JaxprEqn) -> str:
+  """``file.py:12 (fn)``: the kernel source line of an equation."""
+  return source_info_util.summarize(eqn.source_info)
+
+
+class Context:
+  """What a program's equations need from the launch: its axis indices,
+  its memory, and the Refs that are not operands (the barrier semaphore,
+  ``run_scoped`` allocations)."""
+
+  def __init__(self, machine, device: int, program: int, axis_values):
+    self.machine = machine
+    self.device = device
+    self.program = program
+    self.axis_values = axis_values
+    self.scope_depth = 0
+    # The kernel source line of the equation running now (or of the
+    # nearest enclosing one that has a line of the user's).
+    self.where = ""
+
+  def axis_index(self, eqn):
+    name = eqn.params["axis_name"]
+    names = name if isinstance(name, tuple) else (name,)
+    flat = 0
+    for n in names:
+      if n not in self.axis_values:
+        raise NotImplementedError(
+          f"mpmd checker: axis_index of unknown axis {n!r} at {where(eqn)}"
+        )
+      value, size = self.axis_values[n]
+      flat = flat * size + value
+    return np.int32(flat)
+
+
+def _needs_interpretation(jaxpr: core.Jaxpr, memo: dict) -> bool:
+  """Whether equations of ``jaxpr`` touch Refs, synchronise or ask for axis
+  indices (else JAX can run the whole equation that holds it)."""
+  key = id(jaxpr)
+  if key in memo:
+    return memo[key][1]
+  needs = False
+  for eqn in jaxpr.eqns:
+    if _eqn_needs(eqn, memo):
+      needs = True
+      break
+  memo[key] = (jaxpr, needs)  # keeps the jaxpr alive with its id
+  return needs
+
+
+def _eqn_needs(eqn: core.JaxprEqn, memo: dict) -> bool:
+  if eqn.effects or eqn.primitive is _jax.lax_parallel.axis_index_p:
+    return True
+  if any(isinstance(v.aval, state.AbstractRef) for v in eqn.invars):
+    return True
+  return any(
+    _needs_interpretation(sub, memo) for sub in _jax_util_sub_jaxprs(eqn.params)
+  )
+
+
+def _jax_util_sub_jaxprs(params):
+  from mpmd.lowering import jaxpr_util
+
+  return jaxpr_util.sub_jaxprs(params)
+
+
+def _read(env: dict, v):
+  if isinstance(v, core.Literal):
+    return v.val
+  return env[v]
+
+
+def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
+  """Evaluates ``jaxpr`` for one program; yields at synchronisation points;
+  returns its outputs."""
+  env: dict[Any, Any] = {}
+  for v, x in zip(jaxpr.constvars, consts, strict=True):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args, strict=True):
+    env[v] = x
+  memo = ctx.machine.plan.memo
+  enclosing = ctx.where
+  for eqn in jaxpr.eqns:
+    ctx.where = where(eqn) or enclosing
+    invals = [_read(env, v) for v in eqn.invars]
+    rule = _RULES.get(eqn.primitive)
+    if rule is not None:
+      outs = yield from rule(ctx, eqn, invals)
+    elif not _eqn_needs(eqn, memo):
+      outs = eqn.primitive.bind(*invals, **eqn.params)
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+    else:
+      raise NotImplementedError(
+        f"mpmd checker: {eqn.primitive.name!r} (at {ctx.where}) is not "
+        "supported by the checking executor; run the launch with "
+        "interpret=None (the CPU fallback's default paths) or "
+        "pltpu.InterpretParams()"
+      )
+    for v, x in zip(eqn.outvars, outs, strict=True):
+      if not isinstance(v, core.DropVar):
+        env[v] = x
+    ctx.where = enclosing
+  return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _closed(j):
+  return _jax.open_jaxpr(j)
+
+
+# -- rules: each returns a generator of Sync that returns the outputs -------
+
+
+def _sync(ctx, eqn, invals):
+  record = records.record_types()[eqn.primitive]
+  result = yield Sync(record.of(eqn, invals), ctx.where)
+  if eqn.primitive is pallas_primitives.semaphore_read_p:
+    return [np.int32(result)]
+  return []
+
+
+def _axis_index(ctx, eqn, invals):
+  return [ctx.axis_index(eqn)]
+  yield  # a generator
+
+
+def _nothing(ctx, eqn, invals):
+  return [] if eqn.primitive.multiple_results else [None]
+  yield
+
+
+def _get(ctx, eqn, invals):
+  ref, *flat = invals
+  transforms = eqn.params["tree"].unflatten(flat)
+  view = ctx.machine.view(ctx, ref, transforms, eqn)
+  return [ctx.machine.load(ctx, view, eqn)]
+  yield
+
+
+def _swap(ctx, eqn, invals):
+  ref, value, *flat = invals
+  transforms = eqn.params["tree"].unflatten(flat)
+  view = ctx.machine.view(ctx, ref, transforms, eqn)
+  old = ctx.machine.load(ctx, view, eqn, check_init=False)
+  ctx.machine.store(ctx, view, value, eqn)
+  return [old]
+  yield
+
+
+def _addupdate(ctx, eqn, invals):
+  ref, value, *flat = invals
+  transforms = eqn.params["tree"].unflatten(flat)
+  view = ctx.machine.view(ctx, ref, transforms, eqn)
+  old = ctx.machine.load(ctx, view, eqn)
+  ctx.machine.store(ctx, view, np.asarray(old + np.asarray(value)), eqn)
+  return []
+  yield
+
+
+def _masked_load(ctx, eqn, invals):
+  ref, transforms, mask, other = eqn.params["args_tree"].unflatten(invals)
+  ref, own = records.split_ref(ref)
+  view = ctx.machine.view(ctx, ref, (*own, *(transforms or ())), eqn)
+  mask = None if mask is None else np.asarray(mask)
+  value = ctx.machine.load(ctx, view, eqn, mask=mask)
+  if mask is not None:
+    fill = 0 if other is None else np.asarray(other)
+    value = np.where(mask, value, fill).astype(value.dtype)
+  return [value]
+  yield
+
+
+def _masked_swap(ctx, eqn, invals):
+  ref, transforms, value, mask = eqn.params["args_tree"].unflatten(invals)
+  ref, own = records.split_ref(ref)
+  view = ctx.machine.view(ctx, ref, (*own, *(transforms or ())), eqn)
+  mask = None if mask is None else np.asarray(mask)
+  old = ctx.machine.load(ctx, view, eqn, check_init=False)
+  ctx.machine.store(ctx, view, value, eqn, mask=mask)
+  return [old]
+  yield
+
+
+def _barrier_semaphore(ctx, eqn, invals):
+  return [ctx.machine.barrier_semaphore(ctx)]
+  yield
+
+
+def _run_scoped(ctx, eqn, invals):
+  jaxpr = eqn.params["jaxpr"]
+  if eqn.params.get("collective_axes"):
+    raise NotImplementedError(
+      "mpmd checker: run_scoped(collective_axes=...) (memory allocated "
+      f"across programs, at {where(eqn)})"
+    )
+  allocations = ctx.machine.allocate_scoped(ctx, eqn, jaxpr.invars)
+  ctx.scope_depth += 1
+  try:
+    outs = yield from run_jaxpr(ctx, jaxpr, invals, allocations)
+  finally:
+    ctx.scope_depth -= 1
+  yield Sync(ScopeEnd(allocations), ctx.where)
+  return outs
+
+
+@dataclasses.dataclass(frozen=True)
+class ScopeEnd:
+  """A ``run_scoped`` scope ends: its buffers are freed (a synchronisation
+  point: DMAs or signals still aimed at them are a bug)."""
+
+  buffers: tuple[Any, ...]
+
+
+def _cond(ctx, eqn, invals):
+  index, *args = invals
+  branch = eqn.params["branches"][int(index)]
+  jaxpr, consts = _closed(branch)
+  return (yield from run_jaxpr(ctx, jaxpr, consts, args))
+
+
+def _while(ctx, eqn, invals):
+  p = eqn.params
+  cond_jaxpr, cond_consts = _closed(p["cond_jaxpr"])
+  body_jaxpr, body_consts = _closed(p["body_jaxpr"])
+  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+  while True:
+    [go] = yield from run_jaxpr(
+      ctx, cond_jaxpr, cond_consts, [*cconsts, *carry]
+    )
+    if not bool(go):
+      return carry
+    carry = yield from run_jaxpr(
+      ctx, body_jaxpr, body_consts, [*bconsts, *carry]
+    )
+
+
+def _scan(ctx, eqn, invals):
+  p = eqn.params
+  num_consts, num_carry = _jax.scan_layout(p)
+  jaxpr, jconsts = _closed(p["jaxpr"])
+  consts = invals[:num_consts]
+  carry = invals[num_consts : num_consts + num_carry]
+  xs = invals[num_consts + num_carry :]
+  length = p["length"]
+  steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
+  ys_steps: dict[int, list[Any]] = {}
+  for i in steps:
+    outs = yield from run_jaxpr(
+      ctx, jaxpr, jconsts, [*consts, *carry, *(np.asarray(x)[i] for x in xs)]
+    )
+    carry, ys_steps[i] = outs[:num_carry], outs[num_carry:]
+  num_ys = len(eqn.outvars) - num_carry
+  ys = []
+  for k in range(num_ys):
+    aval = eqn.outvars[num_carry + k].aval
+    if length:
+      ys.append(np.stack([np.asarray(ys_steps[i][k]) for i in range(length)]))
+    else:
+      ys.append(np.zeros(aval.shape, aval.dtype))
+  return [*carry, *ys]
+
+
+def _call(ctx, eqn, invals):
+  jaxpr, consts = _closed(eqn.params["jaxpr"])
+  return (yield from run_jaxpr(ctx, jaxpr, consts, invals))
+
+
+def _custom_call(ctx, eqn, invals):
+  jaxpr, consts = _closed(eqn.params["call_jaxpr"])
+  return (yield from run_jaxpr(ctx, jaxpr, consts, invals))
+
+
+def _rules() -> dict[Any, Any]:
+  tpu = records.tpu_primitives()
+  rules = {p: _sync for p in records.record_types()}
+  rules.update(
+    {
+      _jax.lax_parallel.axis_index_p: _axis_index,
+      state_primitives.get_p: _get,
+      state_primitives.swap_p: _swap,
+      state_primitives.addupdate_p: _addupdate,
+      pallas_primitives.load_p: _masked_load,
+      pallas_primitives.swap_p: _masked_swap,
+      pallas_primitives.run_scoped_p: _run_scoped,
+      pallas_primitives.delay_p: _nothing,
+      tpu.get_barrier_semaphore_p: _barrier_semaphore,
+      lax_control_flow.cond_p: _cond,
+      lax_control_flow.while_p: _while,
+      lax_control_flow.scan_p: _scan,
+      pjit.jit_p: _call,
+      _custom.custom_jvp_call_p: _custom_call,
+    }
+  )
+  for name in ("trace_value_p", "prng_seed_p"):
+    if hasattr(tpu, name):
+      rules[getattr(tpu, name)] = _nothing
+  return rules
+
+
+_RULES = _rules()

@@ -1,0 +1,174 @@
+"""A launch on the checking executor: its lowering and its host callback.
+
+The CPU lowering emits one host callback for the whole launch. Under a
+``shard_map`` every device gathers all devices' inputs first (an XLA
+all-gather), so that the callback, whichever device runs it first, holds
+every device's inputs and runs *all* their programs in one machine; the
+others find its results (or its error) waiting, keyed by their inputs. No
+device waits for another inside the callback, so nothing there can hang.
+"""
+
+import hashlib
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import io_callback
+
+from mpmd import _jax
+from mpmd._jax import mlir
+from mpmd.lowering import callbacks, common, errors, merge, paths
+from mpmd.lowering.check import machine, sync
+from mpmd.lowering.check.params import Run
+
+
+def _program_names(meshes) -> tuple[str, ...]:
+  names = []
+  for i, mesh in enumerate(meshes):
+    shape = dict(mesh.shape)
+    sizes = list(shape.values())
+    for flat in range(int(np.prod(sizes, dtype=np.int64))):
+      coords = np.unravel_index(flat, sizes) if sizes else ()
+      where = {a: int(c) for a, c in zip(shape, coords, strict=True)}
+      names.append(f"mesh {i} program {where}")
+  return tuple(names)
+
+
+def _labels(jaxprs, count: int) -> tuple[str, ...]:
+  names = getattr(jaxprs[0].debug_info, "arg_names", None) or ()
+  labels = []
+  for k in range(count):
+    name = names[k] if k < len(names) and names[k] else None
+    labels.append(name or f"operand {k}")
+  return tuple(labels)
+
+
+def kernel_name(params) -> str:
+  if params.get("name"):
+    return params["name"]
+  infos = [str(j.debug_info.func_src_info) for j in params["jaxprs"]]
+  return " + ".join(infos)
+
+
+def plan_of(params, device_axes) -> machine.Plan:
+  """The executor's view of a launch: its kernels merged into one kernel
+  over all programs (``merge``), its devices, and names for messages."""
+  meshes = params["meshes"]
+  if any(paths.is_gpu_mesh(m) for m in meshes):
+    raise NotImplementedError(
+      "mpmd checker: GPU meshes (Mosaic GPU barriers and TMA copies) are "
+      "not supported by the checking executor yet; they run in the Mosaic "
+      "GPU simulator (interpret=None)"
+    )
+  num_in = params["num_inputs"]
+  _, jaxpr, _ = merge.merge_for_tpu(params)
+  num_operands = num_in + len(params["out_avals"])
+  if paths.semaphore_operands(jaxpr, num_operands):
+    raise NotImplementedError(
+      "mpmd checker: semaphores as inputs or outputs of a launch (counts "
+      "carried from one launch to the next)"
+    )
+  return machine.Plan(
+    jaxpr=jaxpr,
+    num_in=num_in,
+    out_avals=tuple(params["out_avals"]),
+    aliases={o: i for i, o in params["input_output_aliases"]},
+    device_axes=tuple(device_axes),
+    super_axis=merge.SUPER_AXIS,
+    program_names=_program_names(meshes),
+    kernel=kernel_name(params),
+    labels=_labels(params["jaxprs"], len(jaxpr.invars)),
+  )
+
+
+class Launch:
+  """The host side of one lowered launch: runs it, once per call."""
+
+  def __init__(self, plan: machine.Plan, check):
+    self.plan = plan
+    self.check = check
+    self.lock = threading.Lock()
+    self.waiting: dict[bytes, list[Any]] = {}
+
+  def __call__(self, *inputs):
+    devices = self.plan.num_devices
+    key = self._key(inputs)
+    with self.lock:
+      if key in self.waiting:
+        entry = self.waiting[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+          del self.waiting[key]
+        return _deliver(entry[0])
+      result = self._run(inputs)
+      if devices > 1:
+        self.waiting[key] = [result, devices - 1]
+      return _deliver(result)
+
+  def _key(self, inputs) -> bytes:
+    digest = hashlib.sha256()
+    digest.update(repr(self.check.token()).encode())
+    for x in inputs:
+      x = np.ascontiguousarray(x)
+      digest.update(x.dtype.str.encode())
+      digest.update(x.view(np.uint8).reshape(-1) if x.size else b"")
+    return digest.digest()
+
+  def _run(self, inputs):
+    run: Run = self.check.begin_launch()
+    m = machine.Machine(self.plan, run.strategy(self.plan))
+    try:
+      outs = sync.run(m, inputs)
+    except errors.LaunchError as e:
+      run.finish(m, e)
+      return e
+    except Exception as e:  # noqa: BLE001 (the launch's own failure)
+      run.finish(m, e)
+      return e
+    run.finish(m, None)
+    if self.plan.device_axes:
+      return [np.stack(o) for o in zip(*outs, strict=True)]
+    return outs[0]
+
+
+def _deliver(result):
+  if isinstance(result, BaseException):
+    raise result
+  return result
+
+
+def lower(ctx: mlir.LoweringRuleContext, *in_nodes, path, **params):
+  """The CPU lowering of a launch on the checking executor."""
+  callbacks.install()  # numpy in, our typed errors out
+  axis_context = ctx.module_context.axis_context
+  axes = paths.manual_axes(axis_context)
+  sizes = dict(axis_context.mesh.shape) if axes else {}
+  plan = plan_of(
+    dict(params, num_inputs=len(in_nodes)),
+    [(a, int(sizes[a])) for a in axes],
+  )
+  launch = Launch(plan, path.params.owner())
+  out_avals = plan.out_avals
+
+  def body(*args):
+    if axes:
+      args = [jax.lax.all_gather(a, axes) for a in args]
+      shapes = [
+        jax.ShapeDtypeStruct((plan.num_devices, *a.shape), a.dtype)
+        for a in out_avals
+      ]
+    else:
+      shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
+    outs = io_callback(launch, shapes, *args, ordered=False)
+    if not axes:
+      return outs
+    index = np.int32(0)
+    for a in axes:
+      index = index * np.int32(sizes[a]) + jax.lax.axis_index(a)
+    return [o[index] for o in outs]
+
+  with _jax.no_vma_check():
+    return mlir.lower_fun(body, multiple_results=True)(
+      ctx.replace(avals_in=common.plain_avals(ctx.avals_in)), *in_nodes
+    )

@@ -1,0 +1,328 @@
+"""The checking executor: every program of a launch, one at a time.
+
+A :class:`Machine` holds one launch's whole state (memory, semaphores, DMAs
+in flight, vector clocks, the event log): nothing outlives it. Programs are
+generators (``interp``) that stop at each synchronisation point; the
+machine offers the scheduler every program that can go on and every DMA in
+flight, runs the pick, and repeats until all programs have ended (or none
+can go on: a deadlock, reported at once).
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from mpmd import _jax
+from mpmd.lowering import errors, paths
+from mpmd.lowering.check import memory, records, schedule
+from mpmd.lowering.check.memory import Buffer, View
+
+
+@dataclasses.dataclass
+class Plan:
+  """What the executor needs of a launch, fixed when it is lowered."""
+
+  jaxpr: Any  # the merged kernel: inputs, outputs, scratch
+  num_in: int
+  out_avals: tuple[Any, ...]
+  aliases: dict[int, int]  # output -> the input it aliases
+  device_axes: tuple[tuple[Any, int], ...]  # the shard_map's, in order
+  super_axis: Any  # the merged kernel's program axis
+  program_names: tuple[str, ...]  # per program: its mesh and coordinates
+  kernel: str
+  labels: tuple[str, ...]  # per kernel operand
+  memo: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def num_devices(self) -> int:
+    return math.prod(s for _, s in self.device_axes)
+
+  @property
+  def num_programs(self) -> int:
+    return len(self.program_names)
+
+  def device_coords(self, device: int) -> dict[Any, int]:
+    sizes = [s for _, s in self.device_axes]
+    if not sizes:
+      return {}
+    coords = np.unravel_index(device, sizes)
+    return {
+      a: int(c) for (a, _), c in zip(self.device_axes, coords, strict=True)
+    }
+
+  def device_name(self, device: int) -> str:
+    if not self.device_axes:
+      return ""
+    return f"device {device} {self.device_coords(device)} "
+
+
+class Dma:
+  """A DMA in flight."""
+
+  def __init__(self, index, start, src, dst, recv, send, clock, issuer, where):
+    self.index = index
+    self.start = start  # the DmaStart record
+    self.src, self.dst = src, dst  # Views
+    self.recv, self.send = recv, send  # semaphore Views (or None)
+    self.clock = clock
+    self.issuer = issuer
+    self.where = where
+    self.event = None
+
+
+@dataclasses.dataclass
+class Event:
+  """One entry of the event log (the timeline's source)."""
+
+  step: int
+  device: int
+  program: int  # -1: a DMA's landing
+  kind: str
+  what: str
+  where: str
+  dma: int | None = None
+  after: int | None = None  # the event that released this wait
+
+
+class Machine:
+  """One launch on the checking executor (see the module docstring)."""
+
+  def __init__(self, plan: Plan, strategy: schedule.Strategy):
+    self.plan = plan
+    self.strategy = strategy
+    self.step = 0
+    self.preemptions: list[tuple[int, schedule.Option]] = []
+    self.events: list[Event] = []
+    self.dmas: dict[int, Dma] = {}
+    self.num_dmas = 0
+    n = plan.num_devices * plan.num_programs
+    self.clocks: list[memory.Clock] = [{p: 1} for p in range(n)]
+    self.memory: dict[tuple[int, int], dict[Any, Buffer]] = {}
+    self.semaphores: list[Buffer] = []
+
+  # -- naming ----------------------------------------------------------------
+
+  def comp(self, device: int, program: int) -> int:
+    return device * self.plan.num_programs + program
+
+  def name(self, device: int, program: int) -> str:
+    return f"{self.plan.device_name(device)}{self.plan.program_names[program]}"
+
+  def name_comp(self, comp: int) -> str:
+    n = self.plan.num_devices * self.plan.num_programs
+    if comp >= n:
+      return f"DMA #{comp - n}"
+    return self.name(*divmod(comp, self.plan.num_programs))
+
+  def describe(self, ctx, op: str, where: str) -> str:
+    return f"{self.name(ctx.device, ctx.program)}: {op} at {where}"
+
+  # -- memory ----------------------------------------------------------------
+
+  def _operand_buffers(self, inputs):
+    plan = self.plan
+    avals = [v.aval for v in plan.jaxpr.invars]
+    for d in range(plan.num_devices):
+      shared: dict[Any, Buffer] = {}
+      for k, aval in enumerate(avals[: plan.num_in + len(plan.out_avals)]):
+        key = ("operand", k)
+        data = None
+        if k < plan.num_in:
+          data = inputs[k][d] if plan.device_axes else inputs[k]
+        elif k - plan.num_in in plan.aliases:
+          shared[key] = shared[("operand", plan.aliases[k - plan.num_in])]
+          continue
+        inner = aval.inner_aval
+        shared[key] = Buffer(
+          self._label(k, d), key, inner.shape, inner.dtype, data=data
+        )
+      scratch = avals[plan.num_in + len(plan.out_avals) :]
+      base = plan.num_in + len(plan.out_avals)
+      for j, aval in enumerate(scratch):
+        if _private(aval):
+          continue
+        key = ("operand", base + j)
+        inner = aval.inner_aval
+        shared[key] = Buffer(
+          self._label(base + j, d), key, inner.shape, inner.dtype
+        )
+      for g in range(plan.num_programs):
+        mine = dict(shared)
+        for j, aval in enumerate(scratch):
+          if _private(aval):
+            key = ("operand", base + j)
+            mine[key] = self._new(self._label(base + j, d, g), key, aval)
+        self.memory[(d, g)] = mine
+
+  def _label(self, k, device, program=None) -> str:
+    where = self.plan.device_name(device)
+    if program is not None:
+      where += self.plan.program_names[program]
+    where = where.strip()
+    return f"{self.plan.labels[k]!r}" + (f" ({where})" if where else "")
+
+  def _new(self, label, key, aval) -> Buffer:
+    inner = aval.inner_aval
+    sem = paths.is_semaphore(aval)
+    buffer = Buffer(label, key, inner.shape, inner.dtype, semaphore=sem)
+    if sem:
+      self.semaphores.append(buffer)
+    return buffer
+
+  def view(self, ctx, ref, transforms, eqn) -> View:
+    """The elements a Ref operand (and its views) names."""
+    return self.resolve(
+      ref, transforms, self.describe(ctx, eqn.primitive.name, ctx.where)
+    )
+
+  def resolve(self, ref, transforms, describe: str) -> View:
+    if isinstance(ref, records.RefOperand):
+      ref, transforms = ref.ref, (*ref.transforms, *transforms)
+    if not isinstance(ref, View):
+      raise NotImplementedError(
+        f"mpmd checker: a Ref of type {type(ref).__name__} ({describe})"
+      )
+    view = ref
+    for t in transforms or ():
+      if hasattr(t, "indices") and hasattr(t, "int_indexer_shape"):
+        view = memory.index_view(view, t, describe)
+      elif type(t).__name__ in ("RefReshaper", "ReshapeTransform"):
+        view = View(view.buffer, view.ids.reshape(t.shape))
+      else:
+        raise NotImplementedError(
+          f"mpmd checker: Ref transform {type(t).__name__} ({describe})"
+        )
+    return view
+
+  def load(self, ctx, view: View, eqn, check_init=True, mask=None):
+    describe = self.describe(ctx, "load", ctx.where)
+    if check_init:
+      memory.check_initialized(view, describe, mask)
+    comp = self.comp(ctx.device, ctx.program)
+    clock = self.clocks[comp]
+    memory.check_access(
+      view, comp, clock[comp], clock, False, describe, mask, self.name_comp
+    )
+    return view.buffer.flat[view.ids].copy()
+
+  def store(self, ctx, view: View, value, eqn, mask=None):
+    describe = self.describe(ctx, "store", ctx.where)
+    comp = self.comp(ctx.device, ctx.program)
+    clock = self.clocks[comp]
+    memory.check_access(
+      view, comp, clock[comp], clock, True, describe, mask, self.name_comp
+    )
+    b = view.buffer
+    value = np.broadcast_to(np.asarray(value, b.data.dtype), view.shape)
+    if mask is None:
+      b.flat[view.ids] = value
+      b.init[view.ids] = True
+    else:
+      mask = np.broadcast_to(np.asarray(mask), view.shape)
+      b.flat[view.ids[mask]] = value[mask]
+      b.init[view.ids[mask]] = True
+
+  def barrier_semaphore(self, ctx) -> View:
+    key = ("barrier",)
+    mine = self.memory[(ctx.device, ctx.program)]
+    if key not in mine:
+      for (d, g), m in self.memory.items():
+        label = f"the barrier semaphore ({self.name(d, g)})"
+        buffer = Buffer(label, key, (), np.int32, semaphore=True)
+        self.semaphores.append(buffer)
+        m[key] = buffer
+    b = mine[key]
+    return View(b, b.ids)
+
+  def allocate_scoped(self, ctx, eqn, avals_vars) -> tuple[View, ...]:
+    mine = self.memory[(ctx.device, ctx.program)]
+    views = []
+    for k, v in enumerate(avals_vars):
+      key = ("scoped", id(eqn), k, ctx.scope_depth)
+      who = self.name(ctx.device, ctx.program)
+      label = f"run_scoped buffer {k} at {ctx.where} ({who})"
+      buffer = self._new(label, key, v.aval)
+      mine[key] = buffer
+      views.append(View(buffer, buffer.ids))
+    return tuple(views)
+
+  # -- addressing ------------------------------------------------------------
+
+  def target(self, ctx, device_id, id_type, core_index, describe):
+    """(device, program) that ``device_id`` / ``core_index`` name."""
+    plan = self.plan
+    coords = plan.device_coords(ctx.device)
+    program = ctx.program
+    if core_index is not None:
+      program = int(np.asarray(core_index))
+    if device_id is not None:
+      logical = id_type is _jax.pallas_primitives.DeviceIdType.LOGICAL
+      if isinstance(device_id, dict):
+        for axis, value in device_id.items():
+          if axis == plan.super_axis:
+            program = int(np.asarray(value))
+            continue
+          names = axis if isinstance(axis, tuple) else (axis,)
+          sizes = [dict(plan.device_axes)[a] for a in names]
+          flat = int(np.asarray(value))
+          if not 0 <= flat < math.prod(sizes):
+            raise errors.OutOfBoundsError(
+              f"{describe}: device_id {axis!r}={flat} is outside the mesh "
+              f"(size {math.prod(sizes)})"
+            )
+          for a, c in zip(names, np.unravel_index(flat, sizes), strict=True):
+            coords[a] = int(c)
+      elif isinstance(device_id, (tuple, list)):
+        for (a, _), value in zip(plan.device_axes, device_id, strict=True):
+          coords[a] = int(np.asarray(value))
+      elif logical or len(plan.device_axes) != 1:
+        flat = int(np.asarray(device_id))
+        if not 0 <= flat < plan.num_devices:
+          raise errors.OutOfBoundsError(
+            f"{describe}: device_id {flat} is outside the "
+            f"{plan.num_devices} devices"
+          )
+        coords = plan.device_coords(flat)
+      else:
+        coords[plan.device_axes[0][0]] = int(np.asarray(device_id))
+    sizes = [s for _, s in plan.device_axes]
+    for a, s in plan.device_axes:
+      if not 0 <= coords[a] < s:
+        raise errors.OutOfBoundsError(
+          f"{describe}: device_id names {a!r}={coords[a]}, outside the "
+          f"mesh (size {s})"
+        )
+    if not 0 <= program < plan.num_programs:
+      raise errors.OutOfBoundsError(
+        f"{describe}: names program {program}, outside the launch's "
+        f"{plan.num_programs} programs"
+      )
+    device = (
+      int(np.ravel_multi_index([coords[a] for a, _ in plan.device_axes], sizes))
+      if sizes
+      else 0
+    )
+    return device, program
+
+  def peer(self, view: View, device: int, program: int, describe) -> View:
+    """``view``'s elements in the copy of its buffer that program
+    ``(device, program)`` has."""
+    other = self.memory[(device, program)].get(view.buffer.key)
+    if other is None:
+      raise errors.OutOfBoundsError(
+        f"{describe}: {view.buffer.label} does not exist on "
+        f"{self.name(device, program)} now (a run_scoped buffer outside "
+        "its scope)"
+      )
+    return view.on(other)
+
+
+def _private(aval) -> bool:
+  """Scratch each program has its own copy of (VMEM, SMEM, semaphores);
+  HBM / ANY scratch is one buffer per device, shared by its programs."""
+  space = getattr(aval, "memory_space", None)
+  tpu_spaces = _jax.tpu().core.MemorySpace
+  shared = (None, _jax.pallas_core.MemorySpace.ANY, tpu_spaces.HBM)
+  return space not in shared

@@ -1,0 +1,199 @@
+"""The launch's simulated memory, and the accesses it checks.
+
+Every buffer (an operand, a scratch buffer, a ``run_scoped`` allocation, a
+semaphore array) keeps, next to its data, per element: whether anything
+wrote it (reads of what nothing wrote are errors, as on hardware they read
+garbage), and the last write and read as *epochs* (who, at which of its
+clock ticks). An access races with an earlier one by someone else that its
+vector clock does not cover: no chain of signal -> wait or DMA start ->
+land -> wait orders them.
+"""
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from mpmd.lowering import errors
+
+Clock = dict[int, int]
+
+# No access yet.
+NOBODY = -1
+
+
+def join(a: Clock, b: Clock) -> Clock:
+  """The least clock above both."""
+  out = dict(a)
+  for k, t in b.items():
+    if t > out.get(k, 0):
+      out[k] = t
+  return out
+
+
+def garbage(shape, dtype) -> np.ndarray:
+  """What uninitialised memory reads as: NaN for floats, the most negative
+  value for integers (hardware gives whatever was there)."""
+  dtype = np.dtype(dtype)
+  if np.issubdtype(dtype, np.inexact):
+    return np.full(shape, np.nan, dtype)
+  if np.issubdtype(dtype, np.integer):
+    return np.full(shape, np.iinfo(dtype).min, dtype)
+  if dtype == np.bool_:
+    return np.ones(shape, dtype)
+  return np.zeros(shape, dtype)  # 16-bit floats from ml_dtypes come above
+
+
+class Buffer:
+  """One simulated buffer, with its per-element bookkeeping."""
+
+  def __init__(
+    self,
+    label: str,
+    key: Any,
+    shape,
+    dtype,
+    *,
+    data: np.ndarray | None = None,
+    semaphore: bool = False,
+  ):
+    self.label = label
+    self.key = key
+    self.semaphore = semaphore
+    shape = tuple(shape)
+    size = int(np.prod(shape, dtype=np.int64))
+    if semaphore:
+      self.data = np.zeros(shape, np.int64)
+      self.clocks: list[Clock] = [{} for _ in range(size)]
+      # Per element: the event that last signalled it (for the timeline).
+      self.signals: list[int | None] = [None] * size
+    elif data is None:
+      self.data = garbage(shape, dtype)
+    else:
+      self.data = np.array(data, dtype=dtype, copy=True).reshape(shape)
+    self.flat = self.data.reshape(-1)
+    self.ids = np.arange(size, dtype=np.int64).reshape(shape)
+    self.init = np.full(size, data is not None or semaphore)
+    self.w_comp = np.full(size, NOBODY, np.int64)
+    self.w_time = np.zeros(size, np.int64)
+    self.r_comp = np.full(size, NOBODY, np.int64)
+    self.r_time = np.zeros(size, np.int64)
+    # comp -> a description of its latest access (for race reports).
+    self.who: dict[int, str] = {}
+
+  def __repr__(self):
+    return f"Buffer({self.label})"
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+  """Elements of a buffer: ``ids`` are flat indices, shaped as the view."""
+
+  buffer: Buffer
+  ids: np.ndarray
+
+  @property
+  def shape(self):
+    return self.ids.shape
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.ids.size) * self.buffer.data.dtype.itemsize
+
+  def on(self, buffer: Buffer) -> "View":
+    """The same elements of another program's copy of the buffer."""
+    return View(buffer, self.ids)
+
+
+def _first(mask: np.ndarray, ids: np.ndarray, shape) -> tuple[int, ...]:
+  flat = int(ids[np.argmax(mask)])
+  return tuple(int(i) for i in np.unravel_index(flat, shape))
+
+
+def check_access(
+  view: View,
+  comp: int,
+  time: int,
+  clock: Clock,
+  write: bool,
+  describe: str,
+  mask: np.ndarray | None = None,
+  describe_comp=None,
+) -> None:
+  """Raises ``RaceError`` if this access and an earlier one of someone else
+  touch the same element unordered (at least one writing); records it."""
+  b = view.buffer
+  ids = view.ids.reshape(-1)
+  if mask is not None:
+    ids = ids[np.broadcast_to(mask, view.shape).reshape(-1)]
+  if ids.size == 0:
+    return
+  earlier = [(b.w_comp, b.w_time, "write")]
+  if write:
+    earlier.append((b.r_comp, b.r_time, "read"))
+  for comps, times, kind in earlier:
+    c = comps[ids]
+    others = (c != NOBODY) & (c != comp)
+    if not others.any():
+      continue
+    t = times[ids]
+    for q in np.unique(c[others]):
+      unordered = others & (c == q) & (t > clock.get(int(q), 0))
+      if unordered.any():
+        element = _first(unordered, ids, b.data.shape)
+        raise errors.RaceError(
+          f"data race on {b.label} at element {element}: "
+          f"{describe} ({'write' if write else 'read'}) and an earlier "
+          f"{kind} by {b.who.get(int(q), describe_comp and describe_comp(q))}"
+          ", with no synchronisation (signal -> wait, or DMA start -> land "
+          "-> wait) ordering them"
+        )
+  if write:
+    b.w_comp[ids] = comp
+    b.w_time[ids] = time
+  else:
+    b.r_comp[ids] = comp
+    b.r_time[ids] = time
+  b.who[comp] = describe
+
+
+def check_initialized(view: View, describe: str, mask=None) -> None:
+  b = view.buffer
+  init = b.init[view.ids]
+  if mask is not None:
+    init = init | ~np.broadcast_to(mask, view.shape)
+  if not init.all():
+    element = _first(~init.reshape(-1), view.ids.reshape(-1), b.data.shape)
+    raise errors.UninitializedError(
+      f"{describe} reads {b.label} at element {element}, which nothing "
+      "wrote (uninitialised memory, or a DMA into it that has not landed: "
+      "wait for it first)"
+    )
+
+
+def index_view(view: View, indexer, describe: str) -> View:
+  """``view`` narrowed by an ``NDIndexer``; out-of-bounds windows raise
+  ``OutOfBoundsError`` (hardware faults; JAX would clamp)."""
+  index = []
+  for dim, (idx, size) in enumerate(
+    zip(indexer.indices, view.shape, strict=True)
+  ):
+    if hasattr(idx, "stride") and hasattr(idx, "size"):  # a Slice
+      start, length = int(np.asarray(idx.start)), int(np.asarray(idx.size))
+      stride = int(idx.stride)
+      stop = start + (length - 1) * stride
+      if length and (start < 0 or stop >= size):
+        raise errors.OutOfBoundsError(
+          f"{describe}: window [{start}:{stop + 1}:{stride}] of dimension "
+          f"{dim} of {view.buffer.label} (size {size}) is out of bounds"
+        )
+      index.append(slice(start, start + length * stride, stride))
+    else:
+      i = np.asarray(idx)
+      if i.size and (i.min() < 0 or i.max() >= size):
+        raise errors.OutOfBoundsError(
+          f"{describe}: index {i.tolist()} of dimension {dim} of "
+          f"{view.buffer.label} (size {size}) is out of bounds"
+        )
+      index.append(int(i) if i.ndim == 0 else i)
+  return View(view.buffer, view.ids[tuple(index)])

@@ -1,0 +1,193 @@
+"""How a launch asks for the checking executor, and whose run it is.
+
+* ``interpret=mpmd.CheckParams(schedule=...)`` on one ``mpmd_map``;
+* the ``mpmd_check`` JAX config state (``MPMD_CHECK`` in the environment,
+  or ``mpmd.explore`` / ``mpmd.replay`` for the launches of a function):
+  every TPU-mesh launch traced under it runs on the executor.
+
+The state is part of JAX's jit and tracing cache keys, so a function traced
+before is traced again under it.
+"""
+
+import dataclasses
+import functools
+import os
+import threading
+from typing import Any
+
+from mpmd import _jax
+from mpmd.lowering.check import schedule as schedule_lib
+
+ENV = "MPMD_CHECK"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckParams:
+  """Runs a launch on the CPU fallback's checking executor.
+
+  Every program of the launch (all meshes; every device under a
+  ``shard_map``) runs under one deterministic scheduler that switches
+  programs only at synchronisation points, with oracles for deadlocks,
+  data races, reads of uninitialised memory, leftover semaphores and DMAs,
+  and out-of-bounds accesses, each a typed ``mpmd.LaunchError``.
+
+  Args:
+    schedule: which schedule runs: ``"default"`` (DMAs land at once, no
+      preemption), ``"random:SEED"``, ``"pctD:SEED"`` (PCT of depth D) or
+      a ``"steps:..."`` string from ``mpmd.explore``; an int is
+      ``"random:SEED"``.
+    per_call: each call of the launch takes a schedule of its own, derived
+      from the seed and the call's number (what ``MPMD_CHECK`` does).
+    trace: a path: each launch writes its timeline there (Chrome trace
+      events; ``mpmd.timeline`` says more).
+
+  Example::
+
+    >>> f = mpmd.mpmd_map([(mesh, kernel)], out_type,
+    ...                   interpret=mpmd.CheckParams(schedule="random:3"))
+  """
+
+  schedule: str | int = "default"
+  per_call: bool = False
+  trace: str | None = None
+
+  def __post_init__(self):
+    if isinstance(self.schedule, bool) or not isinstance(
+      self.schedule, (str, int)
+    ):
+      raise TypeError(
+        "mpmd.CheckParams: expected 'schedule' to be a schedule string or "
+        f"an int seed, got {self.schedule!r}"
+      )
+    if isinstance(self.schedule, int):
+      object.__setattr__(self, "schedule", f"random:{self.schedule}")
+    schedule_lib.parse(self.schedule)
+
+  def owner(self) -> "Owner":
+    return _owners(self)
+
+
+class Run:
+  """One launch's run: its schedule and who hears how it ended."""
+
+  def __init__(self, owner, spec, text: str, launch: int):
+    self.owner, self.spec, self.text, self.launch = owner, spec, text, launch
+
+  def strategy(self, plan):
+    return self.spec.strategy(self.launch, self.owner.expected_steps(plan))
+
+  def finish(self, machine, error) -> None:
+    self.owner.finished(self, machine, error)
+
+
+class Owner:
+  """Runs of launches lowered with one ``CheckParams``."""
+
+  def __init__(self, params: CheckParams):
+    self.params = params
+    self.lock = threading.Lock()
+    self.calls = 0
+    self.steps: dict[str, int] = {}
+
+  def token(self):
+    # Results are a function of the inputs and the schedule: devices of
+    # one call share them whatever call they are.
+    return ("params", self.params)
+
+  def begin_launch(self) -> Run:
+    spec = schedule_lib.parse(self.params.schedule)
+    text = self.params.schedule
+    with self.lock:
+      call = self.calls
+      self.calls += 1
+    if self.params.per_call and spec.kind in ("random", "pct"):
+      seed = schedule_lib.mix(spec.seed, call) % 2**31
+      text = f"{text.partition(':')[0]}:{seed}"
+      spec = schedule_lib.parse(text)
+    return Run(self, spec, text, 0)
+
+  def expected_steps(self, plan) -> int:
+    return self.steps.get(plan.kernel, 100)
+
+  def finished(self, run, machine, error) -> None:
+    self.steps[machine.plan.kernel] = max(machine.step, 1)
+    if self.params.trace:
+      from mpmd.lowering.check import timeline
+
+      timeline.write(self.params.trace, [machine])
+
+
+@functools.cache
+def _owners(params: CheckParams) -> Owner:
+  return Owner(params)
+
+
+class Session:
+  """The launches of one function call under ``mpmd.explore`` / ``replay``
+  / ``timeline``: the schedule they share and what each did."""
+
+  def __init__(self):
+    self.lock = threading.Lock()
+    self.number = 0
+    self.text = "default"
+    self.spec = schedule_lib.parse("default")
+    self.runs: list[tuple[Any, BaseException | None]] = []
+    self.steps: dict[str, int] = {}
+
+  def start(self, text: str) -> None:
+    with self.lock:
+      self.spec = schedule_lib.parse(text)
+      self.text = text
+      self.number += 1
+      self.runs = []
+
+  def owner(self) -> "Session":
+    return self
+
+  def token(self):
+    return ("session", id(self), self.number)
+
+  def begin_launch(self) -> Run:
+    with self.lock:
+      launch = len(self.runs)
+      self.runs.append((None, None))
+    return Run(self, self.spec, self.text, launch)
+
+  def expected_steps(self, plan) -> int:
+    return self.steps.get(plan.kernel, 100)
+
+  def finished(self, run, machine, error) -> None:
+    self.steps[machine.plan.kernel] = max(machine.step, 1)
+    with self.lock:
+      self.runs[run.launch] = (machine, error)
+
+
+@functools.cache
+def config_state():
+  """The ``mpmd_check`` JAX config state, defined on first use (``import
+  mpmd`` adds nothing to JAX's config)."""
+  return _jax.config.string_or_object_state(
+    name="mpmd_check",
+    default=None,
+    help=(
+      "jax-mpmd: run every TPU-mesh mpmd_map launch on the checking "
+      "executor: a CheckParams, a session of mpmd.explore, or a schedule "
+      "string ('random:SEED' gives each call a schedule of its own)"
+    ),
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+  )
+
+
+def forced() -> Any:
+  """What the config state asks for (None: nothing)."""
+  if ENV not in os.environ and config_state.cache_info().currsize == 0:
+    return None
+  value = config_state().value
+  if value is None or value == "":
+    return None
+  if isinstance(value, str):
+    if value in ("1", "true", "random"):
+      value = "random:0"
+    return CheckParams(schedule=value, per_call=True)
+  return value

@@ -1,0 +1,178 @@
+"""Schedules: who runs next, and when each DMA lands.
+
+At every decision point the executor offers the *options*: each program
+whose next synchronisation operation can go ahead (``("p", program)``) and
+each DMA in flight (``("d", dma)``, landing it). The *default* choice lands
+DMAs at once (oldest first), then keeps the current program running while
+it can, else runs the first program that can. A strategy picks an option;
+every pick that differs from the default is a *preemption*, recorded as
+``(step, option)``, and a schedule string lists them: replaying the string
+makes the same picks, so the same run, byte for byte.
+
+Schedule strings:
+
+* ``"default"``: no preemption.
+* ``"random:SEED"``: a seeded random walk (each option equally likely).
+* ``"pct3:SEED"``: PCT with depth 3 (random program priorities, two
+  priority changes at random steps: finds a depth-d bug with probability at
+  least 1 / (n k^(d-1)) per run, n programs, k steps).
+* ``"steps:L/S:pP,L/S:dD,..."``: explicit preemptions, launch ``L`` (of
+  the function's launches, in the order they ran) at step ``S`` runs
+  program ``P`` / lands DMA ``D``; what ``explore`` reports after shrinking.
+"""
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+Option = tuple[str, int]
+
+
+def parse(schedule: str) -> "Spec":
+  """Checks a schedule string (see the module docstring)."""
+  if not isinstance(schedule, str):
+    raise TypeError(f"mpmd: expected a schedule string, got {schedule!r}")
+  if schedule == "default":
+    return Spec("default")
+  kind, _, rest = schedule.partition(":")
+  if kind == "steps":
+    picks: dict[int, dict[int, Option]] = {}
+    for item in filter(None, rest.split(",")):
+      try:
+        where, option = item.split(":")
+        launch, step = (int(x) for x in where.split("/"))
+        picks.setdefault(launch, {})[step] = (option[0], int(option[1:]))
+        if option[0] not in "pd":
+          raise ValueError
+      except ValueError:
+        raise ValueError(
+          f"mpmd: bad schedule item {item!r} in {schedule!r}; expected "
+          "LAUNCH/STEP:pPROGRAM or LAUNCH/STEP:dDMA"
+        ) from None
+    return Spec("steps", picks=picks)
+  if kind == "random" or kind.startswith("pct"):
+    depth = 0
+    if kind.startswith("pct"):
+      try:
+        depth = int(kind[3:] or 3)
+      except ValueError:
+        depth = -1
+      if depth < 1:
+        raise ValueError(f"mpmd: bad PCT depth in schedule {schedule!r}")
+    try:
+      seed = int(rest)
+    except ValueError:
+      raise ValueError(
+        f"mpmd: bad seed in schedule {schedule!r}; expected e.g. 'random:7'"
+      ) from None
+    return Spec("pct" if depth else "random", seed=seed, depth=depth)
+  raise ValueError(
+    f"mpmd: unknown schedule {schedule!r}; expected 'default', "
+    "'random:SEED', 'pctD:SEED' or 'steps:...'"
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """A parsed schedule string."""
+
+  kind: str
+  seed: int = 0
+  depth: int = 0
+  picks: dict[int, dict[int, Option]] = dataclasses.field(
+    default_factory=dict, hash=False, compare=False
+  )
+
+  def strategy(self, launch: int, expected_steps: int) -> "Strategy":
+    """The strategy for the ``launch``-th launch of a run."""
+    if self.kind == "default":
+      return Strategy()
+    if self.kind == "steps":
+      return Fixed(self.picks.get(launch, {}))
+    rng = np.random.default_rng(mix(self.seed, launch))
+    if self.kind == "random":
+      return RandomWalk(rng)
+    return Pct(rng, self.depth, expected_steps)
+
+
+def mix(seed: int, launch: int) -> int:
+  digest = hashlib.sha256(f"{seed}/{launch}".encode()).digest()
+  return int.from_bytes(digest[:8], "little")
+
+
+def encode(preemptions: dict[int, list[tuple[int, Option]]]) -> str:
+  """The ``steps:`` string of recorded preemptions, per launch."""
+  items = [
+    f"{launch}/{step}:{kind}{index}"
+    for launch, picks in sorted(preemptions.items())
+    for step, (kind, index) in picks
+  ]
+  return "steps:" + ",".join(items)
+
+
+def default_choice(options: list[Option], current: int | None) -> Option:
+  dmas = [o for o in options if o[0] == "d"]
+  if dmas:
+    return min(dmas)
+  if current is not None and ("p", current) in options:
+    return ("p", current)
+  return min(options)
+
+
+class Strategy:
+  """The default schedule: no preemption."""
+
+  def choose(self, step: int, options: list[Option], default: Option):
+    del step, options
+    return default
+
+  def new_dma(self, dma: int) -> None:
+    del dma
+
+
+class Fixed(Strategy):
+  """Explicit preemptions (a ``steps:`` string); default elsewhere, and
+  where the recorded pick is not an option (a shrunk schedule)."""
+
+  def __init__(self, picks: dict[int, Option]):
+    self.picks = picks
+
+  def choose(self, step, options, default):
+    pick = self.picks.get(step)
+    return pick if pick in options else default
+
+
+class RandomWalk(Strategy):
+  def __init__(self, rng: np.random.Generator):
+    self.rng = rng
+
+  def choose(self, step, options, default):
+    return options[int(self.rng.integers(len(options)))]
+
+
+class Pct(Strategy):
+  """Probabilistic concurrency testing: every program and DMA gets a random
+  priority, the highest enabled one runs; at ``depth - 1`` random steps the
+  running one drops below all others."""
+
+  def __init__(self, rng: np.random.Generator, depth: int, steps: int):
+    self.rng = rng
+    self.priority: dict[Option, float] = {}
+    self.change_points = set(
+      int(s) for s in rng.integers(0, max(steps, 1), size=depth - 1)
+    )
+    self.lowered = 0
+
+  def _priority(self, option: Option) -> float:
+    if option not in self.priority:
+      self.priority[option] = 1.0 + float(self.rng.random())
+    return self.priority[option]
+
+  def choose(self, step, options, default):
+    best = max(options, key=self._priority)
+    if step in self.change_points:
+      self.lowered += 1
+      self.priority[best] = -float(self.lowered)
+      best = max(options, key=self._priority)
+    return best

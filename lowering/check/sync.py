@@ -1,0 +1,384 @@
+"""The executor's loop and its synchronisation operations.
+
+:func:`run` runs a launch on a :class:`machine.Machine`: at each step it
+lists the options (programs whose next operation can go ahead, DMAs in
+flight), lets the strategy pick one, and performs it. The oracles fire
+where the condition shows: a deadlock when no option is left, leftovers
+when the programs have ended, races and uninitialised reads at the access.
+"""
+
+import numpy as np
+
+from mpmd.lowering import errors
+from mpmd.lowering.check import interp, memory, records, schedule
+from mpmd.lowering.check import machine as machine_lib
+from mpmd.lowering.check.memory import View
+
+# A launch that takes more steps than this spins on a semaphore read that
+# never changes (a livelock), or is far beyond what the checker is for.
+MAX_STEPS = 1_000_000
+
+
+class _Program:
+  def __init__(self, device, program, gen, ctx):
+    self.device = device
+    self.program = program
+    self.gen = gen
+    self.ctx = ctx
+    self.pending: interp.Sync | None = None
+    self.started = False
+    self.done = False
+    self.views: dict[str, View] = {}
+    self.polled = False  # its last operation read a semaphore
+
+
+def _element(view: View, describe: str) -> int:
+  if view.ids.size != 1:
+    raise ValueError(
+      f"{describe}: a semaphore operation needs one semaphore, got a view "
+      f"of shape {view.shape}"
+    )
+  return int(view.ids.reshape(-1)[0])
+
+
+def _count(view: View) -> int:
+  return int(view.buffer.flat[view.ids.reshape(-1)[0]])
+
+
+def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
+  """Runs the launch to its end; the outputs per device."""
+  plan = m.plan
+  m._operand_buffers(inputs)
+  programs = []
+  for d in range(plan.num_devices):
+    axis_values = {
+      a: (c, s)
+      for (a, s), c in zip(
+        plan.device_axes, plan.device_coords(d).values(), strict=True
+      )
+    }
+    for g in range(plan.num_programs):
+      values = {**axis_values, plan.super_axis: (g, plan.num_programs)}
+      ctx = interp.Context(m, d, g, values)
+      mine = m.memory[(d, g)]
+      args = [
+        View(mine[("operand", k)], mine[("operand", k)].ids)
+        for k in range(len(plan.jaxpr.invars))
+      ]
+      gen = interp.run_jaxpr(ctx, plan.jaxpr, [], args)
+      programs.append(_Program(d, g, gen, ctx))
+  current = None
+  while True:
+    options = [
+      ("p", i) for i, p in enumerate(programs) if not p.done and _enabled(m, p)
+    ]
+    options += [("d", k) for k in sorted(m.dmas)]
+    if not options:
+      break
+    default = schedule.default_choice(options, current)
+    if current is not None and programs[current].polled:
+      default = _next_after(options, current, default)
+    pick = m.strategy.choose(m.step, options, default)
+    if pick != default:
+      m.preemptions.append((m.step, pick))
+    m.step += 1
+    if m.step > MAX_STEPS:
+      raise errors.DeadlockError(
+        f"kernel {plan.kernel}: no progress after {MAX_STEPS} steps "
+        "(programs spinning on semaphore reads that never change?)"
+      )
+    if pick[0] == "d":
+      _land(m, m.dmas.pop(pick[1]))
+    else:
+      _advance(m, programs[pick[1]])
+      current = pick[1]
+  waiting = [p for p in programs if not p.done]
+  if waiting:
+    raise errors.DeadlockError(_deadlock_report(m, waiting))
+  _check_leftovers(m)
+  return [
+    [
+      m.memory[(d, 0)][("operand", plan.num_in + k)].data
+      for k in range(len(plan.out_avals))
+    ]
+    for d in range(plan.num_devices)
+  ]
+
+
+def _next_after(options, current, default):
+  """After a semaphore read, let the others run (a spinning poll)."""
+  programs = [o for o in options if o[0] == "p" and o[1] != current]
+  if default[0] == "d" or not programs:
+    return default
+  later = [o for o in programs if o[1] > current]
+  return min(later) if later else min(programs)
+
+
+def _describe(m, p, op: str, where: str) -> str:
+  return f"{m.name(p.device, p.program)}: {op} at {where}"
+
+
+def _enabled(m, p: _Program) -> bool:
+  if not p.started:
+    return True
+  op = p.pending.op
+  if isinstance(op, records.DmaWait):
+    return _count(_sem_view(m, p, op.sem)) >= _wait_bytes(m, p, op)
+  if isinstance(op, records.SemWait):
+    return _count(_sem_view(m, p, op.sem)) >= int(np.asarray(op.value))
+  return True
+
+
+def _sem_view(m, p, operand) -> View:
+  key = f"sem{id(operand)}"
+  if key not in p.views:
+    describe = _describe(m, p, "semaphore", p.pending.where)
+    view = m.resolve(operand, (), describe)
+    _element(view, describe)
+    p.views[key] = view
+  return p.views[key]
+
+
+def _wait_bytes(m, p, op: records.DmaWait) -> int:
+  describe = _describe(m, p, "dma_wait", p.pending.where)
+  return m.resolve(op.ref, (), describe).nbytes
+
+
+def _advance(m, p: _Program) -> None:
+  """Performs ``p``'s pending operation and runs it to its next one."""
+  result = None
+  if p.started:
+    result = _perform(m, p, p.pending)
+  p.started = True
+  p.views.clear()
+  p.polled = isinstance(p.pending and p.pending.op, records.SemRead)
+  try:
+    p.pending = p.gen.send(result)
+  except StopIteration:
+    p.done = True
+    p.pending = None
+    m.events.append(
+      machine_lib.Event(m.step, p.device, p.program, "exit", "kernel exit", "")
+    )
+
+
+def _perform(m, p: _Program, sync: interp.Sync):
+  op, where = sync.op, sync.where
+  comp = m.comp(p.device, p.program)
+  clock = m.clocks[comp]
+  if isinstance(op, records.DmaStart):
+    return _start(m, p, op, where)
+  if isinstance(op, records.DmaWait):
+    view = _sem_view(m, p, op.sem)
+    need = _wait_bytes(m, p, op)
+    return _take(m, p, view, need, True, "dma_wait", where)
+  if isinstance(op, records.SemWait):
+    view = _sem_view(m, p, op.sem)
+    need = int(np.asarray(op.value))
+    return _take(m, p, view, need, op.decrement, "semaphore_wait", where)
+  if isinstance(op, records.Signal):
+    describe = _describe(m, p, "semaphore_signal", where)
+    local = m.resolve(op.sem, (), describe)
+    _element(local, describe)
+    device, program = m.target(
+      p.ctx, op.device_id, op.device_id_type, op.core_index, describe
+    )
+    target = m.peer(local, device, program, describe)
+    event = _event(m, p, "signal", f"signal {target.buffer.label}", where)
+    _add(target, int(np.asarray(op.inc)), clock, event)
+    clock[comp] += 1
+    return None
+  if isinstance(op, records.SemRead):
+    view = _sem_view(m, p, op.sem)
+    e = int(view.ids.reshape(-1)[0])
+    m.clocks[comp] = memory.join(clock, view.buffer.clocks[e])
+    return _count(view)
+  if isinstance(op, interp.ScopeEnd):
+    return _end_scope(m, p, op, where)
+  raise NotImplementedError(f"mpmd checker: operation {op!r}")
+
+
+def _event(m, p, kind, what, where, **extra) -> int:
+  m.events.append(
+    machine_lib.Event(m.step, p.device, p.program, kind, what, where, **extra)
+  )
+  return len(m.events) - 1
+
+
+def _add(view: View, amount: int, clock, event: int | None) -> None:
+  e = int(view.ids.reshape(-1)[0])
+  b = view.buffer
+  b.flat[e] += amount
+  b.clocks[e] = memory.join(b.clocks[e], clock)
+  b.signals[e] = event
+
+
+def _take(m, p, view: View, need: int, decrement: bool, what, where):
+  e = int(view.ids.reshape(-1)[0])
+  b = view.buffer
+  if decrement:
+    b.flat[e] -= need
+  comp = m.comp(p.device, p.program)
+  m.clocks[comp] = memory.join(m.clocks[comp], b.clocks[e])
+  _event(
+    m, p, "wait", f"{what} {b.label} for {need}", where, after=b.signals[e]
+  )
+  return None
+
+
+def _start(m, p, op: records.DmaStart, where: str):
+  describe = _describe(m, p, "dma_start", where)
+  src = m.resolve(op.src, (), describe)
+  local_dst = m.resolve(op.dst, (), describe)
+  device, program = m.target(
+    p.ctx, op.device_id, op.device_id_type, None, describe
+  )
+  dst = m.peer(local_dst, device, program, describe)
+  if src.shape != dst.shape:
+    raise ValueError(
+      f"{describe}: copies a window of shape {src.shape} into one of "
+      f"shape {dst.shape}"
+    )
+  recv = send = None
+  if op.recv_sem is not None:
+    recv = m.peer(
+      m.resolve(op.recv_sem, (), describe), device, program, describe
+    )
+    _element(recv, describe)
+  if op.send_sem is not None:
+    send = m.resolve(op.send_sem, (), describe)
+    _element(send, describe)
+  comp = m.comp(p.device, p.program)
+  index = m.num_dmas
+  m.num_dmas += 1
+  dma = machine_lib.Dma(
+    index, op, src, dst, recv, send, dict(m.clocks[comp]), p, where
+  )
+  dma.event = _event(
+    m,
+    p,
+    "dma_start",
+    f"DMA #{index}: {src.buffer.label} -> {dst.buffer.label}",
+    where,
+    dma=index,
+  )
+  m.clocks[comp][comp] += 1
+  m.dmas[index] = dma
+  m.strategy.new_dma(index)
+  return None
+
+
+def _dma_comp(m, dma) -> int:
+  return m.plan.num_devices * m.plan.num_programs + dma.index
+
+
+def _land(m, dma: machine_lib.Dma) -> None:
+  """The DMA reads its source and writes its destination now."""
+  comp = _dma_comp(m, dma)
+  issuer = m.name(dma.issuer.device, dma.issuer.program)
+  describe = f"DMA #{dma.index} issued by {issuer} at {dma.where}"
+  memory.check_access(
+    dma.src, comp, 1, dma.clock, False, describe, describe_comp=m.name_comp
+  )
+  memory.check_access(
+    dma.dst, comp, 1, dma.clock, True, describe, describe_comp=m.name_comp
+  )
+  src, dst = dma.src, dma.dst
+  data = src.buffer.flat[src.ids]
+  if dma.start.add:
+    memory.check_initialized(dst, describe)
+    dst.buffer.flat[dst.ids] = dst.buffer.flat[dst.ids] + data
+  else:
+    dst.buffer.flat[dst.ids] = data
+  dst.buffer.init[dst.ids] = src.buffer.init[src.ids]
+  clock = memory.join(dma.clock, {comp: 1})
+  m.events.append(
+    machine_lib.Event(
+      m.step,
+      dma.issuer.device,
+      -1,
+      "dma_land",
+      f"DMA #{dma.index} lands",
+      dma.where,
+      dma=dma.index,
+    )
+  )
+  event = len(m.events) - 1
+  for sem in (dma.recv, dma.send):
+    if sem is not None:
+      _add(sem, dma.src.nbytes, clock, event)
+
+
+def _deadlock_report(m, waiting) -> str:
+  lines = []
+  for p in waiting:
+    op = p.pending.op
+    if isinstance(op, (records.DmaWait, records.SemWait)):
+      view = _sem_view(m, p, op.sem)
+      need = (
+        _wait_bytes(m, p, op)
+        if isinstance(op, records.DmaWait)
+        else int(np.asarray(op.value))
+      )
+      kind = "dma_wait" if isinstance(op, records.DmaWait) else "semaphore_wait"
+      unit = " bytes" if isinstance(op, records.DmaWait) else ""
+      lines.append(
+        f"  {m.name(p.device, p.program)} waits ({kind} at "
+        f"{p.pending.where}) on {view.buffer.label} for {need}{unit}; it "
+        f"holds {_count(view)} now"
+      )
+    else:
+      lines.append(f"  {m.name(p.device, p.program)} at {p.pending.where}")
+  return (
+    f"kernel {m.plan.kernel} deadlocks: no program can go on and no DMA is "
+    f"in flight ({m.step} steps in):\n" + "\n".join(lines)
+  )
+
+
+def _end_scope(m, p, op: interp.ScopeEnd, where: str):
+  buffers = {id(v.buffer) for v in op.buffers}
+  for dma in m.dmas.values():
+    touched = [dma.src, dma.dst, dma.recv, dma.send]
+    if any(v is not None and id(v.buffer) in buffers for v in touched):
+      raise errors.LeftoverError(
+        f"{_describe(m, p, 'run_scoped ends', where)}: DMA #{dma.index} "
+        f"(started at {dma.where}) still uses its memory; wait for it "
+        "inside the scope"
+      )
+  _check_semaphores(
+    m,
+    [v.buffer for v in op.buffers if v.buffer.semaphore],
+    f"{_describe(m, p, 'run_scoped ends', where)}: ",
+  )
+  mine = m.memory[(p.device, p.program)]
+  for v in op.buffers:
+    mine.pop(v.buffer.key, None)
+    if v.buffer.semaphore:
+      m.semaphores.remove(v.buffer)
+  return None
+
+
+def _check_semaphores(m, buffers, prefix: str) -> None:
+  left = [
+    f"{b.label} holds {b.data.reshape(-1).tolist()}"
+    if b.data.size > 1
+    else f"{b.label} holds {int(b.data.reshape(-1)[0])}"
+    for b in buffers
+    if np.any(b.data != 0)
+  ]
+  if left:
+    raise errors.LeftoverError(
+      f"{prefix}semaphores not back to zero (a signal nobody waited for, "
+      "or a DMA whose completion nobody awaited): " + "; ".join(left)
+    )
+
+
+def _check_leftovers(m) -> None:
+  if m.dmas:
+    dma = m.dmas[min(m.dmas)]
+    raise errors.LeftoverError(
+      f"kernel {m.plan.kernel}: DMA #{dma.index} started at {dma.where} by "
+      f"{m.name(dma.issuer.device, dma.issuer.program)} never landed: "
+      "nobody waited for it before the kernel ended"
+    )
+  _check_semaphores(m, m.semaphores, f"kernel {m.plan.kernel} ends with ")

@@ -1,0 +1,309 @@
+"""Every schedule, not one: explore, replay and draw a function's launches.
+
+``mpmd.explore(f, *args)`` calls ``f`` again and again, each time with every
+``mpmd_map`` launch inside it on the checking executor under another
+schedule, and reports each distinct failure with a schedule string that
+``mpmd.replay`` runs again, exactly. ``mpmd.timeline`` writes one run's
+event log as a Chrome / Perfetto trace.
+"""
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpmd.lowering import errors
+from mpmd.lowering.check import params as params_lib
+from mpmd.lowering.check import schedule as schedule_lib
+from mpmd.lowering.check import timeline as timeline_lib
+
+KINDS = {
+  errors.DeadlockError: "deadlock",
+  errors.RaceError: "race",
+  errors.UninitializedError: "uninitialized",
+  errors.LeftoverError: "leftover",
+  errors.OutOfBoundsError: "out_of_bounds",
+  errors.NondeterminismError: "nondeterministic",
+}
+
+# How many reruns shrinking a failing schedule may take.
+MAX_SHRINK_RUNS = 48
+
+
+def kind_of(error: BaseException) -> str:
+  for cls, kind in KINDS.items():
+    if isinstance(error, cls):
+      return kind
+  return "error"
+
+
+@dataclasses.dataclass
+class Failure:
+  """One distinct failure ``explore`` found.
+
+  Attributes:
+    kind: ``"deadlock"``, ``"race"``, ``"uninitialized"``, ``"leftover"``,
+      ``"out_of_bounds"`` or ``"nondeterministic"``.
+    schedule: the schedule that fails, shrunk to few preemptions: pass it
+      to ``mpmd.replay`` (or paste it into a test).
+    error: the typed error (an ``mpmd.LaunchError``) that schedule raises.
+    found_by: the schedule that found it first.
+  """
+
+  kind: str
+  schedule: str
+  error: BaseException
+  found_by: str
+
+  def __str__(self):
+    first = str(self.error).splitlines()[0] if str(self.error) else ""
+    return f"{self.kind} (schedule {self.schedule!r}): {first}"
+
+
+@dataclasses.dataclass
+class Report:
+  """What ``explore`` found: ``schedules_run`` and ``failures`` (one per
+  distinct failure, in the order found)."""
+
+  schedules_run: int
+  failures: list[Failure]
+
+  @property
+  def ok(self) -> bool:
+    return not self.failures
+
+  def __str__(self):
+    lines = [f"{self.schedules_run} schedules, {len(self.failures)} failures"]
+    lines += [f"  {f}" for f in self.failures]
+    return "\n".join(lines)
+
+
+def _schedule_text(i: int, seed: int, depth: int) -> str:
+  if i == 0:
+    return "default"
+  if i % 2:
+    return f"random:{seed + i}"
+  return f"pct{depth}:{seed + i}"
+
+
+def _call(session, f, args, kwargs, text, keep=None):
+  """Runs ``f`` under ``text``: (flat numpy outputs, None) or (None, the
+  launch's error). Errors that are not a launch's propagate. ``keep``: a
+  list that receives ``f``'s outputs as they are."""
+  session.start(text)
+  try:
+    with params_lib.config_state()(session):
+      out = jax.block_until_ready(f(*args, **kwargs))
+  except Exception as e:  # noqa: BLE001 (sorted below)
+    failed = [err for _, err in session.runs if err is not None]
+    if failed:
+      return None, failed[0]
+    typed = errors._typed(e)
+    if typed is not None:
+      return None, typed
+    raise
+  if keep is not None:
+    keep.append(out)
+  return [np.asarray(x) for x in jax.tree.leaves(out)], None
+
+
+def _differs(outputs, reference, text: str, against: str):
+  for k, (a, b) in enumerate(zip(outputs, reference, strict=True)):
+    if a.shape != b.shape or a.tobytes() != b.tobytes():
+      same = (
+        (a == b) | (np.isnan(a) & np.isnan(b))
+        if a.dtype.kind == "f"
+        else (a == b)
+      )
+      where = np.argwhere(~np.asarray(same))
+      at = tuple(int(i) for i in where[0]) if len(where) else ()
+      return errors.NondeterminismError(
+        f"output {k} depends on the schedule: schedule {text!r} gives "
+        f"{a[at] if at else a!r} at {at}, schedule {against!r} gives "
+        f"{b[at] if at else b!r} (a missing wait or signal lets programs "
+        "read data before it is ready, or write it in either order)"
+      )
+  return None
+
+
+def _signature(kind: str, error: BaseException):
+  places = sorted(set(re.findall(r"[\w./-]+\.py:\d+", str(error))))
+  return kind, tuple(places)
+
+
+def _preemptions(session) -> str:
+  return schedule_lib.encode(
+    {
+      launch: list(m.preemptions)
+      for launch, (m, _) in enumerate(session.runs)
+      if m is not None
+    }
+  )
+
+
+def _items(text: str) -> list[str]:
+  body = text.partition(":")[2]
+  return [x for x in body.split(",") if x]
+
+
+def _fails(session, f, args, kwargs, text, kind, reference):
+  outputs, error = _call(session, f, args, kwargs, text)
+  if error is None and kind == "nondeterministic":
+    error = _differs(outputs, reference, text, "default")
+  return error if error is not None and kind_of(error) == kind else None
+
+
+def _shrink(session, f, args, kwargs, text, kind, reference):
+  """The failing ``steps:`` schedule with as few preemptions as we find
+  (greedy: drop chunks, then single items, while it still fails)."""
+  items = _items(text)
+  runs = 0
+  best_error = None
+  chunk = max(len(items) // 2, 1)
+  while chunk >= 1 and runs < MAX_SHRINK_RUNS:
+    i = 0
+    while i < len(items) and runs < MAX_SHRINK_RUNS:
+      trial = items[:i] + items[i + chunk :]
+      runs += 1
+      error = _fails(
+        session, f, args, kwargs, "steps:" + ",".join(trial), kind, reference
+      )
+      if error is not None:
+        items, best_error = trial, error
+      else:
+        i += chunk
+    if chunk == 1:
+      break
+    chunk //= 2
+  return "steps:" + ",".join(items), best_error
+
+
+def explore(
+  f: Callable[..., Any],
+  *args,
+  schedules: int = 100,
+  seed: int = 0,
+  depth: int = 3,
+  shrink: bool = True,
+  **kwargs,
+) -> Report:
+  """Runs ``f(*args, **kwargs)`` under ``schedules`` schedules of its
+  launches and reports every distinct failure.
+
+  Every ``mpmd_map`` launch on TPU meshes that ``f`` makes (jitted or not,
+  under ``shard_map`` or not) runs on the checking executor: all programs
+  of all meshes and devices under one scheduler. The first schedule is the
+  default one; then seeded random walks and PCT (depth ``depth``)
+  alternate. A failure is a typed error of a launch, or outputs that
+  differ from the default schedule's (``"nondeterministic"``). Each
+  failing schedule is shrunk to few preemptions (``shrink``).
+
+  Args:
+    f: the function; its launches' kernels are what is checked.
+    *args: its arguments (arrays; shapes and dtypes as it wants them).
+    schedules: how many schedules to run.
+    seed: the first random seed.
+    depth: the PCT depth (bugs needing up to ``depth`` ordering
+      constraints are found with good probability).
+    shrink: shrink failing schedules (a few dozen reruns each).
+
+  Returns:
+    A :class:`Report`: ``schedules_run`` and ``failures``.
+
+  Example::
+
+    >>> report = mpmd.explore(my_kernel_fn, x, schedules=50)
+    >>> for failure in report.failures:
+    ...   print(failure.kind, failure.schedule)
+    ...   mpmd.replay(my_kernel_fn, x, schedule=failure.schedule)  # raises
+  """
+  session = params_lib.Session()
+  reference = None
+  found: dict[Any, Failure] = {}
+  run = 0
+  for run in range(schedules):
+    text = _schedule_text(run, seed, depth)
+    outputs, error = _call(session, f, args, kwargs, text)
+    if error is None:
+      if reference is None:
+        reference = outputs
+        continue
+      error = _differs(outputs, reference, text, "default")
+      if error is None:
+        continue
+    steps = _preemptions(session) if session.runs else text
+    kind = kind_of(error)
+    key = _signature(kind, error)
+    if key in found:
+      continue
+    schedule = steps
+    if shrink:
+      shrunk, shrunk_error = _shrink(
+        session, f, args, kwargs, steps, kind, reference
+      )
+      if shrunk_error is not None:
+        schedule, error = shrunk, shrunk_error
+    found[key] = Failure(kind, schedule, error, text)
+  return Report(run + 1 if schedules else 0, list(found.values()))
+
+
+def replay(f: Callable[..., Any], *args, schedule: str, **kwargs):
+  """Runs ``f(*args, **kwargs)`` with its launches under ``schedule`` (a
+  string from ``explore``) and returns its outputs, or raises the typed
+  error that schedule produces, every time.
+
+  A ``"nondeterministic"`` failure is replayed by running the default
+  schedule too and raising ``mpmd.NondeterminismError`` when the outputs
+  differ.
+
+  Example::
+
+    >>> mpmd.replay(my_kernel_fn, x, schedule="steps:0/4:p1")
+  """
+  schedule_lib.parse(schedule)
+  session = params_lib.Session()
+  kept: list[Any] = []
+  outputs, error = _call(session, f, args, kwargs, schedule, kept)
+  if error is not None:
+    raise error
+  if schedule != "default":
+    reference, error = _call(session, f, args, kwargs, "default")
+    if error is None:
+      error = _differs(outputs, reference, schedule, "default")
+    if error is not None:
+      raise error
+  return kept[0]
+
+
+def timeline(
+  f: Callable[..., Any],
+  *args,
+  path: str,
+  schedule: str = "default",
+  **kwargs,
+):
+  """Runs ``f(*args, **kwargs)`` under ``schedule`` and writes its launches'
+  event log to ``path`` as Chrome trace-event JSON (open it in Perfetto or
+  chrome://tracing): a process per device, a thread per program; compute
+  between synchronisation points, DMAs from start to landing, blocked
+  waits, and arrows from each signal to the wait it released. Time is in
+  scheduler steps (one step per microsecond on the trace's axis), not a
+  model of hardware time. Returns ``f``'s outputs (or raises its error,
+  after writing the trace).
+
+  Example::
+
+    >>> mpmd.timeline(my_kernel_fn, x, path="/tmp/kernel.json")
+  """
+  schedule_lib.parse(schedule)
+  session = params_lib.Session()
+  session.start(schedule)
+  try:
+    with params_lib.config_state()(session):
+      return jax.block_until_ready(f(*args, **kwargs))
+  finally:
+    machines = [m for m, _ in session.runs if m is not None]
+    timeline_lib.write(path, machines)
