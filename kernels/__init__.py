@@ -3,6 +3,8 @@
 * ``all_gather_matmul`` / ``matmul_reduce_scatter``: ring collective matmul
   (TPU), used inside ``jax.shard_map``.
 * ``gmm`` / ``tgmm``: grouped matmul for mixture-of-experts (TPU).
+* ``ragged_all_to_all``: ``jax.lax.ragged_all_to_all`` by remote DMAs, for
+  expert-parallel mixture-of-experts (runs on CPU, lowers for TPU).
 * ``mpmd.kernels.gpu``: software-pipelined and warp-specialized Mosaic GPU
   pipelines and matmuls (CUDA).
 """
@@ -16,11 +18,13 @@ from mpmd.kernels.collective_matmul import (
 )
 from mpmd.kernels.grouped_matmul import gmm as gmm
 from mpmd.kernels.grouped_matmul import tgmm as tgmm
+from mpmd.kernels.moe import ragged_all_to_all as ragged_all_to_all
 
 __all__ = [
   "all_gather_matmul",
   "gmm",
   "gpu",
   "matmul_reduce_scatter",
+  "ragged_all_to_all",
   "tgmm",
 ]

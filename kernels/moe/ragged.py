@@ -1,0 +1,626 @@
+"""``ragged_all_to_all`` on ``mpmd_map``: remote DMAs of ragged row slices.
+
+``jax.lax.ragged_all_to_all`` has no XLA:CPU implementation. This one is one
+``mpmd_map`` launch per device, inside ``jax.shard_map``, that pushes each
+slice of ``operand`` straight into ``output`` on its receiver by remote DMA.
+
+A DMA has a static shape and a slice has a size known only at run time, so
+a slice of ``size`` rows moves as binary chunks: chunk ``b`` (``2**b`` rows)
+carries rows ``[prefix_b, prefix_b + 2**b)`` of the slice when bit ``b`` of
+``size`` is set, ``prefix_b`` being ``size`` with bits ``0..b`` cleared.
+``B`` chunks cover every size below ``2**B``; the largest valid slice has
+``min(N, M)`` rows, so ``B = min(N, M).bit_length()``. Two schedules issue
+them:
+
+* ``"masked"`` (the CPU fallback's): every chunk is sent, set or not, so
+  that every device issues the same remote DMAs in step, none under a
+  condition: the lockstep path runs them as XLA collectives (a remote DMA
+  under ``pl.when`` would send the launch to the threaded simulator). A
+  chunk whose bit is clear reads rows ``[0, 2**b)`` and lands in a spill
+  region of ``2**(B-1)`` rows past the end of the receiver's output buffer
+  (the kernel's output is ``M + spill`` rows; the caller drops the spill).
+  Each receiver gets the same static byte count from every peer, so its
+  waits are static too. Cost: every (peer, slot) pair moves ``2**B - 1``
+  rows whatever its size.
+* ``"conditional"`` (TPU's): a chunk is sent only when its bit is set,
+  straight into ``output`` (aliased, no spill); the receiver waits for the
+  chunks its own ``recv_sizes`` announce. Only the rows of the slices move,
+  in at most ``B`` DMAs per slice.
+
+Slices a device sends to itself are local DMAs under ``pl.when`` in both.
+
+Before the first remote DMA every device copies (masked) or aliases
+(conditional) ``output`` into its buffer and then meets its peers on the
+barrier semaphore, so no row arrives before the old values are in place.
+
+Bounds. A slice out of range (a negative offset or size, ``offset + size``
+past ``N`` at the sender or past ``M`` at the receiver) sends its chunks
+from row ``N`` of ``operand``, a window that leaves the buffer: the CPU
+fallback's run-time DMA checks raise ``mpmd.OutOfBoundsError`` (naming the
+chunk's window in ``operand``), where JAX leaves the result undefined.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mpmd import targets
+from mpmd.api import mpmd_map
+from mpmd.kernels import _common
+from mpmd.kernels.collective_matmul.ring import check_ring
+from mpmd.types import Interpret
+
+_FN = "ragged_all_to_all"
+SCHEDULES = ("masked", "conditional")
+# The barrier semaphore handshake uses this collective id.
+_COLLECTIVE_ID = 0
+# Rows of the metadata the kernel reads: one per argument, each of length
+# ``k * group_size``.
+_IN_OFF, _SEND, _OUT_OFF, _RECV = range(4)
+
+
+class Groups(NamedTuple):
+  """The devices that exchange: ``members[g][p]`` is the flattened index
+  (along ``axes``) of position ``p`` of group ``g``."""
+
+  axes: tuple[str, ...]
+  sizes: tuple[int, ...]
+  members: tuple[tuple[int, ...], ...]
+
+  @property
+  def size(self) -> int:
+    """Devices per group (the ``D`` of ``k * D`` slices)."""
+    return len(self.members[0])
+
+
+class Config(NamedTuple):
+  """Static parameters of one exchange (hashable)."""
+
+  groups: Groups
+  schedule: str
+  interpret: Interpret = None
+
+
+def check_groups(fn: str, axis_name: Any, axis_index_groups: Any) -> Groups:
+  """The exchange's axes (inside ``shard_map``) and its device groups."""
+  ring = check_ring(fn, axis_name, None)
+  size = ring.size
+  if axis_index_groups is None:
+    return Groups(ring.axes, ring.sizes, (tuple(range(size)),))
+  try:
+    if isinstance(axis_index_groups, str):
+      raise TypeError
+    groups = tuple(
+      tuple(_as_index(i) for i in group) for group in axis_index_groups
+    )
+  except TypeError:
+    raise TypeError(
+      f"{fn}: expected 'axis_index_groups' to be None or a sequence of "
+      f"sequences of ints, got {axis_index_groups!r}"
+    ) from None
+  flat = sorted(i for g in groups for i in g)
+  if not groups or flat != list(range(size)):
+    raise ValueError(
+      f"{fn}: expected 'axis_index_groups' to hold every index of "
+      f"range({size}) (the devices along {ring.axes!r}) exactly once, got "
+      f"{axis_index_groups!r}"
+    )
+  if len({len(g) for g in groups}) != 1:
+    raise ValueError(
+      f"{fn}: expected 'axis_index_groups' of equal sizes, got sizes "
+      f"{[len(g) for g in groups]}"
+    )
+  return Groups(ring.axes, ring.sizes, groups)
+
+
+def _as_index(i: Any) -> int:
+  if isinstance(i, bool) or not isinstance(i, int | np.integer):
+    raise TypeError
+  return int(i)
+
+
+def check_arguments(
+  fn: str, operand, output, offsets: dict[str, Any], groups: Groups
+) -> int:
+  """Checks the data and metadata arguments; returns ``k``, the slices per
+  device."""
+  _common.check_array(fn, "operand", operand, shape_doc="(N, ...)")
+  _common.check_array(fn, "output", output, shape_doc="(M, ...)")
+  for arg, x in (("operand", operand), ("output", output)):
+    if not np.ndim(x):
+      raise ValueError(
+        f"{fn}: expected '{arg}' of rank >= 1 (rows along its first "
+        "dimension), got a scalar"
+      )
+  if jnp.dtype(operand.dtype) != jnp.dtype(output.dtype):
+    raise TypeError(
+      f"{fn}: expected 'operand' and 'output' of the same dtype, got "
+      f"{jnp.dtype(operand.dtype).name} and {jnp.dtype(output.dtype).name}"
+    )
+  if tuple(operand.shape[1:]) != tuple(output.shape[1:]):
+    raise ValueError(
+      f"{fn}: expected 'operand' (N, ...) and 'output' (M, ...) with the "
+      f"same trailing dimensions, got shapes {tuple(operand.shape)} and "
+      f"{tuple(output.shape)}"
+    )
+  length = None
+  for arg, x in offsets.items():
+    _common.check_array(fn, arg, x, rank=1, shape_doc="(k * D,)")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(
+        f"{fn}: expected '{arg}' of an integer dtype, got "
+        f"{jnp.dtype(x.dtype).name}"
+      )
+    if length is None:
+      length = x.shape[0]
+    elif x.shape[0] != length:
+      lengths = {a: y.shape[0] for a, y in offsets.items()}
+      raise ValueError(
+        f"{fn}: expected 'input_offsets', 'send_sizes', 'output_offsets' "
+        f"and 'recv_sizes' of the same length, got {lengths}"
+      )
+  d = groups.size
+  if not length or length % d:
+    raise ValueError(
+      f"{fn}: expected offsets and sizes of length k * {d} (k >= 1 slices "
+      f"for each of the {d} devices that exchange), got length {length}"
+    )
+  return length // d
+
+
+def resolve_schedule(schedule: str | None, interpret: Interpret) -> str:
+  """As asked, else ``"conditional"`` when building for TPU or simulating
+  one, else ``"masked"`` (the CPU fallback's lockstep path)."""
+  if schedule is None:
+    simulated = isinstance(interpret, pltpu.InterpretParams)
+    tpu = simulated or targets.platform() == "tpu"
+    return "conditional" if tpu else "masked"
+  if schedule not in SCHEDULES:
+    raise ValueError(
+      f"{_FN}: expected 'schedule' in {SCHEDULES} or None, got {schedule!r}"
+    )
+  return schedule
+
+
+def _lookup(index: jax.Array, table: Sequence[int]) -> jax.Array:
+  """``table[index]`` for a traced index and a static table (a kernel
+  captures no arrays): one select per entry, nothing for the identity.
+  Entries are built from ``index`` (``index * 0 + value``) so that under
+  ``shard_map(check_vma=True)`` they vary over the same axes: mixing in a
+  constant would insert a ``pvary``, which Mosaic cannot lower."""
+  if list(table) == list(range(len(table))):
+    return index
+  zero = index * 0
+  out = zero + table[0]
+  for i, value in enumerate(table[1:], 1):
+    out = jnp.where(index == i, zero + value, out)
+  return out
+
+
+class _Peers:
+  """This device's place in its group and its peers' mesh coordinates,
+  computed from ``lax.axis_index`` and static tables (values the CPU
+  fallback knows for every device when it traces the kernel)."""
+
+  def __init__(self, groups: Groups):
+    self.groups = groups
+    flat = lax.axis_index(groups.axes[0])
+    for a, size in zip(groups.axes[1:], groups.sizes[1:], strict=True):
+      flat = flat * size + lax.axis_index(a)
+    total = math.prod(groups.sizes)
+    group_of, position_of = [0] * total, [0] * total
+    for g, members in enumerate(groups.members):
+      for p, i in enumerate(members):
+        group_of[i], position_of[i] = g, p
+    self._group = _lookup(flat, group_of)
+    self.position = _lookup(flat, position_of)  # in the group
+    self._members = [i for members in groups.members for i in members]
+    self.ids = [self._device_id(o) for o in range(groups.size)]
+
+  def position_at(self, offset: int) -> jax.Array:
+    """Group position of the peer ``offset`` positions on."""
+    size = self.groups.size
+    return lax.rem(self.position + offset, size)
+
+  def _device_id(self, offset: int) -> dict[str, jax.Array]:
+    size = self.groups.size
+    rest = _lookup(self._group * size + self.position_at(offset), self._members)
+    coords = []
+    for axis_size in reversed(self.groups.sizes):
+      coords.append(lax.rem(rest, axis_size))
+      rest = rest // axis_size
+    return dict(zip(self.groups.axes, reversed(coords), strict=True))
+
+
+def _chunk_bits(n: int, m: int) -> int:
+  """``B``: the binary chunks that cover every valid slice size."""
+  return min(n, m).bit_length()
+
+
+def _slice_fields(meta, i, n: int, m: int, *, sizes: int = _SEND):
+  """``(in_offset, size, out_offset, valid)`` of slice ``i``."""
+  in_off = meta[_IN_OFF, i]
+  size = meta[sizes, i]
+  out_off = meta[_OUT_OFF, i]
+  valid = (
+    (size >= 0)
+    & (in_off >= 0)
+    & (in_off <= n - size)
+    & (out_off >= 0)
+    & (out_off <= m - size)
+  )
+  return in_off, size, out_off, valid
+
+
+def _chunk(in_off, size, out_off, valid, b: int, n: int):
+  """Whether chunk ``b`` of a slice carries rows, and its source and
+  destination row starts. A chunk that carries none reads rows ``[0,
+  2**b)`` (the masked schedule sends it to the spill region); an invalid
+  slice reads from row ``n``: out of bounds, see the module docstring."""
+  has = ((size >> b) & 1) == 1
+  prefix = (size >> (b + 1)) << (b + 1)
+  src = jnp.where(has, in_off + prefix, jnp.int32(0))
+  src = jnp.where(valid, src, jnp.int32(n))
+  return has, src, out_off + prefix
+
+
+def _handshake(peers: _Peers) -> None:
+  """Every peer is inside the kernel (its buffer ready) before any remote
+  DMA to it."""
+  d = peers.groups.size
+  if d == 1:
+    return
+  barrier = pltpu.get_barrier_semaphore()
+  for o in range(1, d):
+    pl.semaphore_signal(barrier, 1, device_id=peers.ids[o])
+  pl.semaphore_wait(barrier, d - 1)
+
+
+def _kernel(config: Config, k: int, n: int, m: int):
+  """The kernel body of :func:`exchange`, and the spill rows its output
+  buffer has past ``m``."""
+  groups = config.groups
+  d = groups.size
+  bits = _chunk_bits(n, m)
+  masked = config.schedule == "masked"
+  spill = (1 << (bits - 1)) if masked else 0
+
+  def body(operand, output, meta_hbm, out, meta, send_sem, recv_sem):
+    pltpu.sync_copy(meta_hbm, meta)
+    if masked:
+      pltpu.sync_copy(output, out.at[pl.ds(0, m)])
+    # else: ``out`` is ``output``, aliased.
+    peers = _Peers(groups)
+    _handshake(peers)
+
+    def remote(src, dst, rows, o):
+      return pltpu.make_async_remote_copy(
+        operand.at[pl.ds(src, rows)],
+        out.at[pl.ds(dst, rows)],
+        send_sem,
+        recv_sem,
+        device_id=peers.ids[o],
+      )
+
+    sent = []
+    for o in range(1, d):
+      target = peers.position_at(o)
+      for s in range(k):
+        fields = _slice_fields(meta, target * k + s, n, m)
+        for b in range(bits):
+          has, src, dst = _chunk(*fields, b, n)
+          if masked:
+            copy = remote(src, jnp.where(has, dst, jnp.int32(m)), 1 << b, o)
+            copy.start()
+            sent.append(copy)
+          else:
+            valid = fields[3]
+
+            @pl.when(has | ~valid)
+            def _(src=src, dst=dst, b=b, o=o):
+              remote(src, dst, 1 << b, o).start()
+
+    # Slices to itself: local copies of the chunks that carry rows.
+    me = peers.position
+    for s in range(k):
+      fields = _slice_fields(meta, me * k + s, n, m)
+      for b in range(bits):
+        has, src, dst = _chunk(*fields, b, n)
+
+        @pl.when(has | ~fields[3])
+        def _(src=src, dst=dst, b=b):
+          pltpu.sync_copy(
+            operand.at[pl.ds(src, 1 << b)], out.at[pl.ds(dst, 1 << b)]
+          )
+
+    if masked:
+      # Every peer sends this device the same chunks it sends them.
+      for copy in sent:
+        copy.wait_recv()
+      for copy in sent:
+        copy.wait_send()
+      return
+    # Conditional: wait for the chunks this device's ``recv_sizes``
+    # announce, and for its own sends to leave.
+    for o in range(1, d):
+      source = peers.position_at(d - o)
+      target = peers.position_at(o)
+      for s in range(k):
+        recv_size = meta[_RECV, source * k + s]
+        send_size = meta[_SEND, target * k + s]
+        for b in range(bits):
+          like = remote(0, 0, 1 << b, o)
+
+          @pl.when(((recv_size >> b) & 1) == 1)
+          def _(like=like):
+            like.wait_recv()
+
+          @pl.when(((send_size >> b) & 1) == 1)
+          def _(like=like):
+            like.wait_send()
+
+  return body, spill
+
+
+def exchange(config: Config, operand, output, meta) -> jax.Array:
+  """The launch: ``meta`` is (4, k * D) int32 (input offsets, send sizes,
+  output offsets, recv sizes); returns the updated ``output``."""
+  n, m = operand.shape[0], output.shape[0]
+  k = meta.shape[1] // config.groups.size
+  if n == 0 or m == 0 or math.prod(output.shape[1:]) == 0:
+    return output  # no row can move
+  body, spill = _kernel(config, k, n, m)
+  masked = config.schedule == "masked"
+  varying = _common.varying_axes(operand, output, meta)
+  if varying:  # check_vma=True: every manual axis is tracked
+    varying |= frozenset(config.groups.axes)
+  out_type = _common.out_type(
+    (m + spill, *output.shape[1:]), output.dtype, varying
+  )
+  if not masked and varying:
+    output = _common.vary(output, varying)
+  itemsize = jnp.dtype(output.dtype).itemsize
+  row_bytes = math.prod(output.shape[1:]) * itemsize
+  call = mpmd_map(
+    [(_common.single_core_mesh(), body)],
+    out_types=(out_type,),
+    scratch_types=(
+      pltpu.SMEM(meta.shape, jnp.int32),
+      pltpu.SemaphoreType.DMA,
+      pltpu.SemaphoreType.DMA,
+    ),
+    input_output_aliases=None if masked else {1: 0},
+    compiler_params=pltpu.CompilerParams(collective_id=_COLLECTIVE_ID),
+    interpret=config.interpret,
+    cost_estimate=pl.CostEstimate(
+      flops=0,
+      transcendentals=0,
+      bytes_accessed=2 * (n + m) * row_bytes,
+    ),
+    name=_FN,
+  )
+  (out,) = call(operand, output, meta)
+  return out[:m] if masked else out
+
+
+def exchange_metadata(config: Config, values: jax.Array) -> jax.Array:
+  """``all_to_all`` of int32 ``values`` (rows, k * D) within the groups:
+  column block ``j`` of the result is column block ``me`` of device ``j``'s
+  ``values`` (``jax.lax.all_to_all(..., tiled=True)`` along the columns)."""
+  groups = config.groups
+  d = groups.size
+  rows, width = values.shape
+  k = width // d
+  # Blocks as leading rows so that each moves as one DMA.
+  blocks = values.reshape(rows, d, k).transpose(1, 0, 2)
+  varying = _common.varying_axes(values)
+  if varying:
+    varying |= frozenset(groups.axes)
+
+  def body(blocks_hbm, out, send_sem, recv_sem):
+    peers = _Peers(groups)
+    me = peers.position
+    pltpu.sync_copy(blocks_hbm.at[pl.ds(me, 1)], out.at[pl.ds(me, 1)])
+    _handshake(peers)
+    copies = [
+      pltpu.make_async_remote_copy(
+        blocks_hbm.at[pl.ds(peers.position_at(o), 1)],
+        out.at[pl.ds(me, 1)],
+        send_sem,
+        recv_sem,
+        device_id=peers.ids[o],
+      )
+      for o in range(1, d)
+    ]
+    for copy in copies:
+      copy.start()
+    for copy in copies:
+      copy.wait_recv()
+    for copy in copies:
+      copy.wait_send()
+
+  call = mpmd_map(
+    [(_common.single_core_mesh(), body)],
+    out_types=(_common.out_type(blocks.shape, jnp.int32, varying),),
+    scratch_types=(pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA),
+    compiler_params=pltpu.CompilerParams(collective_id=_COLLECTIVE_ID),
+    interpret=config.interpret,
+    name=f"{_FN}_metadata",
+  )
+  (out,) = call(blocks)
+  return out.transpose(1, 0, 2).reshape(rows, width)
+
+
+def _written_rows(m: int, offsets: jax.Array, sizes: jax.Array) -> jax.Array:
+  """(m,) bool: rows in any ``[offsets[i], offsets[i] + sizes[i])``."""
+  rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+  ends = (offsets + sizes)[None, :]
+  inside = (rows >= offsets[None, :]) & (rows < ends)
+  return jnp.any(inside, axis=1)
+
+
+class _Static(NamedTuple):
+  """The non-differentiable arguments of :func:`_ragged` (hashable)."""
+
+  config: Config
+  operand_rows: int
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged(static: _Static, operand, output, meta):
+  return exchange(static.config, operand, output, meta)
+
+
+def _ragged_fwd(static, operand, output, meta):
+  return exchange(static.config, operand, output, meta), meta
+
+
+def _ragged_bwd(static, meta, d_result):
+  # result = output with rows [recv_off, recv_off + recv_size) of every
+  # received slice replaced by the sender's operand rows. The operand's
+  # cotangent is the reverse exchange (each receiver sends the rows it
+  # received back to where they came from); the output's is the incoming
+  # one with the written rows zeroed (an empty slot writes nothing, even
+  # where its offset is a non-empty slot's).
+  config = static.config
+  received = exchange_metadata(config, meta[_IN_OFF : _OUT_OFF + 1])
+  recv_in_off, recv_out_off = received[0], received[_OUT_OFF]
+  reverse = jnp.stack([recv_out_off, meta[_RECV], recv_in_off, meta[_SEND]])
+  zeros = jnp.zeros((static.operand_rows, *d_result.shape[1:]), d_result.dtype)
+  d_operand = exchange(config, d_result, zeros, reverse)
+  written = _written_rows(d_result.shape[0], recv_out_off, meta[_RECV])
+  written = written.reshape(written.shape + (1,) * (d_result.ndim - 1))
+  d_output = jnp.where(written, jnp.zeros_like(d_result), d_result)
+  return d_operand, d_output, np.zeros(meta.shape, jax.dtypes.float0)
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def ragged_all_to_all(
+  operand: jax.Array,
+  output: jax.Array,
+  input_offsets: jax.Array,
+  send_sizes: jax.Array,
+  output_offsets: jax.Array,
+  recv_sizes: jax.Array,
+  *,
+  axis_name: str | tuple[str, ...],
+  axis_index_groups: Sequence[Sequence[int]] | None = None,
+) -> jax.Array:
+  """``jax.lax.ragged_all_to_all`` as remote DMAs, on every platform.
+
+  Call inside ``jax.shard_map`` over ``axis_name``. Each device sends ``k``
+  slices of rows of its ``operand`` to every device of its group (``D``
+  devices: the whole axis, or its group in ``axis_index_groups``): slice
+  ``i`` (rows ``input_offsets[i]`` to ``input_offsets[i] + send_sizes[i]``)
+  goes to group position ``i // k``, where it overwrites rows starting at
+  ``output_offsets[i]`` of that device's ``output``. The result is
+  ``output`` with every slice this device received written in; rows that
+  nothing writes keep their values. ``recv_sizes[i]`` is the size of the
+  slice this device receives from position ``i // k`` (its ``i % k``-th),
+  and must equal that sender's ``send_sizes`` entry, as in JAX.
+
+  Unlike XLA's op this runs on CPU (the CPU fallback's lockstep path) as
+  well as on TPU (a Mosaic kernel); slice windows outside ``operand`` or
+  ``output`` raise ``mpmd.OutOfBoundsError`` on CPU at run time. It is
+  differentiable: the ``operand`` cotangent is the reverse exchange (slices
+  of ``operand`` are assumed not to overlap, as in JAX's rule), the
+  ``output`` cotangent is the incoming one with the written rows zeroed.
+
+  Args:
+    operand: (N, ...) array: the rows to send, of any dtype.
+    output: (M, ...) array of ``operand``'s dtype and trailing dimensions:
+      what the result holds where nothing is received.
+    input_offsets: (k * D,) integer array: where each slice starts in
+      ``operand``.
+    send_sizes: (k * D,) integer array: the rows of each slice sent.
+    output_offsets: (k * D,) integer array: where each slice sent lands in
+      its receiver's ``output``.
+    recv_sizes: (k * D,) integer array: the rows of each slice received.
+    axis_name: the ``shard_map`` mesh axis to exchange along, or a tuple of
+      axes (their flattened index, in the order given).
+    axis_index_groups: optional groups of axis indices that exchange
+      separately (each a list of ``D`` indices; together they cover the
+      axis once), as in JAX.
+
+  Returns:
+    (M, ...) array of ``output``'s dtype: ``output`` with the received
+    slices written.
+
+  Raises:
+    TypeError: an argument is not an array, ``operand`` and ``output``
+      differ in dtype, or an offset / size array is not of an integer dtype.
+    ValueError: trailing dimensions differ, the offsets and sizes differ in
+      length or are not ``k * D`` long, the call is not inside
+      ``shard_map`` over ``axis_name``, or the groups are not a partition.
+
+  Example:
+    >>> import numpy as np
+    >>> mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    >>> def f(operand, output, in_off, send, out_off, recv):
+    ...   return mpmd.kernels.ragged_all_to_all(
+    ...     operand, output, in_off, send, out_off, recv, axis_name="x")
+    >>> # Device 0 sends [1] to itself and [2, 2] to device 1;
+    >>> # device 1 sends [3] to device 0 and [4] to itself.
+    >>> args = [
+    ...   jax.device_put(jnp.array(a, jnp.int32), NamedSharding(mesh, P("x")))
+    ...   for a in ([1, 2, 2, 3, 4, 0], [0] * 8, [0, 1, 0, 1], [1, 2, 1, 1],
+    ...             [0, 0, 1, 2], [1, 1, 2, 1])]
+    >>> g = jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    >>> np.asarray(jax.jit(g)(*args)).reshape(2, 4)
+    array([[1, 3, 0, 0],
+           [2, 2, 4, 0]], dtype=int32)
+  """
+  groups = check_groups(_FN, axis_name, axis_index_groups)
+  offsets = {
+    "input_offsets": input_offsets,
+    "send_sizes": send_sizes,
+    "output_offsets": output_offsets,
+    "recv_sizes": recv_sizes,
+  }
+  check_arguments(_FN, operand, output, offsets, groups)
+  return _call(
+    groups,
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+  )
+
+
+def _call(
+  groups: Groups,
+  operand,
+  output,
+  input_offsets,
+  send_sizes,
+  output_offsets,
+  recv_sizes,
+  *,
+  schedule: str | None = None,
+  interpret: Interpret = None,
+) -> jax.Array:
+  """The checked call; ``schedule`` / ``interpret`` force a schedule or a
+  CPU path (tests)."""
+  config = Config(groups, resolve_schedule(schedule, interpret), interpret)
+  meta = jnp.stack(
+    [
+      jnp.asarray(x).astype(jnp.int32)
+      for x in (input_offsets, send_sizes, output_offsets, recv_sizes)
+    ]
+  )
+  static = _Static(config, operand.shape[0])
+  return _ragged(static, operand, output, meta)

@@ -1,0 +1,437 @@
+"""``mpmd.kernels.ragged_all_to_all`` against plain JAX.
+
+XLA:CPU cannot run ``jax.lax.ragged_all_to_all``, so the reference is the
+all-gather of every device's arguments and one gather per slice
+(``ragged_all_to_all_util.reference``), on arrays stacked along a leading
+device axis. One class per execution path:
+
+* ``TestCpuFallback``: the CPU fallback's schedule (masked chunks, the
+  lockstep path) on simulated CPU devices: routings with empty slots,
+  devices that send nothing, packed and padded layouts, 1-D and 2-D meshes,
+  groups, offset dtypes, gradients, run-time bounds errors.
+* ``TestTpuSimulator``: TPU's schedule (conditional chunks) in the threaded
+  TPU simulator, with its race detector.
+* ``TestTpuLowering``: both schedules, and the gradient, cross-lowered for
+  TPU from this CPU host.
+
+Errors raised before lowering are at the end.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from launches import kernel_path
+from ragged_all_to_all_util import (
+  place,
+  random_routing,
+  run_stacked,
+  stacked,
+  stacked_mesh,
+)
+
+import mpmd
+import mpmd.kernels
+from mpmd.kernels.moe import ragged
+from mpmd.lowering import paths
+
+
+def ragged_fn(axis_name="x", **kwargs):
+  return functools.partial(
+    mpmd.kernels.ragged_all_to_all, axis_name=axis_name, **kwargs
+  )
+
+
+def forced(schedule, interpret=None, axis_name="x"):
+  """The kernel with its schedule / CPU path forced (the public function
+  picks them from the platform)."""
+
+  def fn(*args):
+    groups = ragged.check_groups("test", axis_name, None)
+    return ragged._call(groups, *args, schedule=schedule, interpret=interpret)
+
+  return fn
+
+
+def assert_equal(got, want):
+  # Rows move bit for bit: no tolerance.
+  np.testing.assert_array_equal(
+    np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+  )
+
+
+class TestCpuFallback:
+  @pytest.mark.parametrize(
+    "devices,k,trailing,dtype",
+    [
+      (2, 1, (8,), jnp.float32),
+      (2, 3, (), jnp.int32),
+      (4, 2, (2, 4), jnp.bfloat16),
+      pytest.param(8, 2, (8,), jnp.float32, marks=pytest.mark.slow),
+      pytest.param(8, 1, (16,), jnp.bfloat16, marks=pytest.mark.slow),
+    ],
+  )
+  def test_matches_reference(self, rng, devices, k, trailing, dtype):
+    r = random_routing(
+      rng, devices=devices, k=k, rows=13, trailing=trailing, dtype=dtype
+    )
+    mesh = stacked_mesh((devices,), ("x",))
+    assert_equal(run_stacked(ragged_fn(), mesh, *r.args), r.expected())
+
+  @pytest.mark.parametrize("pad", [False, True])
+  def test_empty_slots_and_a_silent_device(self, rng, pad):
+    # Packed: empty slots share their offsets with non-empty ones.
+    r = random_routing(rng, devices=4, k=2, rows=9, empty_senders=(2,), pad=pad)
+    assert not np.asarray(r.send_sizes[2]).any()
+    assert not np.asarray(r.recv_sizes[:, 4:6]).any()
+    mesh = stacked_mesh((4,), ("x",))
+    assert_equal(run_stacked(ragged_fn(), mesh, *r.args), r.expected())
+
+  def test_unwritten_rows_keep_their_values(self, rng):
+    r = random_routing(rng, devices=2, k=2, rows=8)
+    mesh = stacked_mesh((2,), ("x",))
+    got = np.asarray(run_stacked(ragged_fn(), mesh, *r.args))
+    written = np.zeros(got.shape[:2], bool)
+    for t in range(2):
+      for i in range(4):
+        j, s = divmod(i, 2)
+        start = int(r.output_offsets[j, t * 2 + s])
+        written[t, start : start + int(r.recv_sizes[t, i])] = True
+    assert (~written).any()
+    np.testing.assert_array_equal(got[~written], np.asarray(r.output)[~written])
+    # Nothing sent: the output unchanged.
+    silent = r._replace(
+      send_sizes=0 * r.send_sizes, recv_sizes=0 * r.recv_sizes
+    )
+    got = run_stacked(ragged_fn(), mesh, *silent.args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(r.output))
+
+  @pytest.mark.parametrize(
+    "dtype",
+    [
+      np.int8,
+      np.uint32,
+      *(pytest.param(d, marks=pytest.mark.slow) for d in (np.uint8, np.int16)),
+    ],
+  )
+  def test_offsets_of_any_integer_dtype(self, rng, dtype):
+    r = random_routing(rng, devices=2, k=2, rows=10)
+    metadata = [jnp.asarray(np.asarray(x).astype(dtype)) for x in r.metadata]
+    mesh = stacked_mesh((2,), ("x",))
+    got = run_stacked(ragged_fn(), mesh, r.operand, r.output, *metadata)
+    assert_equal(got, r.expected())
+
+  @pytest.mark.parametrize(
+    "axis_name,groups",
+    [
+      ("y", [[0, 1], [2, 3]]),
+      ("x", [[0, 2], [1, 3]]),
+      (("x", "y"), [[0, 1, 2, 3]]),
+      pytest.param(("y", "x"), [[0, 2, 1, 3]], marks=pytest.mark.slow),
+    ],
+  )
+  def test_2d_mesh(self, rng, axis_name, groups):
+    # Devices stacked in mesh order: global index 2 * x + y.
+    r = random_routing(rng, devices=4, k=2, rows=9, groups=groups)
+    mesh = stacked_mesh((2, 2), ("x", "y"))
+    got = run_stacked(ragged_fn(axis_name), mesh, *r.args)
+    assert_equal(got, r.expected())
+
+  def test_axis_index_groups(self, rng):
+    groups = [[0, 3], [2, 1]]
+    r = random_routing(rng, devices=4, k=1, rows=7, groups=groups)
+    mesh = stacked_mesh((4,), ("x",))
+    fn = ragged_fn(axis_index_groups=groups)
+    assert_equal(run_stacked(fn, mesh, *r.args), r.expected())
+
+  @pytest.mark.parametrize(
+    "pad", [False, pytest.param(True, marks=pytest.mark.slow)]
+  )
+  def test_grad(self, rng, pad):
+    r = random_routing(rng, devices=4, k=2, rows=9, pad=pad, trailing=(3,))
+    mesh = stacked_mesh((4,), ("x",))
+    weights = jnp.asarray(rng.standard_normal(r.output.shape), jnp.float32)
+    fn = stacked(ragged_fn(), mesh)
+    metadata = place(mesh, *r.metadata)
+
+    def ours(operand, output):
+      return jnp.sum(fn(operand, output, *metadata) * weights)
+
+    def reference(operand, output):
+      routed = r._replace(operand=operand, output=output)
+      return jnp.sum(routed.expected() * weights)
+
+    got = jax.jit(jax.grad(ours, argnums=(0, 1)))(
+      *place(mesh, r.operand, r.output)
+    )
+    want = jax.grad(reference, argnums=(0, 1))(r.operand, r.output)
+    for g, w in zip(got, want, strict=True):
+      assert_equal(g, w)
+
+  def test_vmap(self, rng):
+    first = random_routing(rng, devices=2, k=1, rows=6, pad=False)
+    # A second routing of the same shapes: every size halved (a receiver's
+    # sizes are its senders' sizes, so they stay consistent).
+    second = first._replace(
+      operand=first.operand + 1,
+      send_sizes=first.send_sizes // 2,
+      recv_sizes=first.recv_sizes // 2,
+    )
+    batch = [first, second]
+    mesh = stacked_mesh((2,), ("x",))
+    args = [jnp.stack([b.args[i] for b in batch], axis=1) for i in range(6)]
+    got = run_stacked(jax.vmap(ragged_fn()), mesh, *args)
+    for i, b in enumerate(batch):
+      assert_equal(got[:, i], b.expected())
+
+  def test_takes_lockstep_path(self):
+    mesh = stacked_mesh((2,), ("x",))
+    f = jax.shard_map(ragged_fn(), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    shapes = [(16, 8), (12, 8), (4,), (4,), (4,), (4,)]
+    args = [
+      jax.ShapeDtypeStruct(
+        s,
+        jnp.float32 if len(s) == 2 else jnp.int32,
+        sharding=NamedSharding(mesh, P("x")),
+      )
+      for s in shapes
+    ]
+    path = kernel_path(f, *args)
+    assert path.kind == paths.LOCKSTEP, path
+
+  @pytest.mark.parametrize(
+    "field,device,slot,value,window",
+    [
+      ("input_offsets", 0, 1, 20, "source window"),
+      ("input_offsets", 1, 0, -1, "source window"),
+      ("send_sizes", 1, 1, -2, "source window"),
+      ("output_offsets", 0, 1, 40, "source window"),
+      ("output_offsets", 1, 1, 40, "source window"),  # to itself
+    ],
+  )
+  def test_out_of_bounds_at_run_time(
+    self, rng, field, device, slot, value, window
+  ):
+    r = random_routing(rng, devices=2, k=1, rows=8)
+    bad = getattr(r, field).at[device, slot].set(value)
+    r = r._replace(**{field: bad})
+    mesh = stacked_mesh((2,), ("x",))
+    with (
+      pytest.raises(mpmd.OutOfBoundsError, match=window),
+      mpmd.typed_errors(),
+    ):
+      jax.block_until_ready(run_stacked(ragged_fn(), mesh, *r.args))
+
+
+class TestTpuSimulator:
+  """TPU's schedule: chunks sent only when they carry rows."""
+
+  @pytest.mark.parametrize("devices,k", [(2, 2), (4, 1)])
+  def test_conditional_schedule_no_race(self, rng, devices, k):
+    r = random_routing(rng, devices=devices, k=k, rows=9, pad=False)
+    mesh = stacked_mesh((devices,), ("x",))
+    fn = forced(
+      "conditional", interpret=pltpu.InterpretParams(detect_races=True)
+    )
+    with mpmd.race_policy("record"):
+      got = run_stacked(fn, mesh, *r.args)
+      assert_equal(got, r.expected())
+      assert not mpmd.get_races().races_found
+
+  def test_masked_schedule_no_race(self, rng):
+    r = random_routing(rng, devices=2, k=2, rows=9)
+    mesh = stacked_mesh((2,), ("x",))
+    fn = forced("masked", interpret=pltpu.InterpretParams(detect_races=True))
+    with mpmd.race_policy("record"):
+      got = run_stacked(fn, mesh, *r.args)
+      assert_equal(got, r.expected())
+
+
+class TestTpuLowering:
+  def lower(self, fn, mesh, axes, shapes) -> str:
+    spec = P(axes)
+    args = [
+      jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
+      for s, d in shapes
+    ]
+    # Mosaic fills the mesh axes a device id leaves out with their
+    # axis_index, in a function traced with vma checks that it cannot
+    # lower (a pvary): on a multi-axis mesh, lower with check_vma=False.
+    f = jax.shard_map(
+      fn,
+      mesh=mesh,
+      in_specs=spec,
+      out_specs=spec,
+      check_vma=len(mesh.axis_names) == 1,
+    )
+    with mpmd.tpu_target():
+      return (
+        jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+      )
+
+  def assert_collective_kernel(self, text, count=1):
+    assert text.count("tpu_custom_call") == count
+    assert re.search(r"has_communication\\22: true", text)
+
+  @pytest.mark.parametrize("schedule", [None, "masked"])
+  @pytest.mark.parametrize(
+    "mesh_shape,axis_name,trailing",
+    [((4,), "x", (128,)), ((2, 4), "y", (8, 128)), ((2, 2), "x", ())],
+  )
+  def test_lowers(self, schedule, mesh_shape, axis_name, trailing):
+    names = ("x", "y")[: len(mesh_shape)]
+    mesh = stacked_mesh(mesh_shape, names)
+    d = mesh.shape[axis_name]
+    count = np.prod(mesh_shape)
+    shapes = [
+      ((count * 64, *trailing), jnp.bfloat16),
+      ((count * 96, *trailing), jnp.bfloat16),
+    ] + [((count * 2 * d,), jnp.int32)] * 4
+    fn = forced(schedule, axis_name=axis_name)
+    self.assert_collective_kernel(self.lower(fn, mesh, names, shapes))
+
+  def test_default_schedule_follows_the_platform(self):
+    assert ragged.resolve_schedule(None, None) == "masked"
+    assert ragged.resolve_schedule(None, pltpu.InterpretParams()) == (
+      "conditional"
+    )
+    with mpmd.tpu_target():
+      assert ragged.resolve_schedule(None, None) == "conditional"
+
+  def test_grad_lowers(self):
+    mesh = stacked_mesh((4,), ("x",))
+    f = jax.shard_map(ragged_fn(), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+
+    def loss(operand, output, *metadata):
+      out = f(operand, output, *metadata)
+      return jnp.sum(out.astype(jnp.float32))
+
+    spec = NamedSharding(mesh, P("x"))
+    args = [
+      jax.ShapeDtypeStruct((4 * 32, 256), jnp.bfloat16, sharding=spec),
+      jax.ShapeDtypeStruct((4 * 48, 256), jnp.bfloat16, sharding=spec),
+    ] + [jax.ShapeDtypeStruct((4 * 4,), jnp.int32, sharding=spec)] * 4
+    with mpmd.tpu_target():
+      text = (
+        jax.jit(jax.grad(loss, argnums=(0, 1)))
+        .trace(*args)
+        .lower(lowering_platforms=("tpu",))
+        .as_text()
+      )
+    # Forward, the offsets' exchange, the reverse exchange.
+    self.assert_collective_kernel(text, count=3)
+
+
+# -- errors before lowering ---------------------------------------------------
+
+
+def _call_in_shard_map(args, **kwargs):
+  mesh = stacked_mesh((2,), ("x",))
+  fn = functools.partial(mpmd.kernels.ragged_all_to_all, **kwargs)
+  f = jax.shard_map(
+    lambda *a: fn(*(x[0] for x in a))[None],
+    mesh=mesh,
+    in_specs=P("x"),
+    out_specs=P("x"),
+  )
+  spec = NamedSharding(mesh, P("x"))
+  avals = [
+    jax.ShapeDtypeStruct((2, *jnp.shape(a)), jnp.result_type(a), sharding=spec)
+    for a in args
+  ]
+  return jax.jit(f).trace(*avals)
+
+
+def _args(**changes):
+  args = dict(
+    operand=np.zeros((8, 4), np.float32),
+    output=np.zeros((6, 4), np.float32),
+    input_offsets=np.zeros(4, np.int32),
+    send_sizes=np.zeros(4, np.int32),
+    output_offsets=np.zeros(4, np.int32),
+    recv_sizes=np.zeros(4, np.int32),
+  )
+  args.update(changes)
+  return list(args.values())
+
+
+@pytest.mark.parametrize(
+  "changes,kwargs,error,match",
+  [
+    (
+      dict(output=np.zeros((6, 4), jnp.bfloat16)),
+      {},
+      TypeError,
+      "expected 'operand' and 'output' of the same dtype, got float32 and "
+      "bfloat16",
+    ),
+    (
+      dict(output=np.zeros((6, 5), np.float32)),
+      {},
+      ValueError,
+      r"same trailing dimensions, got shapes \(8, 4\) and \(6, 5\)",
+    ),
+    (
+      dict(send_sizes=np.zeros(4, np.float32)),
+      {},
+      TypeError,
+      "expected 'send_sizes' of an integer dtype, got float32",
+    ),
+    (
+      dict(recv_sizes=np.zeros(6, np.int32)),
+      {},
+      ValueError,
+      "of the same length",
+    ),
+    (
+      dict(
+        input_offsets=np.zeros(3, np.int32),
+        send_sizes=np.zeros(3, np.int32),
+        output_offsets=np.zeros(3, np.int32),
+        recv_sizes=np.zeros(3, np.int32),
+      ),
+      {},
+      ValueError,
+      "of length k \\* 2",
+    ),
+    (
+      dict(output_offsets=np.zeros((2, 2), np.int32)),
+      {},
+      ValueError,
+      "expected 'output_offsets' of rank 1",
+    ),
+    ({}, dict(axis_name="z"), ValueError, "'z' is not an axis"),
+    (
+      {},
+      dict(axis_index_groups=[[0], [0]]),
+      ValueError,
+      "exactly once",
+    ),
+    (
+      {},
+      dict(axis_index_groups=[[0.5, 1]]),
+      TypeError,
+      "'axis_index_groups' to be None or a sequence of sequences of ints",
+    ),
+  ],
+)
+def test_errors(changes, kwargs, error, match):
+  kwargs.setdefault("axis_name", "x")
+  with pytest.raises(error, match=match):
+    _call_in_shard_map(_args(**changes), **kwargs)
+
+
+def test_outside_shard_map():
+  with pytest.raises(ValueError, match="inside jax.shard_map"):
+    mpmd.kernels.ragged_all_to_all(*_args(), axis_name="x")
+
+
+def test_scalar_operand():
+  with pytest.raises(ValueError, match="'operand' of rank >= 1"):
+    _call_in_shard_map(_args(operand=np.float32(0)), axis_name="x")
