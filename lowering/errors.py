@@ -1,15 +1,23 @@
 """The CPU fallback's errors, and how they reach the caller typed.
 
-A kernel fails inside a host callback of an XLA execution; XLA hands the
-caller a ``JaxRuntimeError`` whose message carries the error's text. Every
-error we raise there is remembered, so ``typed_errors`` (and an eager
-``mpmd_map`` call, which uses it) can raise it again as itself:
-``except mpmd.DeadlockError`` matches. Each is a ``JaxRuntimeError`` too,
-so code that catches JAX's runtime errors keeps working.
+A kernel fails inside a host callback of an XLA execution. XLA keeps
+only the text of a callback's exception (jaxlib 0.10.2 and 0.12 alike: no
+cause, no notes) and hands the caller its own error quoting it: a
+``JaxRuntimeError`` from JAX's Python dispatch (a computation's first
+call), a ``ValueError`` from its C++ dispatch (later calls). So every
+error we raise there is kept under a key of its own, and carries the key
+(``[mpmd launch error 7]``): ``typed_errors`` (and an eager ``mpmd_map``
+call, which uses it) finds the key in whatever XLA raised and raises the
+kept error again as itself, its message as written, whichever way JAX
+dispatched the call and whatever the message says. ``except
+mpmd.DeadlockError`` matches. Each is a ``JaxRuntimeError`` too, so code
+that catches JAX's runtime errors keeps working.
 """
 
 import collections
 import contextlib
+import itertools
+import re
 import threading
 
 import jax
@@ -49,29 +57,34 @@ class NondeterminismError(LaunchError):
   with the same inputs, returned different bytes."""
 
 
-_recent: collections.deque[LaunchError] = collections.deque(maxlen=64)
+_KEPT = 256  # launch errors kept for typed_errors, the newest
+_kept: collections.OrderedDict[int, LaunchError] = collections.OrderedDict()
+_keys = itertools.count(1)
 _lock = threading.Lock()
+_KEY = re.compile(r" \[mpmd launch error (\d+)\]")
 
 
 def remember(error: LaunchError) -> LaunchError:
-  """Keeps ``error`` for ``typed_errors``; returns it, ready to raise."""
+  """Keeps ``error`` for ``typed_errors`` under a new key; returns a copy
+  that carries the key, to raise into XLA."""
+  message = _KEY.sub("", str(error.args[0])) if error.args else ""
   with _lock:
-    _recent.append(error)
-  return error
+    key = next(_keys)
+    _kept[key] = type(error)(message)
+    while len(_kept) > _KEPT:
+      _kept.popitem(last=False)
+  return type(error)(f"{message} [mpmd launch error {key}]")
 
 
 def _typed(error: BaseException) -> LaunchError | None:
-  """The launch error whose report ``error`` (from XLA) carries, if any."""
-  if isinstance(error, LaunchError):
-    return error
-  if not isinstance(error, jax.errors.JaxRuntimeError):
-    return None
-  text = str(error)
+  """The launch error whose key ``error`` (XLA's report of it, or the
+  error itself) carries, if any."""
+  found = _KEY.findall(str(error))
   with _lock:
-    for known in reversed(_recent):
-      if str(known) and str(known) in text:
-        return type(known)(*known.args)
-  return None
+    known = _kept.get(int(found[-1])) if found else None
+  if known is not None:
+    return type(known)(*known.args)
+  return error if isinstance(error, LaunchError) else None
 
 
 def reports_launch(error: BaseException) -> bool:
@@ -128,4 +141,3 @@ def _forget_reported() -> None:
     others = [x for x in getattr(e, "exceptions", (e,)) if _typed(x) is None]
     if others:
       raise others[0] from None
-

@@ -1,0 +1,136 @@
+"""Typed launch errors on every call of a jitted function (issue 36, item 7).
+
+A computation's first call goes through JAX's Python dispatch, which
+raises XLA's failure as a ``JaxRuntimeError``; later calls go through its
+C++ dispatch, which raises a plain ``ValueError``. ``mpmd.typed_errors``
+finds the launch error by the key its report carries, on either path.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import mpmd
+from mpmd.lowering import errors
+
+ROWS, COLS = 8, 128
+CALLS = 3
+
+
+def _window(start_hbm, x_hbm, o_hbm, start_smem):
+  """Copies the rows from a start read at run time (past the end: OOB)."""
+  pltpu.sync_copy(start_hbm, start_smem)
+  pltpu.sync_copy(x_hbm.at[pl.ds(start_smem[0], ROWS)], o_hbm)
+
+
+def _windows():
+  return jax.jit(
+    mpmd.mpmd_map(
+      [(mpmd.tensorcore_mesh("core", num_cores=1), _window)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[pltpu.SMEM((1,), jnp.int32)],
+    )
+  )
+
+
+def _waits_for(count_hbm, o_hbm, count_smem, sem):
+  """Signals itself once, then waits for a count read at run time (more
+  than 1: forever)."""
+  del o_hbm
+  pltpu.sync_copy(count_hbm, count_smem)
+  pl.semaphore_signal(sem, 1)
+  pl.semaphore_wait(sem, count_smem[0])
+
+
+def _waiting(interpret):
+  return jax.jit(
+    mpmd.mpmd_map(
+      [(mpmd.tensorcore_mesh("core", num_cores=1), _waits_for)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[
+        pltpu.SMEM((1,), jnp.int32),
+        pltpu.SemaphoreType.REGULAR(()),
+      ],
+      interpret=interpret,
+    )
+  )
+
+
+X = jnp.arange(2 * ROWS * COLS, dtype=jnp.float32).reshape(-1, COLS)
+GOOD, PAST_THE_END = jnp.array([ROWS], jnp.int32), jnp.array([12], jnp.int32)
+
+
+@pytest.mark.parametrize("first_call_succeeds", [True, False])
+def test_out_of_bounds_is_typed_on_every_call(first_call_succeeds):
+  f = _windows()
+  if first_call_succeeds:
+    np.testing.assert_array_equal(f(GOOD, X), X[ROWS:])
+  for _ in range(CALLS):
+    with pytest.raises(mpmd.OutOfBoundsError, match="out of bounds of 'x_hbm'"):
+      with mpmd.typed_errors():
+        jax.block_until_ready(f(PAST_THE_END, X))
+  np.testing.assert_array_equal(f(GOOD, X), X[ROWS:])
+
+
+def test_later_calls_fail_as_jax_reports_them_outside_typed_errors():
+  """What ``typed_errors`` has to see through: after a successful call,
+  JAX raises a plain ValueError (its C++ dispatch), not a LaunchError."""
+  f = _windows()
+  jax.block_until_ready(f(GOOD, X))
+  with pytest.raises(Exception) as caught:  # noqa: PT011 (checked below)
+    jax.block_until_ready(f(PAST_THE_END, X))
+  assert not isinstance(caught.value, mpmd.LaunchError)
+  assert isinstance(caught.value, (ValueError, jax.errors.JaxRuntimeError))
+  assert errors.reports_launch(caught.value)
+
+
+@pytest.mark.parametrize(
+  "interpret", [None, pltpu.InterpretParams()], ids=["default", "simulator"]
+)
+def test_deadlock_is_typed_on_every_call(interpret):
+  f = _waiting(interpret)
+  one, two = jnp.array([1], jnp.int32), jnp.array([2], jnp.int32)
+  jax.block_until_ready(f(one))
+  with mpmd.deadlock_timeout(1.0):
+    for _ in range(CALLS):
+      with pytest.raises(mpmd.DeadlockError, match="^mpmd_map deadlock"):
+        with mpmd.typed_errors():
+          jax.block_until_ready(f(two))
+  jax.block_until_ready(f(one))
+
+
+def test_the_typed_error_reads_as_written():
+  """The key travels in XLA's report only: the typed error's message is
+  the error's own."""
+  f = _windows()
+  jax.block_until_ready(f(GOOD, X))
+  with pytest.raises(mpmd.OutOfBoundsError) as caught:
+    with mpmd.typed_errors():
+      jax.block_until_ready(f(PAST_THE_END, X))
+  assert "mpmd launch error" not in str(caught.value)
+  assert str(caught.value).startswith("mpmd_map: kernel _window at ")
+
+
+def test_an_error_quoting_a_launch_errors_text_is_not_that_error():
+  """Errors are found by their key, not by their words: a user's error
+  that quotes a launch error's message stays the user's."""
+  raised = errors.remember(mpmd.DeadlockError("mpmd_map deadlock: quoted"))
+  message = str(raised).split(" [mpmd launch error")[0]
+  with pytest.raises(ValueError, match="quoted"):
+    with mpmd.typed_errors():
+      raise ValueError(f"a user's error: {message}")
+  with pytest.raises(mpmd.DeadlockError, match="^mpmd_map deadlock: quoted$"):
+    with mpmd.typed_errors():
+      raise ValueError(f"INTERNAL: CpuCallback error: {raised}")
+
+
+def test_remember_keys_each_error_once():
+  first = errors.remember(mpmd.RaceError("a race"))
+  again = errors.remember(first)  # a copy raised again: a new key
+  assert str(first).startswith("a race [mpmd launch error ")
+  assert str(again).startswith("a race [mpmd launch error ")
+  assert str(again).count("[mpmd launch error") == 1
+  assert str(first) != str(again)
