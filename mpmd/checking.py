@@ -188,6 +188,7 @@ def explore(
   seed: int = 0,
   depth: int = 3,
   shrink: bool = True,
+  max_failures: int | None = None,
   **kwargs,
 ) -> Report:
   """Runs ``f(*args, **kwargs)`` under ``schedules`` schedules of its
@@ -209,6 +210,8 @@ def explore(
     depth: the PCT depth (bugs needing up to ``depth`` ordering
       constraints are found with good probability).
     shrink: shrink failing schedules (a few dozen reruns each).
+    max_failures: stop after this many distinct failures (None: run every
+      schedule).
 
   Returns:
     A :class:`Report`: ``schedules_run`` and ``failures``.
@@ -247,6 +250,8 @@ def explore(
       if shrunk_error is not None:
         schedule, error = shrunk, shrunk_error
     found[key] = Failure(kind, schedule, error, text)
+    if max_failures is not None and len(found) >= max_failures:
+      break
   return Report(run + 1 if schedules else 0, list(found.values()))
 
 

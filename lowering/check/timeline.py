@@ -92,6 +92,7 @@ def _launch_events(m, launch: int, offset: int) -> list[dict[str, Any]]:
       continue
     where = (e.device, e.program)
     begin = last.get(where, offset)
+    ts = max(ts, begin)  # events of one step (a last wait, then the exit)
     if ts > begin:
       name = (
         "blocked" if e.kind == "wait" and e.after is not None else ("compute")
