@@ -60,6 +60,15 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     # interpret= forces interpretation on any platform.
     return cpu.lower(ctx, *in_nodes, **params)
   meshes, jaxprs = params["meshes"], params["jaxprs"]
+  core_type = tpu().core.CoreType
+  others = [m for m in meshes if not isinstance(m.core_type, core_type)]
+  if others:
+    raise NotImplementedError(
+      "mpmd_map: TPU lowering needs TPU meshes (pltpu.TensorCoreMesh, "
+      "SparseCore meshes); got "
+      f"{[f'{type(m).__name__} ({m.core_type})' for m in others]}, which "
+      "lower for their own platform ('cuda' for plgpu.Mesh)"
+    )
   core_types = {m.core_type for m in meshes}
   tensorcore = tpu().core.CoreType.TC
   if len(meshes) > 1 and core_types == {tensorcore}:

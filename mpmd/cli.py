@@ -7,8 +7,10 @@ mpmd bench NAME [args...]                benchmarks/NAME.py, as ratios
 
 import argparse
 import importlib.util
+import os
 import platform
 import sys
+import textwrap
 import time
 import traceback
 from contextlib import nullcontext
@@ -67,19 +69,31 @@ def _lowered_text(demo, target: str) -> str:
     return traced.lower(lowering_platforms=(target,)).as_text()
 
 
-def _load_demo(name: str):
+_FILE_HELP = """\
+NAME is a registered kernel:
+{names}
+
+FILE.py is a Python file that defines demo(), taking no arguments and
+returning an mpmd.registry.Demo(fn, args, platforms): mpmd lower traces
+jax.jit(fn)(*args) and lowers it for --platform. examples/*.py have one:
+
+  def demo() -> mpmd.registry.Demo:
+    x = jnp.ones((8, 256), jnp.float32)
+    return mpmd.registry.Demo(axpy, (x, x), ("tpu", "cpu"))
+"""
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip()
+  line = text.splitlines()[0] if text else ""
+  return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def _load_demo(name: str) -> registry.Demo:
+  """The demo ``mpmd lower NAME`` lowers; a ``SystemExit`` with one line
+  saying why when there is none."""
   if name.endswith(".py"):
-    path = Path(name)
-    if not path.exists():
-      raise SystemExit(f"mpmd lower: no such file {name}")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "demo"):
-      raise SystemExit(
-        f"mpmd lower: {name} defines no demo() returning mpmd.registry.Demo"
-      )
-    return module.demo()
+    return _load_demo_file(name)
   known = demos.registered()
   if name not in known:
     raise SystemExit(
@@ -89,15 +103,82 @@ def _load_demo(name: str):
   return known[name]()
 
 
+def _load_demo_file(name: str) -> registry.Demo:
+  path = Path(name)
+  if not path.is_file():
+    raise SystemExit(f"mpmd lower: no such file {name}")
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except SyntaxError as e:
+    raise SystemExit(
+      f"mpmd lower: {name}:{e.lineno}: SyntaxError: {e.msg}"
+    ) from None
+  except Exception as e:  # noqa: BLE001 (the user's file: say what and where)
+    raise SystemExit(
+      f"mpmd lower: {name} failed to import: {_first_line(e)}"
+    ) from None
+  make = getattr(module, "demo", None)
+  if not callable(make):
+    raise SystemExit(
+      f"mpmd lower: {name} defines no demo() returning an mpmd.registry.Demo "
+      "(see mpmd lower --help)"
+    )
+  try:
+    demo = make()
+  except Exception as e:  # noqa: BLE001 (the user's demo(): say what)
+    raise SystemExit(
+      f"mpmd lower: {name}: demo() raised {_first_line(e)}"
+    ) from None
+  if not isinstance(demo, registry.Demo):
+    raise SystemExit(
+      f"mpmd lower: {name}: demo() should return an mpmd.registry.Demo, "
+      f"got {type(demo).__name__}"
+    )
+  return demo
+
+
 def _lower(args) -> int:
   demo = _load_demo(args.name)
-  text = _lowered_text(demo, args.platform)
   if args.output:
-    Path(args.output).write_text(text)
+    _check_writable(args.output)
+  try:
+    text = _lowered_text(demo, args.platform)
+  except Exception as e:  # noqa: BLE001 (one line: why it does not lower)
+    meant = ", ".join(demo.platforms)
+    raise SystemExit(
+      f"mpmd lower: {args.name} does not lower for {args.platform} (it is "
+      f"meant for {meant}): {_first_line(e)}"
+    ) from None
+  if args.output:
+    try:
+      Path(args.output).write_text(text)
+    except OSError as e:
+      raise SystemExit(_unwritable(args.output, e)) from None
     print(f"wrote {len(text)} characters to {args.output}")
   else:
     print(text)
   return 0
+
+
+def _check_writable(output: str) -> None:
+  """Fails before lowering when ``-o`` cannot be written."""
+  path = Path(output)
+  if path.is_dir():
+    raise SystemExit(f"mpmd lower: cannot write {output}: it is a directory")
+  parent = path.parent
+  if not parent.is_dir():
+    raise SystemExit(
+      f"mpmd lower: cannot write {output}: no directory {parent}"
+    )
+  target = path if path.exists() else parent
+  if not os.access(target, os.W_OK):
+    raise SystemExit(f"mpmd lower: cannot write {output}: permission denied")
+
+
+def _unwritable(output: str, error: OSError) -> str:
+  return f"mpmd lower: cannot write {output}: {error.strerror or error}"
 
 
 def _bench(args) -> int:
@@ -128,12 +209,29 @@ def main(argv=None) -> int:
   )
   sub = parser.add_subparsers(dest="command", required=True)
   sub.add_parser("check", help="versions, which platforms lower and run")
-  lower = sub.add_parser("lower", help="print the lowered module of a kernel")
-  lower.add_argument("name", help="a registered kernel or an examples/*.py")
-  lower.add_argument(
-    "--platform", choices=("tpu", "cuda", "cpu"), default="tpu"
+  lower = sub.add_parser(
+    "lower",
+    help="print the lowered module of a kernel",
+    description="Prints (or -o writes) the lowered module of a kernel.",
+    epilog=_FILE_HELP.format(
+      names=textwrap.fill(", ".join(sorted(demos.registered())), 76)
+    ),
+    formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  lower.add_argument("-o", "--output", help="write the module to this file")
+  lower.add_argument(
+    "name",
+    metavar="NAME|FILE.py",
+    help="a registered kernel, or a file that defines demo() (see below)",
+  )
+  lower.add_argument(
+    "--platform",
+    choices=("tpu", "cuda", "cpu"),
+    default="tpu",
+    help="the platform to lower for (default: tpu)",
+  )
+  lower.add_argument(
+    "-o", "--output", metavar="PATH", help="write the module to this file"
+  )
   bench = sub.add_parser("bench", help="run benchmarks/NAME.py")
   bench.add_argument("name")
   bench.add_argument("rest", nargs=argparse.REMAINDER)
