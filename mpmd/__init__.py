@@ -14,6 +14,7 @@ from mpmd.checking import Report as Report
 from mpmd.checking import explore as explore
 from mpmd.checking import replay as replay
 from mpmd.checking import timeline as timeline
+from mpmd.kernel_call import kernel as kernel
 from mpmd.lowering import register as _register  # the per-platform rules
 from mpmd.lowering.check.params import CheckParams as CheckParams
 from mpmd.lowering.errors import DeadlockError as DeadlockError
@@ -58,6 +59,7 @@ __all__ = [
   "get_deadlock_timeout",
   "get_race_policy",
   "get_races",
+  "kernel",
   "mpmd_map",
   "mpmd_map_p",
   "race_policy",
