@@ -81,12 +81,12 @@ class Report:
     return "\n".join(lines)
 
 
-def _schedule_text(i: int, seed: int, depth: int) -> str:
+def _schedule_text(i: int, seed: int, depth: int, steps: int) -> str:
   if i == 0:
     return "default"
   if i % 2:
     return f"random:{seed + i}"
-  return f"pct{depth}:{seed + i}"
+  return f"pct{depth}:{seed + i}:{steps}"
 
 
 def _call(session, f, args, kwargs, text, keep=None):
@@ -227,9 +227,12 @@ def explore(
   reference = None
   found: dict[Any, Failure] = {}
   run = 0
+  steps = schedule_lib.DEFAULT_STEPS
   for run in range(schedules):
-    text = _schedule_text(run, seed, depth)
+    text = _schedule_text(run, seed, depth, steps)
     outputs, error = _call(session, f, args, kwargs, text)
+    if run == 0:  # PCT's change points: among as many steps as it took
+      steps = max([m.step for m, _ in session.runs if m is not None] or [1])
     if error is None:
       if reference is None:
         reference = outputs
@@ -237,15 +240,15 @@ def explore(
       error = _differs(outputs, reference, text, "default")
       if error is None:
         continue
-    steps = _preemptions(session) if session.runs else text
+    preempted = _preemptions(session) if session.runs else text
     kind = kind_of(error)
     key = _signature(kind, error)
     if key in found:
       continue
-    schedule = steps
+    schedule = text  # what produced ``error``, exactly
     if shrink:
       shrunk, shrunk_error = _shrink(
-        session, f, args, kwargs, steps, kind, reference
+        session, f, args, kwargs, preempted, kind, reference
       )
       if shrunk_error is not None:
         schedule, error = shrunk, shrunk_error

@@ -73,7 +73,7 @@ def plan_of(params, device_axes) -> machine.Plan:
     jaxpr=jaxpr,
     num_in=num_in,
     out_avals=tuple(params["out_avals"]),
-    aliases={o: i for i, o in params["input_output_aliases"]},
+    aliases={o: i for i, o in params["input_output_aliases"].items()},
     device_axes=tuple(device_axes),
     super_axis=merge.SUPER_AXIS,
     program_names=_program_names(meshes),
@@ -121,8 +121,9 @@ class Launch:
     try:
       outs = sync.run(m, inputs)
     except errors.LaunchError as e:
-      run.finish(m, e)
-      return e
+      error = _with_schedule(e, run.text)
+      run.finish(m, error)
+      return error
     except Exception as e:  # noqa: BLE001 (the launch's own failure)
       run.finish(m, e)
       return e
@@ -130,6 +131,17 @@ class Launch:
     if self.plan.device_axes:
       return [np.stack(o) for o in zip(*outs, strict=True)]
     return outs[0]
+
+
+def _with_schedule(error: errors.LaunchError, text: str):
+  """The error, saying which schedule produced it and how to rerun it."""
+  again = type(error)(
+    f"{error}\n(schedule {text!r}: mpmd.replay(f, *args, schedule={text!r})"
+    f", or interpret=mpmd.CheckParams(schedule={text!r}) on the launch, "
+    "runs it again)"
+  )
+  again.schedule = text
+  return again
 
 
 def _deliver(result):

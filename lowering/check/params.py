@@ -74,7 +74,8 @@ class Run:
     self.owner, self.spec, self.text, self.launch = owner, spec, text, launch
 
   def strategy(self, plan):
-    return self.spec.strategy(self.launch, self.owner.expected_steps(plan))
+    del plan
+    return self.spec.strategy(self.launch)
 
   def finish(self, machine, error) -> None:
     self.owner.finished(self, machine, error)
@@ -87,7 +88,6 @@ class Owner:
     self.params = params
     self.lock = threading.Lock()
     self.calls = 0
-    self.steps: dict[str, int] = {}
 
   def token(self):
     # Results are a function of the inputs and the schedule: devices of
@@ -106,11 +106,8 @@ class Owner:
       spec = schedule_lib.parse(text)
     return Run(self, spec, text, 0)
 
-  def expected_steps(self, plan) -> int:
-    return self.steps.get(plan.kernel, 100)
-
   def finished(self, run, machine, error) -> None:
-    self.steps[machine.plan.kernel] = max(machine.step, 1)
+    del run, error
     if self.params.trace:
       from mpmd.lowering.check import timeline
 
@@ -132,7 +129,6 @@ class Session:
     self.text = "default"
     self.spec = schedule_lib.parse("default")
     self.runs: list[tuple[Any, BaseException | None]] = []
-    self.steps: dict[str, int] = {}
 
   def start(self, text: str) -> None:
     with self.lock:
@@ -153,11 +149,7 @@ class Session:
       self.runs.append((None, None))
     return Run(self, self.spec, self.text, launch)
 
-  def expected_steps(self, plan) -> int:
-    return self.steps.get(plan.kernel, 100)
-
   def finished(self, run, machine, error) -> None:
-    self.steps[machine.plan.kernel] = max(machine.step, 1)
     with self.lock:
       self.runs[run.launch] = (machine, error)
 

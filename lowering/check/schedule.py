@@ -13,9 +13,10 @@ Schedule strings:
 
 * ``"default"``: no preemption.
 * ``"random:SEED"``: a seeded random walk (each option equally likely).
-* ``"pct3:SEED"``: PCT with depth 3 (random program priorities, two
-  priority changes at random steps: finds a depth-d bug with probability at
-  least 1 / (n k^(d-1)) per run, n programs, k steps).
+* ``"pct3:SEED"`` or ``"pct3:SEED:STEPS"``: PCT with depth 3 (random
+  program priorities, two priority changes at random steps among the first
+  STEPS, 100 by default: finds a depth-d bug with probability at least
+  1 / (n k^(d-1)) per run, n programs, k steps).
 * ``"steps:L/S:pP,L/S:dD,..."``: explicit preemptions, launch ``L`` (of
   the function's launches, in the order they ran) at step ``S`` runs
   program ``P`` / lands DMA ``D``; what ``explore`` reports after shrinking.
@@ -27,6 +28,10 @@ import hashlib
 import numpy as np
 
 Option = tuple[str, int]
+
+# PCT's change points fall among the first this many steps, unless the
+# schedule string says how many steps the launch takes.
+DEFAULT_STEPS = 100
 
 
 def parse(schedule: str) -> "Spec":
@@ -60,13 +65,18 @@ def parse(schedule: str) -> "Spec":
         depth = -1
       if depth < 1:
         raise ValueError(f"mpmd: bad PCT depth in schedule {schedule!r}")
+    seed_text, _, steps_text = rest.partition(":")
     try:
-      seed = int(rest)
+      seed = int(seed_text)
+      steps = int(steps_text) if steps_text and depth else DEFAULT_STEPS
     except ValueError:
       raise ValueError(
-        f"mpmd: bad seed in schedule {schedule!r}; expected e.g. 'random:7'"
+        f"mpmd: bad seed in schedule {schedule!r}; expected e.g. "
+        "'random:7' or 'pct3:7:400'"
       ) from None
-    return Spec("pct" if depth else "random", seed=seed, depth=depth)
+    return Spec(
+      "pct" if depth else "random", seed=seed, depth=depth, steps=steps
+    )
   raise ValueError(
     f"mpmd: unknown schedule {schedule!r}; expected 'default', "
     "'random:SEED', 'pctD:SEED' or 'steps:...'"
@@ -80,11 +90,12 @@ class Spec:
   kind: str
   seed: int = 0
   depth: int = 0
+  steps: int = 0
   picks: dict[int, dict[int, Option]] = dataclasses.field(
     default_factory=dict, hash=False, compare=False
   )
 
-  def strategy(self, launch: int, expected_steps: int) -> "Strategy":
+  def strategy(self, launch: int) -> "Strategy":
     """The strategy for the ``launch``-th launch of a run."""
     if self.kind == "default":
       return Strategy()
@@ -93,7 +104,7 @@ class Spec:
     rng = np.random.default_rng(mix(self.seed, launch))
     if self.kind == "random":
       return RandomWalk(rng)
-    return Pct(rng, self.depth, expected_steps)
+    return Pct(rng, self.depth, self.steps)
 
 
 def mix(seed: int, launch: int) -> int:
