@@ -5,6 +5,8 @@
 * ``gmm`` / ``tgmm``: grouped matmul for mixture-of-experts (TPU).
 * ``ragged_all_to_all``: ``jax.lax.ragged_all_to_all`` by remote DMAs, for
   expert-parallel mixture-of-experts (runs on CPU, lowers for TPU).
+* ``moe``: an expert-parallel mixture-of-experts layer built on it and
+  ``gmm``.
 * ``mpmd.kernels.gpu``: software-pipelined and warp-specialized Mosaic GPU
   pipelines and matmuls (CUDA).
 """
@@ -18,6 +20,7 @@ from mpmd.kernels.collective_matmul import (
 )
 from mpmd.kernels.grouped_matmul import gmm as gmm
 from mpmd.kernels.grouped_matmul import tgmm as tgmm
+from mpmd.kernels.moe import moe as moe
 from mpmd.kernels.moe import ragged_all_to_all as ragged_all_to_all
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
   "gmm",
   "gpu",
   "matmul_reduce_scatter",
+  "moe",
   "ragged_all_to_all",
   "tgmm",
 ]

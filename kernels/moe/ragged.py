@@ -622,5 +622,14 @@ def _call(
       for x in (input_offsets, send_sizes, output_offsets, recv_sizes)
     ]
   )
+  # Under shard_map(check_vma=True) the result varies along the exchange's
+  # axes: so do the arguments of the custom VJP, whose cotangents have the
+  # result's type (pcast here transposes to a psum for invariant ones).
+  varying = _common.varying_axes(operand, output, meta)
+  if varying:
+    varying |= frozenset(groups.axes)
+    operand, output, meta = (
+      _common.vary(a, varying) for a in (operand, output, meta)
+    )
   static = _Static(config, operand.shape[0])
   return _ragged(static, operand, output, meta)

@@ -84,7 +84,9 @@ class TestCpuFallback:
     mesh = stacked_mesh((devices,), ("x",))
     assert_equal(run_stacked(ragged_fn(), mesh, *r.args), r.expected())
 
-  @pytest.mark.parametrize("pad", [False, True])
+  @pytest.mark.parametrize(
+    "pad", [False, pytest.param(True, marks=pytest.mark.slow)]
+  )
   def test_empty_slots_and_a_silent_device(self, rng, pad):
     # Packed: empty slots share their offsets with non-empty ones.
     r = random_routing(rng, devices=4, k=2, rows=9, empty_senders=(2,), pad=pad)

@@ -1,0 +1,259 @@
+"""The expert-parallel mixture-of-experts layer: top-k routing, dispatch by
+``ragged_all_to_all``, grouped matmuls over the local experts, combine by
+the reverse exchange.
+
+Per device (``D`` along ``axis_name``, ``El`` local experts, ``E = El * D``;
+expert ``e`` lives on device ``e // El``)::
+
+  top-k of the router logits      -> (T, K) experts and softmax weights
+  sort the T * K (token, expert)  -> rows of x grouped by global expert
+  all_gather of the per-expert counts (D, E): every device knows where
+    every slice goes, so no device waits for another to learn its offsets
+  dispatch: ragged_all_to_all, k = El slices per device (one per expert),
+    landing on the expert's device grouped by local expert, then by source
+  gmm(rows, w_in) -> activation -> gmm(., w_out) over the El local experts
+  combine: the reverse ragged_all_to_all, back to the sorted order
+  unsort, weight, sum over the K choices -> (T, H)
+
+Dropless: a device's receive buffer holds every row that could come to it,
+``D * T * K`` (rounded up to whole sublane tiles), so no token is dropped
+whatever the routing. Differentiable in ``x``, ``router_logits``, ``w_in``
+and ``w_out`` (the exchanges' and ``gmm``'s custom VJPs, the rest plain JAX).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mpmd.kernels import _common
+from mpmd.kernels.collective_matmul.ring import check_ring
+from mpmd.kernels.grouped_matmul import gmm
+from mpmd.kernels.moe import ragged
+
+_FN = "moe"
+_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
+# Receive buffers are rounded up to whole (8, 128) tiles' rows, so that
+# gmm's TPU row tile divides them.
+_SUBLANES = 8
+
+
+def _check(x, router_logits, w_in, w_out, top_k, axis_name, activation, fused):
+  """Validates the arguments; returns (axes' ring, local experts)."""
+  ring = check_ring(_FN, axis_name, None)
+  _common.check_array(_FN, "x", x, rank=2, shape_doc="(tokens, hidden)")
+  _common.check_array(
+    _FN, "router_logits", router_logits, rank=2, shape_doc="(tokens, experts)"
+  )
+  _common.check_array(
+    _FN, "w_in", w_in, rank=3, shape_doc="(experts_local, hidden, ffn)"
+  )
+  _common.check_array(
+    _FN, "w_out", w_out, rank=3, shape_doc="(experts_local, ffn, hidden)"
+  )
+  dtype = _common.check_dtype(_FN, "x", x, _FLOATS)
+  if not jnp.issubdtype(router_logits.dtype, jnp.floating):
+    raise TypeError(
+      f"{_FN}: expected 'router_logits' of a floating dtype, got "
+      f"{jnp.dtype(router_logits.dtype).name}"
+    )
+  for arg, w in (("w_in", w_in), ("w_out", w_out)):
+    if jnp.dtype(w.dtype) != dtype:
+      raise TypeError(
+        f"{_FN}: expected '{arg}' of x's dtype {dtype.name}, got "
+        f"{jnp.dtype(w.dtype).name}"
+      )
+  tokens, hidden = x.shape
+  if router_logits.shape[0] != tokens:
+    raise ValueError(
+      f"{_FN}: expected 'router_logits' (tokens, experts) with x's "
+      f"tokens={tokens}, got shape {tuple(router_logits.shape)}"
+    )
+  experts_local, w_hidden, ffn = w_in.shape
+  if w_hidden != hidden:
+    raise ValueError(
+      f"{_FN}: expected 'w_in' (experts_local, hidden, ffn) with x's "
+      f"hidden={hidden}, got shape {tuple(w_in.shape)}"
+    )
+  if tuple(w_out.shape) != (experts_local, ffn, hidden):
+    raise ValueError(
+      f"{_FN}: expected 'w_out' (experts_local, ffn, hidden) = "
+      f"{(experts_local, ffn, hidden)} (from w_in {tuple(w_in.shape)}), got "
+      f"shape {tuple(w_out.shape)}"
+    )
+  experts = router_logits.shape[1]
+  devices = ring.size
+  if experts % devices:
+    raise ValueError(
+      f"{_FN}: expected the expert count (router_logits.shape[-1] = "
+      f"{experts}) to be divisible by the {devices} devices along "
+      f"{ring.axes!r}"
+    )
+  if experts != experts_local * devices:
+    raise ValueError(
+      f"{_FN}: expected the expert count (router_logits.shape[-1] = "
+      f"{experts}) to equal experts_local x devices = {experts_local} x "
+      f"{devices} (w_in holds {experts_local} experts per device)"
+    )
+  top_k = _common.check_int(_FN, "top_k", top_k)
+  if top_k > experts:
+    raise ValueError(
+      f"{_FN}: expected 'top_k' <= the expert count {experts}, got {top_k}"
+    )
+  if not callable(activation):
+    raise TypeError(
+      f"{_FN}: expected 'activation' to be a function, got {activation!r}"
+    )
+  if _common.check_bool(_FN, "fused", fused):
+    raise NotImplementedError(
+      f"{_FN}: fused=True (one two-mesh launch overlapping the dispatch "
+      "with the grouped matmul) is not implemented yet; use fused=False"
+    )
+  return ring, top_k
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+  return jnp.cumsum(x, axis=axis) - x
+
+
+def moe(
+  x: jax.Array,
+  router_logits: jax.Array,
+  w_in: jax.Array,
+  w_out: jax.Array,
+  *,
+  top_k: int,
+  axis_name: str | tuple[str, ...],
+  activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+  fused: bool = False,
+) -> jax.Array:
+  """An expert-parallel mixture-of-experts layer (dropless).
+
+  Call inside ``jax.shard_map`` over ``axis_name``: ``x`` and
+  ``router_logits`` are this device's tokens, ``w_in`` / ``w_out`` its
+  experts (expert ``e`` lives on device ``e // experts_local``). Per token,
+  the result is the sum over its ``top_k`` experts (``jax.lax.top_k`` of
+  the logits, ties to the lower index) of ``weight * (activation(x @
+  w_in[e]) @ w_out[e])``, the weights being the softmax of the chosen
+  logits. Tokens travel to their experts' devices by
+  :func:`ragged_all_to_all` and back by the reverse exchange; each device
+  runs ``gmm`` over its local experts. Differentiable in ``x``,
+  ``router_logits``, ``w_in`` and ``w_out``.
+
+  Args:
+    x: (tokens, hidden) float32, bfloat16 or float16: this device's tokens.
+    router_logits: (tokens, experts) of any floating dtype (say float32 with
+      bfloat16 tokens); experts = experts_local x the axis size.
+    w_in: (experts_local, hidden, ffn) of ``x``'s dtype.
+    w_out: (experts_local, ffn, hidden) of ``x``'s dtype.
+    top_k: experts per token, 1 <= top_k <= experts.
+    axis_name: the ``shard_map`` mesh axis the experts are spread over (or a
+      tuple of axes: their flattened index).
+    activation: applied to ``x @ w_in[e]`` in float32.
+    fused: True asks for the single-launch form that overlaps the dispatch
+      with the grouped matmul: not implemented yet (``NotImplementedError``).
+
+  Returns:
+    (tokens, hidden) array of ``x``'s dtype.
+
+  Raises:
+    TypeError: an argument of the wrong kind or dtype.
+    ValueError: shapes that disagree, an expert count that is not
+      experts_local x the axis size, ``top_k`` out of range, or a call
+      outside ``shard_map`` over ``axis_name``.
+    NotImplementedError: ``fused=True``.
+
+  Example:
+    >>> mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    >>> keys = jax.random.split(jax.random.key(0), 4)
+    >>> x = jax.random.normal(keys[0], (2 * 6, 16))  # 6 tokens per device
+    >>> logits = jax.random.normal(keys[1], (2 * 6, 4))  # 4 experts
+    >>> w_in = jax.random.normal(keys[2], (4, 16, 32)) / 4
+    >>> w_out = jax.random.normal(keys[3], (4, 32, 16)) / 6
+    >>> layer = jax.jit(jax.shard_map(
+    ...   functools.partial(mpmd.kernels.moe, top_k=2, axis_name="x"),
+    ...   mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    >>> place = lambda a: jax.device_put(a, NamedSharding(mesh, P("x")))
+    >>> y = layer(*map(place, (x, logits, w_in, w_out)))
+    >>> y.shape, y.dtype
+    ((12, 16), dtype('float32'))
+  """
+  ring, top_k = _check(
+    x, router_logits, w_in, w_out, top_k, axis_name, activation, fused
+  )
+  groups = ragged.check_groups(_FN, axis_name, None)
+  devices = ring.size
+  tokens, hidden = x.shape
+  experts_local = w_in.shape[0]
+  experts = experts_local * devices
+  rows = tokens * top_k
+  i32 = jnp.int32
+
+  # Routing: the chosen experts and their softmax weights, in f32.
+  chosen, expert = lax.top_k(router_logits.astype(jnp.float32), top_k)
+  weights = jax.nn.softmax(chosen, axis=-1)
+  expert = expert.reshape(rows).astype(i32)
+  order = jnp.argsort(expert, stable=True)
+  token = order // top_k  # the token of each sorted row
+  counts = jnp.zeros((experts,), i32).at[expert].add(1)
+
+  # Who sends what where: counts[j, t, el] rows from device j to local
+  # expert el of device t. Receivers order rows by local expert, then
+  # source device.
+  all_counts = lax.all_gather(counts, axis_name).reshape(
+    devices, devices, experts_local
+  )
+  me = lax.axis_index(axis_name)
+  by_receiver = all_counts.transpose(1, 2, 0)  # [t, el, j]
+  landing = _exclusive_cumsum(by_receiver.reshape(devices, -1)).reshape(
+    by_receiver.shape
+  )
+  send_offsets = _exclusive_cumsum(counts)  # rows sorted by expert
+  output_offsets = lax.dynamic_index_in_dim(
+    landing, me, axis=2, keepdims=False
+  ).reshape(experts)
+  mine = lax.dynamic_index_in_dim(all_counts, me, axis=1, keepdims=False)
+  recv_sizes = mine.reshape(experts)  # [j, el]
+  my_landing = lax.dynamic_index_in_dim(landing, me, axis=0, keepdims=False)
+  recv_offsets = my_landing.T.reshape(experts)  # [j, el]
+  senders_offsets = _exclusive_cumsum(all_counts.reshape(devices, experts))
+  return_offsets = lax.dynamic_slice_in_dim(
+    senders_offsets, me * experts_local, experts_local, axis=1
+  ).reshape(experts)  # [j, el]: where sender j keeps my expert el's rows
+  group_sizes = jnp.sum(mine, axis=0)  # (experts_local,)
+
+  capacity = _round_up(devices * rows, _SUBLANES)
+  dispatched = ragged._call(
+    groups,
+    x[token],
+    jnp.zeros((capacity, hidden), x.dtype),
+    send_offsets,
+    counts,
+    output_offsets,
+    recv_sizes,
+  )
+  h = gmm(dispatched, w_in, group_sizes, preferred_element_type=jnp.float32)
+  a = activation(h).astype(x.dtype)
+  out = gmm(a, w_out, group_sizes, preferred_element_type=x.dtype)
+  returned = ragged._call(
+    groups,
+    out,
+    jnp.zeros((rows, hidden), x.dtype),
+    recv_offsets,
+    recv_sizes,
+    return_offsets,
+    counts,
+  )
+  # Back to (token, choice) order; weight and sum the choices in f32.
+  unsorted = jnp.zeros_like(returned).at[order].set(returned)
+  per_choice = unsorted.reshape(tokens, top_k, hidden).astype(jnp.float32)
+  y = jnp.einsum("tkh,tk->th", per_choice, weights, precision="highest")
+  return y.astype(x.dtype)
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return max(multiple, math.ceil(n / multiple) * multiple)

@@ -1,0 +1,331 @@
+"""``mpmd.kernels.moe`` against a dense per-token reference.
+
+The reference computes, for every token, each of its top-k experts' MLP with
+that expert's full weights (no routing machinery, no exchange), in float32
+at HIGHEST precision; the layer runs in ``jax.shard_map`` on simulated CPU
+devices (its exchanges on the CPU fallback's lockstep path). Routings:
+random, all tokens to one expert (the other experts get nothing, the other
+devices receive nothing), ties. Gradients in ``x``, ``router_logits``,
+``w_in`` and ``w_out``. Errors for bad routing inputs, before lowering.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from ragged_all_to_all_util import stacked_mesh
+
+import mpmd
+import mpmd.kernels
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+def tolerances(dtype) -> dict[str, float]:
+  """assert_allclose tolerances for outputs / gradients of ``dtype``.
+
+  float32: the layer and the reference sum the same products in different
+  orders (the grouped matmul by tiles, the reference by einsum), a few ulps
+  of O(1) values. bfloat16: the layer rounds the activations to bfloat16
+  between the two matmuls and its output to bfloat16 (gmm's tolerances: a
+  couple of bf16 ulps, 2**-8 relative each).
+  """
+  if jnp.dtype(dtype) == jnp.float32:
+    return dict(rtol=2e-5, atol=2e-5)
+  return dict(rtol=3e-2, atol=3e-2)
+
+
+def dense_reference(x, router_logits, w_in, w_out, *, top_k, activation):
+  """Every token through each of its top-k experts, dense, in f32."""
+  f32 = jnp.float32
+  chosen, expert = lax.top_k(router_logits.astype(f32), top_k)
+  weights = jax.nn.softmax(chosen, axis=-1)
+  x = x.astype(f32)
+  h = jnp.einsum("th,tkhf->tkf", x, w_in.astype(f32)[expert], precision=HIGHEST)
+  out = jnp.einsum(
+    "tkf,tkfh->tkh", activation(h), w_out.astype(f32)[expert], precision=HIGHEST
+  )
+  return jnp.einsum("tkh,tk->th", out, weights, precision=HIGHEST)
+
+
+class Problem:
+  """A layer's global arrays: tokens and logits stacked over the devices,
+  experts concatenated (device j holds experts j * El .. (j + 1) * El)."""
+
+  def __init__(
+    self,
+    rng,
+    *,
+    devices,
+    tokens,
+    hidden,
+    ffn,
+    experts_local,
+    dtype=jnp.float32,
+    logits_dtype=jnp.float32,
+    routing="random",
+  ):
+    experts = devices * experts_local
+    self.devices = devices
+    x = rng.standard_normal((devices * tokens, hidden))
+    logits = rng.standard_normal((devices * tokens, experts))
+    if routing == "one_expert":
+      logits[:, 1] += 100.0  # every token's first choice: expert 1
+    elif routing == "ties":
+      logits = np.round(logits)  # many equal logits
+    w_in = rng.standard_normal((experts, hidden, ffn)) / np.sqrt(hidden)
+    w_out = rng.standard_normal((experts, ffn, hidden)) / np.sqrt(ffn)
+    self.x = jnp.asarray(x, dtype)
+    self.logits = jnp.asarray(logits, logits_dtype)
+    self.w_in = jnp.asarray(w_in, dtype)
+    self.w_out = jnp.asarray(w_out, dtype)
+    self.mesh = stacked_mesh((devices,), ("x",))
+
+  @property
+  def args(self):
+    return (self.x, self.logits, self.w_in, self.w_out)
+
+  def placed(self):
+    spec = NamedSharding(self.mesh, P("x"))
+    return [jax.device_put(a, spec) for a in self.args]
+
+  def layer(self, **kwargs):
+    return jax.shard_map(
+      functools.partial(mpmd.kernels.moe, axis_name="x", **kwargs),
+      mesh=self.mesh,
+      in_specs=P("x"),
+      out_specs=P("x"),
+    )
+
+
+def assert_close(got, want, dtype):
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32),
+    np.asarray(want, np.float32),
+    **tolerances(dtype),
+  )
+
+
+@pytest.mark.parametrize(
+  "devices,tokens,experts_local,top_k,dtype,routing",
+  [
+    (2, 5, 2, 2, jnp.float32, "random"),
+    (2, 7, 2, 1, jnp.bfloat16, "random"),
+    (2, 3, 2, 4, jnp.float32, "random"),  # every expert
+    (2, 6, 2, 2, jnp.float32, "one_expert"),
+    (2, 6, 1, 2, jnp.float32, "ties"),
+    pytest.param(2, 3, 4, 8, jnp.float32, "random", marks=pytest.mark.slow),
+    pytest.param(4, 7, 1, 2, jnp.bfloat16, "random", marks=pytest.mark.slow),
+    pytest.param(8, 5, 1, 2, jnp.float32, "random", marks=pytest.mark.slow),
+    pytest.param(
+      8, 9, 2, 8, jnp.bfloat16, "one_expert", marks=pytest.mark.slow
+    ),
+  ],
+)
+def test_matches_dense_reference(
+  rng, devices, tokens, experts_local, top_k, dtype, routing
+):
+  p = Problem(
+    rng,
+    devices=devices,
+    tokens=tokens,
+    hidden=16,
+    ffn=24,
+    experts_local=experts_local,
+    dtype=dtype,
+    routing=routing,
+  )
+  got = jax.jit(p.layer(top_k=top_k))(*p.placed())
+  assert got.dtype == dtype and got.shape == p.x.shape
+  want = dense_reference(*p.args, top_k=top_k, activation=jax.nn.silu)
+  assert_close(got, want, dtype)
+
+
+def test_other_activation_and_bf16_tokens_with_f32_logits(rng):
+  p = Problem(
+    rng,
+    devices=2,
+    tokens=4,
+    hidden=8,
+    ffn=16,
+    experts_local=2,
+    dtype=jnp.bfloat16,
+  )
+  assert p.logits.dtype == jnp.float32
+  got = jax.jit(p.layer(top_k=2, activation=jax.nn.gelu))(*p.placed())
+  want = dense_reference(*p.args, top_k=2, activation=jax.nn.gelu)
+  assert_close(got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+  "devices,routing,dtype",
+  [
+    (2, "random", jnp.float32),
+    pytest.param(2, "one_expert", jnp.float32, marks=pytest.mark.slow),
+    pytest.param(4, "random", jnp.bfloat16, marks=pytest.mark.slow),
+  ],
+)
+def test_grad(rng, devices, routing, dtype):
+  p = Problem(
+    rng,
+    devices=devices,
+    tokens=5,
+    hidden=8,
+    ffn=16,
+    experts_local=2,
+    dtype=dtype,
+    routing=routing,
+  )
+  # Random output weights: every output element reaches the gradient.
+  weights = jnp.asarray(rng.standard_normal(p.x.shape), jnp.float32)
+  layer = p.layer(top_k=2)
+
+  def loss(fn):
+    return lambda *args: jnp.sum(fn(*args).astype(jnp.float32) * weights)
+
+  got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2, 3)))(*p.placed())
+  reference = functools.partial(
+    dense_reference, top_k=2, activation=jax.nn.silu
+  )
+  want = jax.grad(loss(reference), argnums=(0, 1, 2, 3))(*p.args)
+  for g, w in zip(got, want, strict=True):
+    assert g.dtype == w.dtype or dtype == jnp.bfloat16
+    # Gradients are sums of more products than the outputs.
+    scale = float(np.max(np.abs(np.asarray(w, np.float32)))) or 1.0
+    np.testing.assert_allclose(
+      np.asarray(g, np.float32) / scale,
+      np.asarray(w, np.float32) / scale,
+      **tolerances(dtype),
+    )
+
+
+def test_lowers_for_tpu():
+  mesh = stacked_mesh((4,), ("x",))
+  layer = jax.shard_map(
+    functools.partial(mpmd.kernels.moe, top_k=2, axis_name="x"),
+    mesh=mesh,
+    in_specs=P("x"),
+    out_specs=P("x"),
+  )
+  spec = NamedSharding(mesh, P("x"))
+  shapes = [
+    ((4 * 64, 256), jnp.bfloat16),
+    ((4 * 64, 8), jnp.float32),
+    ((4 * 2, 256, 512), jnp.bfloat16),
+    ((4 * 2, 512, 256), jnp.bfloat16),
+  ]
+  args = [jax.ShapeDtypeStruct(s, d, sharding=spec) for s, d in shapes]
+  with mpmd.tpu_target():
+    text = jax.jit(layer).trace(*args).lower(lowering_platforms=("tpu",))
+    text = text.as_text()
+  # Dispatch, two grouped matmuls, combine.
+  assert text.count("tpu_custom_call") == 4
+  assert re.search(r"has_communication\\22: true", text)
+
+
+# -- errors before lowering ---------------------------------------------------
+
+
+def _trace(shapes, **kwargs):
+  mesh = stacked_mesh((2,), ("x",))
+  kwargs.setdefault("top_k", 2)
+  kwargs.setdefault("axis_name", "x")
+  layer = jax.shard_map(
+    functools.partial(mpmd.kernels.moe, **kwargs),
+    mesh=mesh,
+    in_specs=P("x"),
+    out_specs=P("x"),
+  )
+  spec = NamedSharding(mesh, P("x"))
+  args = [
+    jax.ShapeDtypeStruct((2 * s[0], *s[1:]), d, sharding=spec)
+    for s, d in shapes
+  ]
+  return jax.jit(layer).trace(*args)
+
+
+_F32 = jnp.float32
+_GOOD = [((4, 8), _F32), ((4, 4), _F32), ((2, 8, 16), _F32), ((2, 16, 8), _F32)]
+
+
+def _with(index, shape_dtype):
+  shapes = list(_GOOD)
+  shapes[index] = shape_dtype
+  return shapes
+
+
+@pytest.mark.parametrize(
+  "shapes,kwargs,error,match",
+  [
+    (_GOOD, dict(top_k=5), ValueError, "'top_k' <= the expert count 4, got 5"),
+    (_GOOD, dict(top_k=0), ValueError, "'top_k' >= 1"),
+    (_GOOD, dict(top_k=1.5), TypeError, "'top_k' to be an int"),
+    (
+      _with(1, ((4, 5), _F32)),
+      {},
+      ValueError,
+      "expert count .* = 5\\) to be divisible by the 2 devices",
+    ),
+    (
+      _with(1, ((4, 6), _F32)),
+      {},
+      ValueError,
+      "to equal experts_local x devices = 2 x 2",
+    ),
+    (
+      _with(1, ((4, 4), jnp.int32)),
+      {},
+      TypeError,
+      "'router_logits' of a floating dtype, got int32",
+    ),
+    (
+      _with(0, ((4, 8), jnp.int32)),
+      {},
+      TypeError,
+      "'x' of dtype float32, bfloat16 or float16, got int32",
+    ),
+    (
+      _with(2, ((2, 8, 16), jnp.bfloat16)),
+      {},
+      TypeError,
+      "'w_in' of x's dtype float32, got bfloat16",
+    ),
+    (
+      _with(1, ((3, 4), _F32)),
+      {},
+      ValueError,
+      "'router_logits' \\(tokens, experts\\) with x's tokens=4",
+    ),
+    (
+      _with(2, ((2, 9, 16), _F32)),
+      {},
+      ValueError,
+      "'w_in' \\(experts_local, hidden, ffn\\) with x's hidden=8",
+    ),
+    (
+      _with(3, ((2, 16, 9), _F32)),
+      {},
+      ValueError,
+      "'w_out' \\(experts_local, ffn, hidden\\) = \\(2, 16, 8\\)",
+    ),
+    (_with(0, ((4,), _F32)), {}, ValueError, "'x' of rank 2"),
+    (_GOOD, dict(activation="relu"), TypeError, "'activation' to be a"),
+    (_GOOD, dict(axis_name="y"), ValueError, "'y' is not an axis"),
+    (_GOOD, dict(fused=True), NotImplementedError, "fused=True"),
+  ],
+)
+def test_errors(shapes, kwargs, error, match):
+  with pytest.raises(error, match=match):
+    _trace(shapes, **kwargs)
+
+
+def test_outside_shard_map():
+  args = [jnp.zeros(s, d) for s, d in _GOOD]
+  with pytest.raises(ValueError, match="inside jax.shard_map"):
+    mpmd.kernels.moe(*args, top_k=2, axis_name="x")
