@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Generator
 from typing import Any
 
+import jax
 import numpy as np
 
 from mpmd import _jax
@@ -112,6 +113,80 @@ def _read(env: dict, v):
   return env[v]
 
 
+class _Segment:
+  """A run of pure equations, compiled as one jitted function."""
+
+  def __init__(self, eqns, invars, outvars):
+    self.invars, self.outvars = invars, outvars
+
+    def fn(*values):
+      env = dict(zip(invars, values, strict=True))
+      for eqn in eqns:
+        outs = _bind(eqn, [_read(env, v) for v in eqn.invars])
+        for v, x in zip(eqn.outvars, outs, strict=True):
+          if not isinstance(v, core.DropVar):
+            env[v] = x
+      return [_read(env, v) for v in outvars]
+
+    self.fn = jax.jit(fn)
+
+
+def _bind(eqn, invals):
+  params = eqn.primitive.get_bind_params(eqn.params)
+  outs = eqn.primitive.bind(*invals, **params)
+  return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _steps(jaxpr: core.Jaxpr, memo: dict) -> list[Any]:
+  """``jaxpr`` as steps: equations to interpret (with their source line)
+  and compiled segments of the pure equations between them."""
+  key = ("steps", id(jaxpr))
+  if key in memo:
+    return memo[key][1]
+  last_use: dict[Any, int] = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, core.Literal):
+        last_use[v] = i
+  for v in jaxpr.outvars:
+    if not isinstance(v, core.Literal):
+      last_use[v] = len(jaxpr.eqns)
+  steps: list[Any] = []
+  run: list[tuple[int, Any]] = []
+
+  def flush():
+    if len(run) == 1:
+      steps.append((run[0][1], where(run[0][1])))
+    elif run:
+      defined = {v for _, e in run for v in e.outvars}
+      free, seen = [], set()
+      for _, e in run:
+        for v in e.invars:
+          if isinstance(v, core.Literal) or v in defined or v in seen:
+            continue
+          seen.add(v)
+          free.append(v)
+      end = run[-1][0]
+      outs = [
+        v
+        for _, e in run
+        for v in e.outvars
+        if not isinstance(v, core.DropVar) and last_use.get(v, -1) > end
+      ]
+      steps.append(_Segment([e for _, e in run], free, outs))
+    run.clear()
+
+  for i, eqn in enumerate(jaxpr.eqns):
+    if _RULES.get(eqn.primitive) is None and not _eqn_needs(eqn, memo):
+      run.append((i, eqn))
+      continue
+    flush()
+    steps.append((eqn, where(eqn)))
+  flush()
+  memo[key] = (jaxpr, steps)  # keeps the jaxpr alive with its id
+  return steps
+
+
 def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
   """Evaluates ``jaxpr`` for one program; yields at synchronisation points;
   returns its outputs."""
@@ -122,16 +197,20 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
     env[v] = x
   memo = ctx.machine.plan.memo
   enclosing = ctx.where
-  for eqn in jaxpr.eqns:
-    ctx.where = where(eqn) or enclosing
+  for step in _steps(jaxpr, memo):
+    if isinstance(step, _Segment):
+      outs = step.fn(*[env[v] for v in step.invars])
+      for v, x in zip(step.outvars, outs, strict=True):
+        env[v] = x
+      continue
+    eqn, place = step
+    ctx.where = place or enclosing
     invals = [_read(env, v) for v in eqn.invars]
     rule = _RULES.get(eqn.primitive)
     if rule is not None:
       outs = yield from rule(ctx, eqn, invals)
     elif not _eqn_needs(eqn, memo):
-      outs = eqn.primitive.bind(*invals, **eqn.params)
-      if not eqn.primitive.multiple_results:
-        outs = [outs]
+      outs = _bind(eqn, invals)
     else:
       raise NotImplementedError(
         f"mpmd checker: {eqn.primitive.name!r} (at {ctx.where}) is not "

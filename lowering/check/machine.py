@@ -101,6 +101,7 @@ class Machine:
     self.clocks: list[memory.Clock] = [{p: 1} for p in range(n)]
     self.memory: dict[tuple[int, int], dict[Any, Buffer]] = {}
     self.semaphores: list[Buffer] = []
+    self.aranges = memory.Aranges()
 
   # -- naming ----------------------------------------------------------------
 
@@ -116,8 +117,8 @@ class Machine:
       return f"DMA #{comp - n}"
     return self.name(*divmod(comp, self.plan.num_programs))
 
-  def describe(self, ctx, op: str, where: str) -> str:
-    return f"{self.name(ctx.device, ctx.program)}: {op} at {where}"
+  def describe(self, ctx, op: str, where: str) -> "Describe":
+    return Describe(self, ctx.device, ctx.program, op, where)
 
   # -- memory ----------------------------------------------------------------
 
@@ -136,7 +137,8 @@ class Machine:
           continue
         inner = aval.inner_aval
         shared[key] = Buffer(
-          self._label(k, d), key, inner.shape, inner.dtype, data=data
+          self._label(k, d), key, inner.shape, inner.dtype, self.aranges,
+          data=data,
         )
       scratch = avals[plan.num_in + len(plan.out_avals) :]
       base = plan.num_in + len(plan.out_avals)
@@ -146,7 +148,8 @@ class Machine:
         key = ("operand", base + j)
         inner = aval.inner_aval
         shared[key] = Buffer(
-          self._label(base + j, d), key, inner.shape, inner.dtype
+          self._label(base + j, d), key, inner.shape, inner.dtype,
+          self.aranges,
         )
       for g in range(plan.num_programs):
         mine = dict(shared)
@@ -166,7 +169,9 @@ class Machine:
   def _new(self, label, key, aval) -> Buffer:
     inner = aval.inner_aval
     sem = paths.is_semaphore(aval)
-    buffer = Buffer(label, key, inner.shape, inner.dtype, semaphore=sem)
+    buffer = Buffer(
+      label, key, inner.shape, inner.dtype, self.aranges, semaphore=sem
+    )
     if sem:
       self.semaphores.append(buffer)
     return buffer
@@ -230,7 +235,9 @@ class Machine:
     if key not in mine:
       for (d, g), m in self.memory.items():
         label = f"the barrier semaphore ({self.name(d, g)})"
-        buffer = Buffer(label, key, (), np.int32, semaphore=True)
+        buffer = Buffer(
+          label, key, (), np.int32, self.aranges, semaphore=True
+        )
         self.semaphores.append(buffer)
         m[key] = buffer
     b = mine[key]
@@ -241,8 +248,11 @@ class Machine:
     views = []
     for k, v in enumerate(avals_vars):
       key = ("scoped", id(eqn), k, ctx.scope_depth)
-      who = self.name(ctx.device, ctx.program)
-      label = f"run_scoped buffer {k} at {ctx.where} ({who})"
+      label = memory.Lazy(
+        lambda k=k, d=ctx.device, g=ctx.program, at=ctx.where: (
+          f"run_scoped buffer {k} at {at} ({self.name(d, g)})"
+        )
+      )
       buffer = self._new(label, key, v.aval)
       mine[key] = buffer
       views.append(View(buffer, buffer.ids))
@@ -317,6 +327,24 @@ class Machine:
         "its scope)"
       )
     return view.on(other)
+
+
+class Describe:
+  """``device 1 {'x': 1} mesh 0 program {'core': 0}: load at k.py:12``,
+  formatted only when a message needs it (accesses are many, errors few)."""
+
+  __slots__ = ("machine", "device", "program", "op", "where")
+
+  def __init__(self, machine, device, program, op, where):
+    self.machine, self.device, self.program = machine, device, program
+    self.op, self.where = op, where
+
+  def __str__(self):
+    who = self.machine.name(self.device, self.program)
+    return f"{who}: {self.op} at {self.where}"
+
+  def __format__(self, spec):
+    return format(str(self), spec)
 
 
 def _private(aval) -> bool:

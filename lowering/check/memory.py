@@ -44,15 +44,46 @@ def garbage(shape, dtype) -> np.ndarray:
   return np.zeros(shape, dtype)  # 16-bit floats from ml_dtypes come above
 
 
+class Aranges:
+  """``arange(size).reshape(shape)`` per shape, made once per launch and
+  shared by every buffer of that shape (views only read them)."""
+
+  def __init__(self):
+    self.cache: dict[tuple[int, ...], np.ndarray] = {}
+
+  def __call__(self, shape) -> np.ndarray:
+    shape = tuple(shape)
+    if shape not in self.cache:
+      size = int(np.prod(shape, dtype=np.int64))
+      self.cache[shape] = np.arange(size, dtype=np.int64).reshape(shape)
+    return self.cache[shape]
+
+
+class Lazy:
+  """Text made only when a message needs it."""
+
+  __slots__ = ("fn",)
+
+  def __init__(self, fn):
+    self.fn = fn
+
+  def __str__(self):
+    return str(self.fn())
+
+  def __format__(self, spec):
+    return format(str(self), spec)
+
+
 class Buffer:
   """One simulated buffer, with its per-element bookkeeping."""
 
   def __init__(
     self,
-    label: str,
+    label: Any,
     key: Any,
     shape,
     dtype,
+    ids,
     *,
     data: np.ndarray | None = None,
     semaphore: bool = False,
@@ -72,14 +103,16 @@ class Buffer:
     else:
       self.data = np.array(data, dtype=dtype, copy=True).reshape(shape)
     self.flat = self.data.reshape(-1)
-    self.ids = np.arange(size, dtype=np.int64).reshape(shape)
+    self.ids = ids(shape)
     self.init = np.full(size, data is not None or semaphore)
+    # comp -> a description of its latest access (for race reports).
+    self.who: dict[int, Any] = {}
+    if semaphore:  # no data accesses: signals and waits order themselves
+      return
     self.w_comp = np.full(size, NOBODY, np.int64)
     self.w_time = np.zeros(size, np.int64)
     self.r_comp = np.full(size, NOBODY, np.int64)
     self.r_time = np.zeros(size, np.int64)
-    # comp -> a description of its latest access (for race reports).
-    self.who: dict[int, str] = {}
 
   def __repr__(self):
     return f"Buffer({self.label})"
@@ -128,19 +161,26 @@ def check_access(
     ids = ids[np.broadcast_to(mask, view.shape).reshape(-1)]
   if ids.size == 0:
     return
+  where = _slab(ids)
   earlier = [(b.w_comp, b.w_time, "write")]
   if write:
     earlier.append((b.r_comp, b.r_time, "read"))
   for comps, times, kind in earlier:
-    c = comps[ids]
+    c = comps[where]
+    low, high = c.min(), c.max()
+    if low == high and low in (NOBODY, comp):
+      continue  # nobody else, or only this accessor: no race
     others = (c != NOBODY) & (c != comp)
     if not others.any():
       continue
-    t = times[ids]
-    for q in np.unique(c[others]):
+    t = times[where]
+    rest = c[others]
+    while rest.size:  # few distinct accessors: cheaper than np.unique
+      q = rest[0]
+      rest = rest[rest != q]
       unordered = others & (c == q) & (t > clock.get(int(q), 0))
       if unordered.any():
-        element = _first(unordered, ids, b.data.shape)
+        element = _first(unordered, _ids(where), b.data.shape)
         raise errors.RaceError(
           f"data race on {b.label} at element {element}: "
           f"{describe} ({'write' if write else 'read'}) and an earlier "
@@ -149,12 +189,28 @@ def check_access(
           "-> wait) ordering them"
         )
   if write:
-    b.w_comp[ids] = comp
-    b.w_time[ids] = time
+    b.w_comp[where] = comp
+    b.w_time[where] = time
   else:
-    b.r_comp[ids] = comp
-    b.r_time[ids] = time
+    b.r_comp[where] = comp
+    b.r_time[where] = time
   b.who[comp] = describe
+
+
+def _slab(ids: np.ndarray):
+  """A slice for flat indices that cover one contiguous range (the common
+  window: the checks are about sets of elements, so their order does not
+  matter), else the indices: slicing the shadows is far cheaper."""
+  first, last = ids.min(), ids.max()
+  if last - first + 1 == ids.size:
+    return slice(int(first), int(last) + 1)
+  return ids
+
+
+def _ids(where) -> np.ndarray:
+  if isinstance(where, slice):
+    return np.arange(where.start, where.stop)
+  return where
 
 
 def check_initialized(view: View, describe: str, mask=None) -> None:

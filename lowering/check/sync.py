@@ -114,8 +114,8 @@ def _next_after(options, current, default):
   return min(later) if later else min(programs)
 
 
-def _describe(m, p, op: str, where: str) -> str:
-  return f"{m.name(p.device, p.program)}: {op} at {where}"
+def _describe(m, p, op: str, where: str):
+  return machine_lib.Describe(m, p.device, p.program, op, where)
 
 
 def _enabled(m, p: _Program) -> bool:
@@ -140,8 +140,10 @@ def _sem_view(m, p, operand) -> View:
 
 
 def _wait_bytes(m, p, op: records.DmaWait) -> int:
-  describe = _describe(m, p, "dma_wait", p.pending.where)
-  return m.resolve(op.ref, (), describe).nbytes
+  if "bytes" not in p.views:
+    describe = _describe(m, p, "dma_wait", p.pending.where)
+    p.views["bytes"] = m.resolve(op.ref, (), describe).nbytes
+  return p.views["bytes"]
 
 
 def _advance(m, p: _Program) -> None:
