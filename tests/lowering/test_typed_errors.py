@@ -134,3 +134,17 @@ def test_remember_keys_each_error_once():
   assert str(again).startswith("a race [mpmd launch error ")
   assert str(again).count("[mpmd launch error") == 1
   assert str(first) != str(again)
+
+
+def test_an_eager_launch_raises_typed_on_every_call():
+  """Without jit (and without typed_errors) the launch raises its own
+  error, every time."""
+  f = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), _window)],
+    jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+    scratch_types=[pltpu.SMEM((1,), jnp.int32)],
+  )
+  np.testing.assert_array_equal(f(GOOD, X), X[ROWS:])
+  for _ in range(CALLS):
+    with pytest.raises(mpmd.OutOfBoundsError, match="out of bounds of 'x_hbm'"):
+      jax.block_until_ready(f(PAST_THE_END, X))
