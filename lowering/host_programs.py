@@ -63,7 +63,7 @@ def limit_compiled(limit: int) -> Iterator[None]:
 def install() -> None:
   """Routes the simulators' programs through ``_run`` (on first use of a
   simulator)."""
-  # 0.10.2's own compile-once adaptation first: ours calls it.
+  # Our compile-once adaptation of 0.10.2 first: the routing wraps it.
   _patches.cache_tpu_simulator_programs(watchdog.launch_running)
   _patches.route_simulator_programs(_run)
 
