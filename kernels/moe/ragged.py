@@ -4,40 +4,42 @@
 ``mpmd_map`` launch per device, inside ``jax.shard_map``, that pushes each
 slice of ``operand`` straight into ``output`` on its receiver by remote DMA.
 
-A DMA has a static shape and a slice has a size known only at run time, so
-a slice of ``size`` rows moves as binary chunks: chunk ``b`` (``2**b`` rows)
-carries rows ``[prefix_b, prefix_b + 2**b)`` of the slice when bit ``b`` of
-``size`` is set, ``prefix_b`` being ``size`` with bits ``0..b`` cleared.
-``B`` chunks cover every size below ``2**B``; the largest valid slice has
-``min(N, M)`` rows, so ``B = min(N, M).bit_length()``. Two schedules issue
-them:
+A DMA has a static shape and a slice has a size known only at run time.
+Two schedules deal with that:
 
-* ``"masked"`` (the CPU fallback's): every chunk is sent, set or not, so
-  that every device issues the same remote DMAs in step, none under a
-  condition: the lockstep path runs them as XLA collectives (a remote DMA
-  under ``pl.when`` would send the launch to the threaded simulator). A
-  chunk whose bit is clear reads rows ``[0, 2**b)`` and lands in a spill
-  region of ``2**(B-1)`` rows past the end of the receiver's output buffer
-  (the kernel's output is ``M + spill`` rows; the caller drops the spill).
-  Each receiver gets the same static byte count from every peer, so its
-  waits are static too. Cost: every (peer, slot) pair moves ``2**B - 1``
-  rows whatever its size.
-* ``"conditional"`` (TPU's): a chunk is sent only when its bit is set,
-  straight into ``output`` (aliased, no spill); the receiver waits for the
-  chunks its own ``recv_sizes`` announce. Only the rows of the slices move,
-  in at most ``B`` DMAs per slice.
+* ``"window"`` (the CPU fallback's): every slice moves as one window of
+  ``R = min(N, M)`` rows (the largest valid slice) that starts at the
+  slice, or earlier where the window would run past ``operand`` (its
+  ``shift`` says where the slice starts in it), into a staging slot of its
+  receiver, one slot per (sender, slice). Every device issues the same
+  remote DMAs in step, none under a condition, so the lockstep path runs
+  them as XLA collectives (a remote DMA under ``pl.when`` would send the
+  launch to the threaded simulator). The sender's output offsets and
+  shifts travel with the windows; after the launch the receiver takes, for
+  each row of ``output``, the staged row that lands there (its own
+  ``recv_sizes`` say how many rows of each window count), in plain XLA: a
+  gather. Cost: ``R`` rows per (peer, slice) whatever the slice's size, and
+  ``k * D * R`` rows of staging, which is what a CPU can afford and makes
+  each exchange a few collectives that compile quickly.
+* ``"conditional"`` (TPU's): a slice of ``size`` rows moves as binary
+  chunks straight into ``output`` (aliased): chunk ``b`` (``2**b`` rows)
+  carries rows ``[prefix_b, prefix_b + 2**b)`` of the slice when bit ``b``
+  of ``size`` is set, ``prefix_b`` being ``size`` with bits ``0..b``
+  cleared; ``B = R.bit_length()`` chunks cover every valid size. A chunk is
+  sent only when its bit is set, and the receiver waits for the chunks its
+  own ``recv_sizes`` announce: only the slices' rows move, in at most ``B``
+  DMAs per slice, with no staging. Slices a device sends to itself are
+  local DMAs.
 
-Slices a device sends to itself are local DMAs under ``pl.when`` in both.
-
-Before the first remote DMA every device copies (masked) or aliases
-(conditional) ``output`` into its buffer and then meets its peers on the
-barrier semaphore, so no row arrives before the old values are in place.
+Before the first remote DMA every device meets its peers on the barrier
+semaphore, so no row arrives before the receiver is inside the kernel
+(with ``output`` in place, for the conditional schedule).
 
 Bounds. A slice out of range (a negative offset or size, ``offset + size``
-past ``N`` at the sender or past ``M`` at the receiver) sends its chunks
-from row ``N`` of ``operand``, a window that leaves the buffer: the CPU
-fallback's run-time DMA checks raise ``mpmd.OutOfBoundsError`` (naming the
-chunk's window in ``operand``), where JAX leaves the result undefined.
+past ``N`` at the sender or past ``M`` at the receiver) is read from row
+``N`` of ``operand``, a window that leaves the buffer: the CPU fallback's
+run-time DMA checks raise ``mpmd.OutOfBoundsError`` (naming the window in
+``operand``), where JAX leaves the result undefined.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from mpmd.kernels.collective_matmul.ring import check_ring
 from mpmd.types import Interpret
 
 _FN = "ragged_all_to_all"
-SCHEDULES = ("masked", "conditional")
+SCHEDULES = ("window", "conditional")
 # The barrier semaphore handshake uses this collective id.
 _COLLECTIVE_ID = 0
 # Rows of the metadata the kernel reads: one per argument, each of length
@@ -180,11 +182,11 @@ def check_arguments(
 
 def resolve_schedule(schedule: str | None, interpret: Interpret) -> str:
   """As asked, else ``"conditional"`` when building for TPU or simulating
-  one, else ``"masked"`` (the CPU fallback's lockstep path)."""
+  one, else ``"window"`` (the CPU fallback's lockstep path)."""
   if schedule is None:
     simulated = isinstance(interpret, pltpu.InterpretParams)
     tpu = simulated or targets.platform() == "tpu"
-    return "conditional" if tpu else "masked"
+    return "conditional" if tpu else "window"
   if schedule not in SCHEDULES:
     raise ValueError(
       f"{_FN}: expected 'schedule' in {SCHEDULES} or None, got {schedule!r}"
@@ -242,41 +244,20 @@ class _Peers:
     return dict(zip(self.groups.axes, reversed(coords), strict=True))
 
 
-def _chunk_bits(n: int, m: int) -> int:
-  """``B``: the binary chunks that cover every valid slice size."""
-  return min(n, m).bit_length()
-
-
-def _slice_fields(meta, i, n: int, m: int, *, sizes: int = _SEND):
-  """``(in_offset, size, out_offset, valid)`` of slice ``i``."""
-  in_off = meta[_IN_OFF, i]
-  size = meta[sizes, i]
-  out_off = meta[_OUT_OFF, i]
-  valid = (
+def _valid(in_off, size, out_off, n: int, m: int):
+  """Whether a slice lies inside ``operand`` (``n`` rows) and ``output``
+  (``m`` rows)."""
+  return (
     (size >= 0)
     & (in_off >= 0)
     & (in_off <= n - size)
     & (out_off >= 0)
     & (out_off <= m - size)
   )
-  return in_off, size, out_off, valid
-
-
-def _chunk(in_off, size, out_off, valid, b: int, n: int):
-  """Whether chunk ``b`` of a slice carries rows, and its source and
-  destination row starts. A chunk that carries none reads rows ``[0,
-  2**b)`` (the masked schedule sends it to the spill region); an invalid
-  slice reads from row ``n``: out of bounds, see the module docstring."""
-  has = ((size >> b) & 1) == 1
-  prefix = (size >> (b + 1)) << (b + 1)
-  src = jnp.where(has, in_off + prefix, jnp.int32(0))
-  src = jnp.where(valid, src, jnp.int32(n))
-  return has, src, out_off + prefix
 
 
 def _handshake(peers: _Peers) -> None:
-  """Every peer is inside the kernel (its buffer ready) before any remote
-  DMA to it."""
+  """Every peer is inside the kernel before any remote DMA to it."""
   d = peers.groups.size
   if d == 1:
     return
@@ -286,22 +267,158 @@ def _handshake(peers: _Peers) -> None:
   pl.semaphore_wait(barrier, d - 1)
 
 
-def _kernel(config: Config, k: int, n: int, m: int):
-  """The kernel body of :func:`exchange`, and the spill rows its output
-  buffer has past ``m``."""
+def _varying(config: Config, *operands) -> frozenset[Any]:
+  """The manual axes a launch's outputs vary over (``check_vma=True``)."""
+  varying = _common.varying_axes(*operands)
+  if varying:  # check_vma=True: every manual axis is tracked
+    varying |= frozenset(config.groups.axes)
+  return varying
+
+
+def _launch(config: Config, body, out_types, scratch_types, **kwargs):
+  return mpmd_map(
+    [(_common.single_core_mesh(), body)],
+    out_types=out_types,
+    scratch_types=scratch_types,
+    compiler_params=pltpu.CompilerParams(collective_id=_COLLECTIVE_ID),
+    interpret=config.interpret,
+    **kwargs,
+  )
+
+
+# -- the window schedule (CPU) ------------------------------------------------
+
+# Rows of the metadata that travels with the windows (per receiver, per
+# slice): where the slice lands in the receiver's output, and where it
+# starts in its window.
+_TRAVEL_OFF, _TRAVEL_SHIFT = range(2)
+
+
+def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
   groups = config.groups
   d = groups.size
-  bits = _chunk_bits(n, m)
-  masked = config.schedule == "masked"
-  spill = (1 << (bits - 1)) if masked else 0
+  n, m = operand.shape[0], output.shape[0]
+  k = meta.shape[1] // d
+  trailing = operand.shape[1:]
+  window = min(n, m)
+  in_off, size, out_off = meta[_IN_OFF], meta[_SEND], meta[_OUT_OFF]
+  valid = _valid(in_off, size, out_off, n, m)
+  start = jnp.minimum(in_off, n - window)
+  shift = in_off - start
+  # An invalid slice reads the window from row n: out of bounds.
+  start = jnp.where(valid, start, n)
+  travel = jnp.stack([out_off, shift]).reshape(2, d, k).transpose(1, 0, 2)
+  varying = _varying(config, operand, output, meta)
+  out_types = (
+    _common.out_type((d * k * window, *trailing), operand.dtype, varying),
+    _common.out_type(travel.shape, jnp.int32, varying),
+  )
+
+  def body(operand, starts_hbm, travel, staging, arrived, starts, send, recv):
+    pltpu.sync_copy(starts_hbm, starts)
+    peers = _Peers(groups)
+    me = peers.position
+    _handshake(peers)
+
+    def slot(source, s):
+      return staging.at[pl.ds((source * k + s) * window, window)]
+
+    copies = []
+    for o in range(1, d):
+      target = peers.position_at(o)
+      copies.append(
+        pltpu.make_async_remote_copy(
+          travel.at[pl.ds(target, 1)],
+          arrived.at[pl.ds(me, 1)],
+          send,
+          recv,
+          device_id=peers.ids[o],
+        )
+      )
+      for s in range(k):
+        copies.append(
+          pltpu.make_async_remote_copy(
+            operand.at[pl.ds(starts[target * k + s], window)],
+            slot(me, s),
+            send,
+            recv,
+            device_id=peers.ids[o],
+          )
+        )
+    for copy in copies:
+      copy.start()
+    pltpu.sync_copy(travel.at[pl.ds(me, 1)], arrived.at[pl.ds(me, 1)])
+    for s in range(k):
+      pltpu.sync_copy(
+        operand.at[pl.ds(starts[me * k + s], window)], slot(me, s)
+      )
+    # Every peer sends this device the same windows it sends them.
+    for copy in copies:
+      copy.wait_recv()
+    for copy in copies:
+      copy.wait_send()
+
+  itemsize = jnp.dtype(operand.dtype).itemsize
+  row_bytes = math.prod(trailing) * itemsize
+  staging, arrived = _launch(
+    config,
+    body,
+    out_types,
+    (
+      pltpu.SMEM(start.shape, jnp.int32),
+      pltpu.SemaphoreType.DMA,
+      pltpu.SemaphoreType.DMA,
+    ),
+    cost_estimate=pl.CostEstimate(
+      flops=0, transcendentals=0, bytes_accessed=2 * d * k * window * row_bytes
+    ),
+    name=_FN,
+  )(operand, start, travel)
+  # arrived[j, :, s]: the slice of sender j's slot s; recv_sizes says how
+  # many of its rows count.
+  lands = arrived[:, _TRAVEL_OFF].reshape(d * k)
+  shifts = arrived[:, _TRAVEL_SHIFT].reshape(d * k)
+  sizes = meta[_RECV]
+  rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+  inside = (rows >= lands[None, :]) & (rows < (lands + sizes)[None, :])
+  # Where slices overlap, the later one wins, as in JAX's definition.
+  last = d * k - 1 - jnp.argmax(inside[:, ::-1], axis=1).astype(jnp.int32)
+  found = jnp.any(inside, axis=1)
+  source = last * window + shifts[last] + rows[:, 0] - lands[last]
+  source = jnp.clip(source, 0, d * k * window - 1)
+  found = found.reshape(found.shape + (1,) * len(trailing))
+  return jnp.where(found, staging[source], output)
+
+
+# -- the conditional schedule (TPU) -------------------------------------------
+
+
+def _chunk(in_off, size, out_off, valid, b: int, n: int):
+  """Whether chunk ``b`` of a slice carries rows, and its source and
+  destination row starts (an invalid slice reads from row ``n``: out of
+  bounds, see the module docstring)."""
+  has = ((size >> b) & 1) == 1
+  prefix = (size >> (b + 1)) << (b + 1)
+  src = jnp.where(valid, in_off + prefix, jnp.int32(n))
+  return has, src, out_off + prefix
+
+
+def _conditional_exchange(config: Config, operand, output, meta) -> jax.Array:
+  groups = config.groups
+  d = groups.size
+  n, m = operand.shape[0], output.shape[0]
+  k = meta.shape[1] // d
+  bits = min(n, m).bit_length()
 
   def body(operand, output, meta_hbm, out, meta, send_sem, recv_sem):
+    del output  # aliased to ``out``
     pltpu.sync_copy(meta_hbm, meta)
-    if masked:
-      pltpu.sync_copy(output, out.at[pl.ds(0, m)])
-    # else: ``out`` is ``output``, aliased.
     peers = _Peers(groups)
     _handshake(peers)
+
+    def fields(i):
+      in_off, size, out_off = (meta[f, i] for f in (_IN_OFF, _SEND, _OUT_OFF))
+      return in_off, size, out_off, _valid(in_off, size, out_off, n, m)
 
     def remote(src, dst, rows, o):
       return pltpu.make_async_remote_copy(
@@ -312,46 +429,32 @@ def _kernel(config: Config, k: int, n: int, m: int):
         device_id=peers.ids[o],
       )
 
-    sent = []
     for o in range(1, d):
       target = peers.position_at(o)
       for s in range(k):
-        fields = _slice_fields(meta, target * k + s, n, m)
+        slice_fields = fields(target * k + s)
         for b in range(bits):
-          has, src, dst = _chunk(*fields, b, n)
-          if masked:
-            copy = remote(src, jnp.where(has, dst, jnp.int32(m)), 1 << b, o)
-            copy.start()
-            sent.append(copy)
-          else:
-            valid = fields[3]
+          has, src, dst = _chunk(*slice_fields, b, n)
 
-            @pl.when(has | ~valid)
-            def _(src=src, dst=dst, b=b, o=o):
-              remote(src, dst, 1 << b, o).start()
+          @pl.when(has | ~slice_fields[3])
+          def _(src=src, dst=dst, b=b, o=o):
+            remote(src, dst, 1 << b, o).start()
 
     # Slices to itself: local copies of the chunks that carry rows.
     me = peers.position
     for s in range(k):
-      fields = _slice_fields(meta, me * k + s, n, m)
+      slice_fields = fields(me * k + s)
       for b in range(bits):
-        has, src, dst = _chunk(*fields, b, n)
+        has, src, dst = _chunk(*slice_fields, b, n)
 
-        @pl.when(has | ~fields[3])
+        @pl.when(has | ~slice_fields[3])
         def _(src=src, dst=dst, b=b):
           pltpu.sync_copy(
             operand.at[pl.ds(src, 1 << b)], out.at[pl.ds(dst, 1 << b)]
           )
 
-    if masked:
-      # Every peer sends this device the same chunks it sends them.
-      for copy in sent:
-        copy.wait_recv()
-      for copy in sent:
-        copy.wait_send()
-      return
-    # Conditional: wait for the chunks this device's ``recv_sizes``
-    # announce, and for its own sends to leave.
+    # Wait for the chunks this device's ``recv_sizes`` announce, and for
+    # its own sends to leave.
     for o in range(1, d):
       source = peers.position_at(d - o)
       target = peers.position_at(o)
@@ -369,48 +472,37 @@ def _kernel(config: Config, k: int, n: int, m: int):
           def _(like=like):
             like.wait_send()
 
-  return body, spill
-
-
-def exchange(config: Config, operand, output, meta) -> jax.Array:
-  """The launch: ``meta`` is (4, k * D) int32 (input offsets, send sizes,
-  output offsets, recv sizes); returns the updated ``output``."""
-  n, m = operand.shape[0], output.shape[0]
-  k = meta.shape[1] // config.groups.size
-  if n == 0 or m == 0 or math.prod(output.shape[1:]) == 0:
-    return output  # no row can move
-  body, spill = _kernel(config, k, n, m)
-  masked = config.schedule == "masked"
-  varying = _common.varying_axes(operand, output, meta)
-  if varying:  # check_vma=True: every manual axis is tracked
-    varying |= frozenset(config.groups.axes)
-  out_type = _common.out_type(
-    (m + spill, *output.shape[1:]), output.dtype, varying
-  )
-  if not masked and varying:
+  varying = _varying(config, operand, output, meta)
+  if varying:
     output = _common.vary(output, varying)
-  itemsize = jnp.dtype(output.dtype).itemsize
-  row_bytes = math.prod(output.shape[1:]) * itemsize
-  call = mpmd_map(
-    [(_common.single_core_mesh(), body)],
-    out_types=(out_type,),
-    scratch_types=(
+  row_bytes = math.prod(output.shape[1:]) * jnp.dtype(output.dtype).itemsize
+  (out,) = _launch(
+    config,
+    body,
+    (_common.out_type(output.shape, output.dtype, varying),),
+    (
       pltpu.SMEM(meta.shape, jnp.int32),
       pltpu.SemaphoreType.DMA,
       pltpu.SemaphoreType.DMA,
     ),
-    input_output_aliases=None if masked else {1: 0},
-    compiler_params=pltpu.CompilerParams(collective_id=_COLLECTIVE_ID),
-    interpret=config.interpret,
+    input_output_aliases={1: 0},
     cost_estimate=pl.CostEstimate(
-      flops=0,
-      transcendentals=0,
-      bytes_accessed=2 * (n + m) * row_bytes,
+      flops=0, transcendentals=0, bytes_accessed=2 * (n + m) * row_bytes
     ),
     name=_FN,
-  )
-  (out,) = call(operand, output, meta)
-  return out[:m] if masked else out
+  )(operand, output, meta)
+  return out
+
+
+def exchange(config: Config, operand, output, meta) -> jax.Array:
+  """The exchange: ``meta`` is (4, k * D) int32 (input offsets, send sizes,
+  output offsets, recv sizes); returns the updated ``output``."""
+  n, m = operand.shape[0], output.shape[0]
+  if n == 0 or m == 0 or math.prod(output.shape[1:]) == 0:
+    return output  # no row can move
+  if config.schedule == "window":
+    return _window_exchange(config, operand, output, meta)
+  return _conditional_exchange(config, operand, output, meta)
 
 
 def exchange_metadata(config: Config, values: jax.Array) -> jax.Array:
@@ -423,9 +515,7 @@ def exchange_metadata(config: Config, values: jax.Array) -> jax.Array:
   k = width // d
   # Blocks as leading rows so that each moves as one DMA.
   blocks = values.reshape(rows, d, k).transpose(1, 0, 2)
-  varying = _common.varying_axes(values)
-  if varying:
-    varying |= frozenset(groups.axes)
+  varying = _varying(config, values)
 
   def body(blocks_hbm, out, send_sem, recv_sem):
     peers = _Peers(groups)
@@ -449,15 +539,13 @@ def exchange_metadata(config: Config, values: jax.Array) -> jax.Array:
     for copy in copies:
       copy.wait_send()
 
-  call = mpmd_map(
-    [(_common.single_core_mesh(), body)],
-    out_types=(_common.out_type(blocks.shape, jnp.int32, varying),),
-    scratch_types=(pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA),
-    compiler_params=pltpu.CompilerParams(collective_id=_COLLECTIVE_ID),
-    interpret=config.interpret,
+  (out,) = _launch(
+    config,
+    body,
+    (_common.out_type(blocks.shape, jnp.int32, varying),),
+    (pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA),
     name=f"{_FN}_metadata",
-  )
-  (out,) = call(blocks)
+  )(blocks)
   return out.transpose(1, 0, 2).reshape(rows, width)
 
 

@@ -5,7 +5,7 @@ all-gather of every device's arguments and one gather per slice
 (``ragged_all_to_all_util.reference``), on arrays stacked along a leading
 device axis. One class per execution path:
 
-* ``TestCpuFallback``: the CPU fallback's schedule (masked chunks, the
+* ``TestCpuFallback``: the CPU fallback's schedule (windows of rows, the
   lockstep path) on simulated CPU devices: routings with empty slots,
   devices that send nothing, packed and padded layouts, 1-D and 2-D meshes,
   groups, offset dtypes, gradients, run-time bounds errors.
@@ -246,10 +246,10 @@ class TestTpuSimulator:
       assert_equal(got, r.expected())
       assert not mpmd.get_races().races_found
 
-  def test_masked_schedule_no_race(self, rng):
+  def test_window_schedule_no_race(self, rng):
     r = random_routing(rng, devices=2, k=2, rows=9)
     mesh = stacked_mesh((2,), ("x",))
-    fn = forced("masked", interpret=pltpu.InterpretParams(detect_races=True))
+    fn = forced("window", interpret=pltpu.InterpretParams(detect_races=True))
     with mpmd.race_policy("record"):
       got = run_stacked(fn, mesh, *r.args)
       assert_equal(got, r.expected())
@@ -281,7 +281,7 @@ class TestTpuLowering:
     assert text.count("tpu_custom_call") == count
     assert re.search(r"has_communication\\22: true", text)
 
-  @pytest.mark.parametrize("schedule", [None, "masked"])
+  @pytest.mark.parametrize("schedule", [None, "window"])
   @pytest.mark.parametrize(
     "mesh_shape,axis_name,trailing",
     [((4,), "x", (128,)), ((2, 4), "y", (8, 128)), ((2, 2), "x", ())],
@@ -299,7 +299,7 @@ class TestTpuLowering:
     self.assert_collective_kernel(self.lower(fn, mesh, names, shapes))
 
   def test_default_schedule_follows_the_platform(self):
-    assert ragged.resolve_schedule(None, None) == "masked"
+    assert ragged.resolve_schedule(None, None) == "window"
     assert ragged.resolve_schedule(None, pltpu.InterpretParams()) == (
       "conditional"
     )
