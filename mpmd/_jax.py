@@ -132,6 +132,11 @@ def tpu():
   )
 
 
+def is_extended(dtype) -> bool:
+  """A JAX extended dtype (PRNG keys, ...): no numpy equivalent."""
+  return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
 def custom_derivatives():
   """``jax._src.custom_derivatives`` (its call primitives)."""
   return _custom_derivatives

@@ -113,8 +113,14 @@ def _read(env: dict, v):
   return env[v]
 
 
+# A segment that runs this often in one launch is compiled (a loop body);
+# below, compiling would cost more than running its equations one by one.
+COMPILE_AFTER = 16
+
+
 class _Segment:
-  """A run of pure equations, compiled as one jitted function."""
+  """A run of pure equations: run one by one, then, once it has run
+  ``COMPILE_AFTER`` times, as one jitted function."""
 
   def __init__(self, eqns, invars, outvars):
     self.invars, self.outvars = invars, outvars
@@ -128,7 +134,23 @@ class _Segment:
             env[v] = x
       return [_read(env, v) for v in outvars]
 
-    self.fn = jax.jit(fn)
+    self.eager = fn
+    self.calls = 0
+    self.compiled = None
+
+  def fn(self, *values):
+    self.calls += 1
+    if self.compiled is None and self.calls > COMPILE_AFTER:
+      self.compiled = jax.jit(self.eager)
+    return [_host(x) for x in (self.compiled or self.eager)(*values)]
+
+
+def _host(x):
+  """Values live on the host as numpy arrays (no device, sharding or mesh
+  of the trace that made them), extended dtypes (PRNG keys) aside."""
+  if isinstance(x, jax.Array) and not _jax.is_extended(x.dtype):
+    return np.asarray(x)
+  return x
 
 
 def _bind(eqn, invals):
@@ -210,7 +232,7 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
     if rule is not None:
       outs = yield from rule(ctx, eqn, invals)
     elif not _eqn_needs(eqn, memo):
-      outs = _bind(eqn, invals)
+      outs = [_host(x) for x in _bind(eqn, invals)]
     else:
       raise NotImplementedError(
         f"mpmd checker: {eqn.primitive.name!r} (at {ctx.where}) is not "
