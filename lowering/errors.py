@@ -70,10 +70,21 @@ def remember(error: LaunchError) -> LaunchError:
   message = _KEY.sub("", str(error.args[0])) if error.args else ""
   with _lock:
     key = next(_keys)
-    _kept[key] = type(error)(message)
+    _kept[key] = _copy(error, message)
     while len(_kept) > _KEPT:
       _kept.popitem(last=False)
-  return type(error)(f"{message} [mpmd launch error {key}]")
+  return _copy(error, f"{message} [mpmd launch error {key}]")
+
+
+def _copy(error: LaunchError, *args) -> LaunchError:
+  """A new error of the same type and attributes (``schedule``...)."""
+  copy = type(error)(*args)
+  for name, value in vars(error).items():
+    # What the constructor set (the message, for JAX's runtime errors)
+    # stays the copy's own.
+    if name not in vars(copy):
+      setattr(copy, name, value)
+  return copy
 
 
 def _typed(error: BaseException) -> LaunchError | None:
@@ -83,8 +94,14 @@ def _typed(error: BaseException) -> LaunchError | None:
   with _lock:
     known = _kept.get(int(found[-1])) if found else None
   if known is not None:
-    return type(known)(*known.args)
+    return _copy(known, *known.args)
   return error if isinstance(error, LaunchError) else None
+
+
+def launch_error(error: BaseException) -> LaunchError | None:
+  """The typed launch error that ``error`` is or (XLA's report of it)
+  carries, None if it is not a failed launch of ours."""
+  return _typed(error)
 
 
 def reports_launch(error: BaseException) -> bool:

@@ -24,6 +24,7 @@ from mpmd._jax import (
 from mpmd.lowering import (
   bounds,
   common,
+  errors,
   jaxpr_util,
   lockstep,
   merge,
@@ -212,11 +213,14 @@ def _launch(*args, programs, buffers: _Buffers):
     for k, (aval, sharing) in enumerate(b.scratch)
     if sharing is not None
   }
-  stuck = []
+  stuck, left = [], []
   for p, program in enumerate(programs):
-    outs, program_stuck = _run_program(program, p, args, outs, shared, b)
+    outs, program_stuck, program_left = _run_program(
+      program, p, args, outs, shared, b
+    )
     stuck.append(program_stuck)
-  return outs, jnp.stack(stuck)
+    left.append(program_left)
+  return outs, (jnp.stack(stuck), jnp.stack(left))
 
 
 def _run_program(program, p: int, args, outs, shared, b: _Buffers):
@@ -248,13 +252,20 @@ def _run_program(program, p: int, args, outs, shared, b: _Buffers):
     [jnp.any(operands[k] < 0) for k in b.semaphores],
     jnp.bool_(False),
   )
-  return operands[num_in : num_in + num_out], stuck
+  # A scratch semaphore still counting at the end: a signal nobody waited
+  # for, or a DMA nobody awaited (operands carry theirs to the next launch).
+  left = functools.reduce(
+    jnp.logical_or,
+    [jnp.any(operands[k] > 0) for k in b.semaphores if k >= num_in + num_out],
+    jnp.bool_(False),
+  )
+  return operands[num_in : num_in + num_out], stuck, left
 
 
 def _raise_if_failed(error, stuck, labels) -> None:
   """Raises, when the launch has run, the first failed check, or else a
   deadlock naming the stuck programs."""
-  failed = jnp.any(stuck)
+  failed = jnp.any(stuck[0]) | jnp.any(stuck[1])
   if error is not None:
     failed = jnp.logical_or(failed, bounds.failed(error))
   leaves, treedef = tree_util.tree_flatten(error)
@@ -273,10 +284,18 @@ def _raise_for(labels, treedef, stuck, *leaves) -> None:
   failure = bounds.first_failure(treedef, leaves)
   if failure is not None:
     raise failure
+  stuck, left = stuck
   waiting = [label for label, s in zip(labels, stuck, strict=True) if s]
   if waiting:
     raise watchdog.DeadlockError(
       "mpmd_map deadlock: on the CPU fast path (programs run one after "
       "another) these programs waited on a semaphore more than it was "
       f"signalled, so on hardware they would wait forever: {waiting}"
+    )
+  counting = [label for label, s in zip(labels, left, strict=True) if s]
+  if counting:
+    raise errors.LeftoverError(
+      "mpmd_map: on the CPU fast path these programs ended with a scratch "
+      "semaphore not back to zero (a signal nobody waited for, or a DMA "
+      f"whose completion nobody awaited): {counting}"
     )

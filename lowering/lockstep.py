@@ -54,6 +54,7 @@ from mpmd.lowering import (
   bounds,
   common,
   device_ids,
+  errors,
   jaxpr_util,
   paths,
   ranges,
@@ -363,7 +364,19 @@ def _run(
   ]
   error, final = bounds.checked(launch, num_checks)(*operands)
   if semaphores or error is not None:
-    flags = [jnp.any(final[k] < 0) for k in semaphores]
+    # Per semaphore: 1 when a wait came up short (it would hang), 2 when
+    # scratch still counts at the end (a signal or DMA nobody waited for;
+    # operands carry their counts to the next launch).
+    flags = [
+      jnp.where(
+        jnp.any(final[k] < 0),
+        SHORT,
+        jnp.where(
+          (k >= num_in + num_out) & jnp.any(final[k] > 0), LEFTOVER, 0
+        ),
+      )
+      for k in semaphores
+    ]
     if error is not None:
       flags.append(bounds.failed(error))
     coords = jnp.stack([lax.axis_index(a) for a in devices.all_axes])
@@ -387,6 +400,10 @@ def _run(
       lambda: None,
     )
   return final[num_in : num_in + num_out]
+
+
+# Per-semaphore verdicts of a device's end-of-launch report.
+SHORT, LEFTOVER = 1, 2
 
 
 class _Failures:
@@ -458,14 +475,23 @@ def _raise_for_reports(names, axes, treedef, reports) -> None:
 def _raise_if_short(names, axes, reports) -> None:
   reports = np.asarray(reports)
   coords, short = reports[:, : len(axes)], reports[:, len(axes) :]
-  lines = []
+  lines, left = [], []
   for row, device in zip(short, coords, strict=True):
     where = ", ".join(
       f"{a}={int(c)}" for a, c in zip(axes, device, strict=True)
     )
-    waited = [name for name, s in zip(names, row, strict=True) if s]
+    waited = [name for name, s in zip(names, row, strict=True) if s == SHORT]
     if waited:
       lines.append(f"  device ({where}) waits on {', '.join(waited)}")
+    counting = [n for n, s in zip(names, row, strict=True) if s == LEFTOVER]
+    if counting:
+      left.append(f"  device ({where}): {', '.join(counting)}")
+  if not lines:
+    raise errors.LeftoverError(
+      "mpmd_map: on the CPU lockstep path these scratch semaphores were not "
+      "back to zero when the kernel ended (a signal nobody waited for, or a "
+      "DMA whose completion nobody awaited):\n" + "\n".join(left)
+    )
   raise watchdog.DeadlockError(
     "mpmd_map deadlock: on the CPU lockstep path (devices run in step) "
     "these waits asked for more than had been signalled when every device "

@@ -242,6 +242,14 @@ def choose(
       "interpret=pltpu.InterpretParams() (or interpret=None on CPU) for "
       "the TPU simulator."
     )
+  checked = check_params.default_for(jaxprs, meshes)
+  if checked is not None:
+    return Path(
+      CHECK,
+      f"{reason}, and not in lockstep: {why_not}; the checking executor "
+      "runs it (its default schedule: deterministic, deadlocks at once)",
+      checked,
+    )
   return Path(
     TPU_SIMULATOR, f"{reason}, and not in lockstep: {why_not}", tpu_params()
   )

@@ -101,7 +101,7 @@ def _call(session, f, args, kwargs, text, keep=None):
     failed = [err for _, err in session.runs if err is not None]
     if failed:
       return None, failed[0]
-    typed = errors._typed(e)
+    typed = errors.launch_error(e)
     if typed is not None:
       return None, typed
     raise
@@ -216,12 +216,37 @@ def explore(
   Returns:
     A :class:`Report`: ``schedules_run`` and ``failures``.
 
-  Example::
+  Example: program 0 stages ``x`` in shared HBM, program 1 copies it out;
+  unsynchronised, program 1 may read before program 0 has written:
 
-    >>> report = mpmd.explore(my_kernel_fn, x, schedules=50)
-    >>> for failure in report.failures:
-    ...   print(failure.kind, failure.schedule)
-    ...   mpmd.replay(my_kernel_fn, x, schedule=failure.schedule)  # raises
+    >>> mesh = mpmd.tensorcore_mesh("core", num_cores=2)
+    >>> def staged_copy(x, synchronised=True):
+    ...   def kernel(x_hbm, o_hbm, staged, ready):
+    ...     core = jax.lax.axis_index("core")
+    ...     @pl.when(core == 0)
+    ...     def _():
+    ...       pltpu.sync_copy(x_hbm, staged)
+    ...       if synchronised:
+    ...         pl.semaphore_signal(ready, 1, core_index=1)
+    ...     @pl.when(core == 1)
+    ...     def _():
+    ...       if synchronised:
+    ...         pl.semaphore_wait(ready, 1)
+    ...       pltpu.sync_copy(staged, o_hbm)
+    ...   return mpmd.mpmd_map(
+    ...       [(mesh, kernel)], jax.ShapeDtypeStruct(x.shape, x.dtype),
+    ...       scratch_types=[pltpu.HBM(x.shape, x.dtype),
+    ...                      pltpu.SemaphoreType.REGULAR])(x)
+    >>> x = jnp.ones((8, 128), jnp.float32)
+    >>> mpmd.explore(staged_copy, x, schedules=8).failures
+    []
+    >>> racy = functools.partial(staged_copy, synchronised=False)
+    >>> [failure] = mpmd.explore(racy, x, schedules=8).failures
+    >>> failure.kind
+    'race'
+    >>> mpmd.replay(racy, x, schedule=failure.schedule)
+    Traceback (most recent call last):
+    RaceError: data race on 'staged' ...
   """
   session = params_lib.Session()
   reference = None
@@ -267,9 +292,18 @@ def replay(f: Callable[..., Any], *args, schedule: str, **kwargs):
   schedule too and raising ``mpmd.NondeterminismError`` when the outputs
   differ.
 
-  Example::
+  Example (a kernel whose programs copy each other's blocks around a
+  ring of 4 devices, under a random schedule)::
 
-    >>> mpmd.replay(my_kernel_fn, x, schedule="steps:0/4:p1")
+    >>> from mpmd import demos
+    >>> mesh = jax.make_mesh((4,), ("x",))
+    >>> x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    >>> x = jax.device_put(x, NamedSharding(mesh, P("x")))
+    >>> f = jax.jit(functools.partial(demos.ring_shift, mesh=mesh))
+    >>> out = mpmd.replay(f, x, schedule="random:4")
+    >>> import numpy as np
+    >>> np.array_equal(out, np.roll(np.asarray(x), 2, axis=0))
+    True
   """
   schedule_lib.parse(schedule)
   session = params_lib.Session()
@@ -304,7 +338,18 @@ def timeline(
 
   Example::
 
-    >>> mpmd.timeline(my_kernel_fn, x, path="/tmp/kernel.json")
+    >>> import json, tempfile
+    >>> from mpmd import demos
+    >>> mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    >>> x = jax.device_put(jnp.ones((16, 128), jnp.float32),
+    ...                    NamedSharding(mesh, P("x")))
+    >>> f = jax.jit(functools.partial(demos.ring_shift, mesh=mesh))
+    >>> path = tempfile.mktemp(suffix=".json")
+    >>> _ = mpmd.timeline(f, x, path=path, schedule="random:1")
+    >>> with open(path) as trace:
+    ...   events = json.load(trace)["traceEvents"]
+    >>> sorted({e["cat"] for e in events if "cat" in e})
+    ['dma', 'dma_start', 'exit', 'program', 'sync', 'wait']
   """
   schedule_lib.parse(schedule)
   session = params_lib.Session()

@@ -22,10 +22,19 @@ def assert_schedule_independent(
   uninitialised reads, leftovers, out-of-bounds accesses, outputs that
   depend on the schedule), each with a schedule for ``mpmd.replay``.
 
-  Example::
+  Example (a kernel that signals a semaphore nobody waits for)::
 
-    >>> def test_my_kernel():
-    ...   mpmd.testing.assert_schedule_independent(my_fn, x, schedules=10)
+    >>> def kernel(x_hbm, o_hbm, sem):
+    ...   pltpu.sync_copy(x_hbm, o_hbm)
+    ...   pl.semaphore_signal(sem, 1)
+    >>> f = mpmd.mpmd_map(
+    ...     [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
+    ...     jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    ...     scratch_types=[pltpu.SemaphoreType.REGULAR])
+    >>> mpmd.testing.assert_schedule_independent(
+    ...     f, jnp.ones((8, 128), jnp.float32), schedules=2)
+    Traceback (most recent call last):
+    AssertionError: ... leftover ...
   """
   report = checking.explore(f, *args, schedules=schedules, seed=seed, **kwargs)
   if report.failures:

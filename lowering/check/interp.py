@@ -247,6 +247,24 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
   return [_read(env, v) for v in jaxpr.outvars]
 
 
+def unsupported(jaxpr: core.Jaxpr) -> str | None:
+  """The first operation of ``jaxpr`` (nested ones included) that the
+  executor cannot run, None if it runs them all."""
+  from mpmd.lowering import jaxpr_util
+
+  for eqn in jaxpr_util.iter_eqns(jaxpr):
+    if eqn.primitive in _RULES:
+      if eqn.primitive is pallas_primitives.run_scoped_p and eqn.params.get(
+        "collective_axes"
+      ):
+        return "run_scoped(collective_axes=...)"
+    elif eqn.effects or any(
+      isinstance(v.aval, state.AbstractRef) for v in eqn.invars
+    ):
+      return repr(eqn.primitive.name)
+  return None
+
+
 def _closed(j):
   return _jax.open_jaxpr(j)
 

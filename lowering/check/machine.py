@@ -247,7 +247,14 @@ class Machine:
     mine = self.memory[(ctx.device, ctx.program)]
     views = []
     for k, v in enumerate(avals_vars):
+      # Scoped memory sits at a fixed place of each program's memory: a
+      # scope entered again finds it as it was left, and another program
+      # may DMA or signal into it before this one enters (a remote DMA
+      # into the peer's scoped buffer).
       key = ("scoped", id(eqn), k, ctx.scope_depth)
+      if key in mine:
+        views.append(View(mine[key], mine[key].ids))
+        continue
       label = memory.Lazy(
         lambda k=k, d=ctx.device, g=ctx.program, at=ctx.where: (
           f"run_scoped buffer {k} at {at} ({self.name(d, g)})"
@@ -257,6 +264,24 @@ class Machine:
       mine[key] = buffer
       views.append(View(buffer, buffer.ids))
     return tuple(views)
+
+  def _like(self, buffer: Buffer, device: int, program: int) -> Buffer:
+    """Program ``(device, program)``'s copy of a scoped buffer that it has
+    not allocated yet (a peer DMAs or signals into it first)."""
+    label = memory.Lazy(
+      lambda: f"{buffer.label} (the copy of {self.name(device, program)})"
+    )
+    copy = Buffer(
+      label,
+      buffer.key,
+      buffer.data.shape,
+      buffer.data.dtype,
+      self.aranges,
+      semaphore=buffer.semaphore,
+    )
+    if copy.semaphore:
+      self.semaphores.append(copy)
+    return copy
 
   # -- addressing ------------------------------------------------------------
 
@@ -319,7 +344,10 @@ class Machine:
   def peer(self, view: View, device: int, program: int, describe) -> View:
     """``view``'s elements in the copy of its buffer that program
     ``(device, program)`` has."""
-    other = self.memory[(device, program)].get(view.buffer.key)
+    theirs = self.memory[(device, program)]
+    other = theirs.get(view.buffer.key)
+    if other is None and view.buffer.key[0] == "scoped":
+      other = theirs[view.buffer.key] = self._like(view.buffer, device, program)
     if other is None:
       raise errors.OutOfBoundsError(
         f"{describe}: {view.buffer.label} does not exist on "

@@ -41,10 +41,20 @@ class CheckParams:
     trace: a path: each launch writes its timeline there (Chrome trace
       events; ``mpmd.timeline`` says more).
 
-  Example::
+  Example (a program that waits for a signal nobody sends: on the checker
+  a ``DeadlockError`` at once, naming the wait and its count)::
 
-    >>> f = mpmd.mpmd_map([(mesh, kernel)], out_type,
-    ...                   interpret=mpmd.CheckParams(schedule="random:3"))
+    >>> def kernel(x_hbm, o_hbm, sem):
+    ...   pl.semaphore_wait(sem, 1)
+    ...   pltpu.sync_copy(x_hbm, o_hbm)
+    >>> f = mpmd.mpmd_map(
+    ...     [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
+    ...     jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    ...     scratch_types=[pltpu.SemaphoreType.REGULAR],
+    ...     interpret=mpmd.CheckParams(schedule="random:3"))
+    >>> f(jnp.ones((8, 128), jnp.float32))
+    Traceback (most recent call last):
+    DeadlockError: kernel ... deadlocks: ... it holds 0 now ...
   """
 
   schedule: str | int = "default"
@@ -169,6 +179,26 @@ def config_state():
     include_in_jit_key=True,
     include_in_trace_context=True,
   )
+
+
+def default_for(jaxprs, meshes) -> CheckParams | None:
+  """``CheckParams()`` where the executor runs every operation of a launch
+  whose programs wait on each other (else None: the TPU simulator)."""
+  from mpmd.lowering import paths
+  from mpmd.lowering.check import interp
+
+  if any(paths.is_gpu_mesh(m) for m in meshes):
+    return None
+  semaphore_space = _jax.tpu().core.MemorySpace.SEMAPHORE
+  if any(
+    paths.is_semaphore(v.aval)
+    and getattr(v.aval, "memory_space", None) is not semaphore_space
+    for v in jaxprs[0].invars
+  ):
+    return None  # semaphores carried from launch to launch
+  if any(interp.unsupported(j) is not None for j in jaxprs):
+    return None
+  return CheckParams()
 
 
 def forced() -> Any:

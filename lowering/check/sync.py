@@ -352,11 +352,6 @@ def _end_scope(m, p, op: interp.ScopeEnd, where: str):
     [v.buffer for v in op.buffers if v.buffer.semaphore],
     f"{_describe(m, p, 'run_scoped ends', where)}: ",
   )
-  mine = m.memory[(p.device, p.program)]
-  for v in op.buffers:
-    mine.pop(v.buffer.key, None)
-    if v.buffer.semaphore:
-      m.semaphores.remove(v.buffer)
   return None
 
 

@@ -374,3 +374,47 @@ def test_assert_schedule_independent():
     mpmd.testing.assert_schedule_independent(
       two_meshes(consumer=consume_without_wait), X, schedules=4
     )
+
+
+# -- cheap checks on the fast path ---------------------------------------------
+
+
+def _one_program(body, scratch):
+  return jax.jit(
+    mpmd.mpmd_map(
+      [(mpmd.tensorcore_mesh("core", num_cores=2), body)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=scratch,
+    )
+  )
+
+
+def test_fast_path_rejects_a_signal_nobody_waits_for():
+  def signals(x_hbm, o_hbm, sem):
+    pltpu.sync_copy(x_hbm, o_hbm)
+    pl.semaphore_signal(sem, 1)
+
+  f = _one_program(signals, [pltpu.SemaphoreType.REGULAR(())])
+  with pytest.raises(mpmd.LeftoverError, match="program 1 .core=1."):
+    with mpmd.typed_errors():
+      jax.block_until_ready(f(X))
+
+
+def test_fast_path_rejects_a_dma_nobody_waits_for():
+  def starts(x_hbm, o_hbm, sem):
+    pltpu.make_async_copy(x_hbm, o_hbm, sem).start()
+
+  f = _one_program(starts, [pltpu.SemaphoreType.DMA(())])
+  with pytest.raises(mpmd.LeftoverError, match="not back to zero"):
+    with mpmd.typed_errors():
+      jax.block_until_ready(f(X))
+  # Waited for, the same copy is fine.
+
+  def copies(x_hbm, o_hbm, sem):
+    copy = pltpu.make_async_copy(x_hbm, o_hbm, sem)
+    copy.start()
+    copy.wait()
+
+  np.testing.assert_array_equal(
+    _one_program(copies, [pltpu.SemaphoreType.DMA(())])(X), X
+  )

@@ -64,7 +64,7 @@ def test_producer_consumer_consumer_listed_first(rng):
   np.testing.assert_allclose(producer_consumer(x), pc_reference(x))
 
 
-def test_producer_consumer_takes_the_simulator_path(capsys):
+def test_producer_consumer_takes_the_checking_executor(capsys):
   x = jnp.ones(ROWS, jnp.float32)
   producer = tc("producer", 1)
 
@@ -79,10 +79,13 @@ def test_producer_consumer_takes_the_simulator_path(capsys):
     scratch_types=[pltpu.SemaphoreType.REGULAR(())],
     debug=True,
   )(x)
+  # Programs that wait on each other run on the checking executor (it
+  # covers every operation here), not the threaded simulator.
+  out = capsys.readouterr().out
   assert (
-    "takes the tpu-simulator path: it signals a semaphore of another "
-    "program" in capsys.readouterr().out
+    "takes the check path: it signals a semaphore of another program" in out
   )
+  assert "the checking executor runs it" in out
 
 
 def test_two_independent_meshes_write_their_own_outputs(rng, capsys):
