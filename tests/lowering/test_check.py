@@ -246,9 +246,7 @@ def test_timeline_is_a_chrome_trace(tmp_path):
   mpmd.timeline(two_meshes(), X, path=str(path), schedule="random:2")
   trace = json.loads(path.read_text())
   events = trace["traceEvents"]
-  names = {
-    e["args"]["name"] for e in events if e.get("name") == "thread_name"
-  }
+  names = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
   assert names >= {
     "mesh 0 program {'consumer': 0}",
     "mesh 0 program {'consumer': 1}",
@@ -418,3 +416,27 @@ def test_fast_path_rejects_a_dma_nobody_waits_for():
   np.testing.assert_array_equal(
     _one_program(copies, [pltpu.SemaphoreType.DMA(())])(X), X
   )
+
+
+def test_event_log_is_the_same_on_every_supported_jax(tmp_path):
+  """The golden digests were taken on jax 0.10.2 and 0.12.0.1 (equal):
+  a schedule names one run, whatever JAX runs it."""
+  import hashlib
+  from pathlib import Path
+
+  root = str(Path(__file__).resolve().parents[2])
+  digests = {}
+  for schedule in ("random:11", "pct3:4:40"):
+    path = tmp_path / "trace.json"
+    mpmd.timeline(two_meshes(), X, path=str(path), schedule=schedule)
+    text = path.read_text().replace(root, "<repo>")
+    events = json.loads(text)["traceEvents"]
+    blob = json.dumps(events, sort_keys=True).encode()
+    digests[schedule] = hashlib.sha256(blob).hexdigest()[:16]
+  assert digests == GOLDEN_DIGESTS
+
+
+GOLDEN_DIGESTS = {
+  "random:11": "e6f3dbeda833a527",
+  "pct3:4:40": "a890485998e34e64",
+}
