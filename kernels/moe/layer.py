@@ -9,10 +9,12 @@ expert ``e`` lives on device ``e // El``)::
   sort the T * K (token, expert)  -> rows of x grouped by global expert
   all_gather of the per-expert counts (D, E): every device knows where
     every slice goes, so no device waits for another to learn its offsets
-  dispatch: ragged_all_to_all, k = El slices per device (one per expert),
-    landing on the expert's device grouped by local expert, then by source
+  dispatch: ragged_all_to_all, one slice per device pair (a device's rows
+    for another device's experts are contiguous), landing by source
+  regroup the arrivals by local expert (a row gather)
   gmm(rows, w_in) -> activation -> gmm(., w_out) over the El local experts
-  combine: the reverse ragged_all_to_all, back to the sorted order
+  regroup by source, combine: the reverse ragged_all_to_all, back to the
+    sorted order
   unsort, weight, sum over the K choices -> (T, H)
 
 Dropless: a device's receive buffer holds every row that could come to it,
@@ -202,57 +204,85 @@ def moe(
   counts = jnp.zeros((experts,), i32).at[expert].add(1)
 
   # Who sends what where: counts[j, t, el] rows from device j to local
-  # expert el of device t. Receivers order rows by local expert, then
-  # source device.
+  # expert el of device t. A device's rows for another device are
+  # contiguous (sorted by expert), so each pair exchanges one slice, and a
+  # receiver keeps its arrivals by source device (source-major).
   all_counts = lax.all_gather(counts, axis_name).reshape(
     devices, devices, experts_local
   )
   me = lax.axis_index(axis_name)
-  by_receiver = all_counts.transpose(1, 2, 0)  # [t, el, j]
-  landing = _exclusive_cumsum(by_receiver.reshape(devices, -1)).reshape(
-    by_receiver.shape
-  )
-  send_offsets = _exclusive_cumsum(counts)  # rows sorted by expert
-  output_offsets = lax.dynamic_index_in_dim(
-    landing, me, axis=2, keepdims=False
-  ).reshape(experts)
+  pair = jnp.sum(all_counts, axis=2)  # [j, t]: rows from j to t
+  send_sizes = lax.dynamic_index_in_dim(pair, me, axis=0, keepdims=False)
+  recv_sizes = lax.dynamic_index_in_dim(pair, me, axis=1, keepdims=False)
+  sender_offsets = _exclusive_cumsum(pair, axis=1)  # [j, t], in j's rows
+  landing = _exclusive_cumsum(pair, axis=0)  # [j, t], in t's buffer
   mine = lax.dynamic_index_in_dim(all_counts, me, axis=1, keepdims=False)
-  recv_sizes = mine.reshape(experts)  # [j, el]
-  my_landing = lax.dynamic_index_in_dim(landing, me, axis=0, keepdims=False)
-  recv_offsets = my_landing.T.reshape(experts)  # [j, el]
-  senders_offsets = _exclusive_cumsum(all_counts.reshape(devices, experts))
-  return_offsets = lax.dynamic_slice_in_dim(
-    senders_offsets, me * experts_local, experts_local, axis=1
-  ).reshape(experts)  # [j, el]: where sender j keeps my expert el's rows
   group_sizes = jnp.sum(mine, axis=0)  # (experts_local,)
-
   capacity = _round_up(devices * rows, _SUBLANES)
+  by_expert, by_source = _regroupings(mine, capacity)
+
   dispatched = ragged._call(
     groups,
     x[token],
     jnp.zeros((capacity, hidden), x.dtype),
-    send_offsets,
-    counts,
-    output_offsets,
+    _exclusive_cumsum(send_sizes),
+    send_sizes,
+    lax.dynamic_index_in_dim(landing, me, axis=0, keepdims=False),
     recv_sizes,
   )
-  h = gmm(dispatched, w_in, group_sizes, preferred_element_type=jnp.float32)
+  h = gmm(
+    dispatched[by_expert],
+    w_in,
+    group_sizes,
+    preferred_element_type=jnp.float32,
+  )
   a = activation(h).astype(x.dtype)
-  out = gmm(a, w_out, group_sizes, preferred_element_type=x.dtype)
+  # f32 out, then cast: gmm's VJP with a bf16 output hands XLA:CPU (jax
+  # 0.12) a bf16 x bf16 = f32 dot it cannot run ("DotThunk").
+  out = gmm(a, w_out, group_sizes, preferred_element_type=jnp.float32)
+  out = out.astype(x.dtype)
   returned = ragged._call(
     groups,
-    out,
+    out[by_source],
     jnp.zeros((rows, hidden), x.dtype),
-    recv_offsets,
+    lax.dynamic_index_in_dim(landing, me, axis=1, keepdims=False),
     recv_sizes,
-    return_offsets,
-    counts,
+    lax.dynamic_index_in_dim(sender_offsets, me, axis=1, keepdims=False),
+    send_sizes,
   )
   # Back to (token, choice) order; weight and sum the choices in f32.
   unsorted = jnp.zeros_like(returned).at[order].set(returned)
   per_choice = unsorted.reshape(tokens, top_k, hidden).astype(jnp.float32)
   y = jnp.einsum("tkh,tk->th", per_choice, weights, precision="highest")
   return y.astype(x.dtype)
+
+
+def _regroupings(mine: jax.Array, capacity: int):
+  """Row maps between a receiver's two layouts of its ``capacity`` rows:
+  by source device (as they arrive: source j's rows for each local expert
+  in expert order) and by local expert (as ``gmm`` takes them: expert el's
+  rows from each source in source order). ``mine[j, el]``: the rows source
+  ``j`` sends local expert ``el``. Returns ``(by_expert, by_source)``:
+  ``by_expert[p]`` is the source-major row of expert-major row ``p``, and
+  ``by_source`` the inverse (rows past the arrivals map anywhere in range:
+  ``gmm`` ignores them and nothing sends them back)."""
+  devices, experts_local = mine.shape
+  source_major = _exclusive_cumsum(mine.reshape(-1)).reshape(mine.shape)
+  expert_major = _exclusive_cumsum(mine.T.reshape(-1)).reshape(mine.T.shape)
+
+  def remap(starts, other_starts):
+    # starts: segment starts in the layout being indexed (flattened in its
+    # order); other_starts: the same segments' starts in the other layout.
+    rows = jnp.arange(capacity, dtype=jnp.int32)
+    # The last segment starting at or before each row (an empty segment
+    # shares its start with the next one, which is the one that holds it).
+    segment = jnp.searchsorted(starts, rows, side="right") - 1
+    moved = other_starts[segment] + rows - starts[segment]
+    return jnp.clip(moved, 0, capacity - 1).astype(jnp.int32)
+
+  by_expert = remap(expert_major.reshape(-1), source_major.T.reshape(-1))
+  by_source = remap(source_major.reshape(-1), expert_major.T.reshape(-1))
+  return by_expert, by_source
 
 
 def _round_up(n: int, multiple: int) -> int:
