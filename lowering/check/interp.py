@@ -113,17 +113,34 @@ def _read(env: dict, v):
   return env[v]
 
 
-# A segment that runs this often in one launch is compiled (a loop body);
-# below, compiling would cost more than running its equations one by one.
+# A segment that has run this often (in any launch: explore runs the same
+# kernel many times) is compiled; below, compiling would cost more than
+# running its equations one by one.
 COMPILE_AFTER = 16
 
 
+class _Shared:
+  """What launches know of one segment's text: how often it ran, and its
+  compiled function once it has one."""
+
+  def __init__(self):
+    self.calls = 0
+    self.compiled = None
+
+
+@_jax.util.cache(max_size=4096, trace_context_in_key=False)
+def _shared(text: str) -> _Shared:
+  # Reached by jax.clear_caches() (JAX's own cache utility).
+  return _Shared()
+
+
 class _Segment:
-  """A run of pure equations: run one by one, then, once it has run
-  ``COMPILE_AFTER`` times, as one jitted function."""
+  """A run of pure equations: run one by one, then, once segments of the
+  same text have run ``COMPILE_AFTER`` times, as one jitted function."""
 
   def __init__(self, eqns, invars, outvars):
     self.invars, self.outvars = invars, outvars
+    self.text = _text(eqns, invars, outvars)
 
     def fn(*values):
       env = dict(zip(invars, values, strict=True))
@@ -135,14 +152,13 @@ class _Segment:
       return [_read(env, v) for v in outvars]
 
     self.eager = fn
-    self.calls = 0
-    self.compiled = None
 
   def fn(self, *values):
-    self.calls += 1
-    if self.compiled is None and self.calls > COMPILE_AFTER:
-      self.compiled = jax.jit(self.eager)
-    return [_host(x) for x in (self.compiled or self.eager)(*values)]
+    shared = _shared(self.text)
+    shared.calls += 1
+    if shared.compiled is None and shared.calls > COMPILE_AFTER:
+      shared.compiled = jax.jit(self.eager)
+    return [_host(x) for x in (shared.compiled or self.eager)(*values)]
 
 
 def _host(x):
@@ -151,6 +167,27 @@ def _host(x):
   if isinstance(x, jax.Array) and not _jax.is_extended(x.dtype):
     return np.asarray(x)
   return x
+
+
+def _text(eqns, invars, outvars) -> str:
+  """The segment's structure as text (operations, types, parameters and
+  dataflow by position): equal texts compute the same function."""
+  number = {v: k for k, v in enumerate(invars)}
+  parts: list[Any] = [[str(v.aval) for v in invars]]
+  for eqn in eqns:
+    ins = [
+      ("literal", repr(v.val), str(v.aval))
+      if isinstance(v, core.Literal)
+      else number[v]
+      for v in eqn.invars
+    ]
+    for v in eqn.outvars:
+      number[v] = len(number)
+    params = sorted((k, str(p)) for k, p in eqn.params.items())
+    outs = [str(v.aval) for v in eqn.outvars]
+    parts.append((eqn.primitive.name, ins, outs, params))
+  parts.append([number[v] for v in outvars])
+  return repr(parts)
 
 
 def _bind(eqn, invals):

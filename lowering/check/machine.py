@@ -70,6 +70,7 @@ class Dma:
     self.issuer = issuer
     self.where = where
     self.event = None
+    self.lane_time = 0
 
 
 @dataclasses.dataclass
@@ -97,6 +98,9 @@ class Machine:
     self.events: list[Event] = []
     self.dmas: dict[int, Dma] = {}
     self.num_dmas = 0
+    # Per issuing program: how many DMAs it has started (its DMA lane's
+    # clock).
+    self.lanes: dict[int, int] = {}
     n = plan.num_devices * plan.num_programs
     self.clocks: list[memory.Clock] = [{p: 1} for p in range(n)]
     self.memory: dict[tuple[int, int], dict[Any, Buffer]] = {}
@@ -114,7 +118,7 @@ class Machine:
   def name_comp(self, comp: int) -> str:
     n = self.plan.num_devices * self.plan.num_programs
     if comp >= n:
-      return f"DMA #{comp - n}"
+      return f"a DMA issued by {self.name_comp(comp - n)}"
     return self.name(*divmod(comp, self.plan.num_programs))
 
   def describe(self, ctx, op: str, where: str) -> "Describe":
@@ -137,7 +141,11 @@ class Machine:
           continue
         inner = aval.inner_aval
         shared[key] = Buffer(
-          self._label(k, d), key, inner.shape, inner.dtype, self.aranges,
+          self._label(k, d),
+          key,
+          inner.shape,
+          inner.dtype,
+          self.aranges,
           data=data,
         )
       scratch = avals[plan.num_in + len(plan.out_avals) :]
@@ -148,7 +156,10 @@ class Machine:
         key = ("operand", base + j)
         inner = aval.inner_aval
         shared[key] = Buffer(
-          self._label(base + j, d), key, inner.shape, inner.dtype,
+          self._label(base + j, d),
+          key,
+          inner.shape,
+          inner.dtype,
           self.aranges,
         )
       for g in range(plan.num_programs):
@@ -235,9 +246,7 @@ class Machine:
     if key not in mine:
       for (d, g), m in self.memory.items():
         label = f"the barrier semaphore ({self.name(d, g)})"
-        buffer = Buffer(
-          label, key, (), np.int32, self.aranges, semaphore=True
-        )
+        buffer = Buffer(label, key, (), np.int32, self.aranges, semaphore=True)
         self.semaphores.append(buffer)
         m[key] = buffer
     b = mine[key]

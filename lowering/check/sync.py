@@ -256,6 +256,7 @@ def _start(m, p, op: records.DmaStart, where: str):
   dma = machine_lib.Dma(
     index, op, src, dst, recv, send, dict(m.clocks[comp]), p, where
   )
+  m.lanes[comp] = dma.lane_time = m.lanes.get(comp, 0) + 1
   dma.event = _event(
     m,
     p,
@@ -270,20 +271,29 @@ def _start(m, p, op: records.DmaStart, where: str):
   return None
 
 
-def _dma_comp(m, dma) -> int:
-  return m.plan.num_devices * m.plan.num_programs + dma.index
+def _dma_lane(m, dma) -> tuple[int, int]:
+  """(clock component, time) of a DMA's accesses: one component per
+  issuing program, ticking once per DMA it starts. (A wait on a later DMA
+  of one issuer then covers its earlier ones too: races between them show
+  when the schedule lands them out of order, as reads of what is not
+  there.)"""
+  programs = m.plan.num_devices * m.plan.num_programs
+  issuer = m.comp(dma.issuer.device, dma.issuer.program)
+  return programs + issuer, dma.lane_time
 
 
 def _land(m, dma: machine_lib.Dma) -> None:
   """The DMA reads its source and writes its destination now."""
-  comp = _dma_comp(m, dma)
+  comp, time = _dma_lane(m, dma)
   issuer = m.name(dma.issuer.device, dma.issuer.program)
-  describe = f"DMA #{dma.index} issued by {issuer} at {dma.where}"
-  memory.check_access(
-    dma.src, comp, 1, dma.clock, False, describe, describe_comp=m.name_comp
+  describe = memory.Lazy(
+    lambda: f"DMA #{dma.index} issued by {issuer} at {dma.where}"
   )
   memory.check_access(
-    dma.dst, comp, 1, dma.clock, True, describe, describe_comp=m.name_comp
+    dma.src, comp, time, dma.clock, False, describe, describe_comp=m.name_comp
+  )
+  memory.check_access(
+    dma.dst, comp, time, dma.clock, True, describe, describe_comp=m.name_comp
   )
   src, dst = dma.src, dma.dst
   data = src.buffer.flat[src.ids]
@@ -293,7 +303,7 @@ def _land(m, dma: machine_lib.Dma) -> None:
   else:
     dst.buffer.flat[dst.ids] = data
   dst.buffer.init[dst.ids] = src.buffer.init[src.ids]
-  clock = memory.join(dma.clock, {comp: 1})
+  clock = memory.join(dma.clock, {comp: time})
   m.events.append(
     machine_lib.Event(
       m.step,
