@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from mpmd.kernels import _common
@@ -44,8 +45,20 @@ _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 _SUBLANES = 8
 
 
-def _check(x, router_logits, w_in, w_out, top_k, axis_name, activation, fused):
-  """Validates the arguments; returns (axes' ring, local experts)."""
+def _check(
+  x,
+  router_logits,
+  w_in,
+  w_out,
+  top_k,
+  axis_name,
+  activation,
+  fused,
+  capacity_factor,
+  return_dropped,
+):
+  """Validates the arguments; returns (axes' ring, top_k, capacity
+  factor or None, return_dropped)."""
   ring = check_ring(_FN, axis_name, None)
   _common.check_array(_FN, "x", x, rank=2, shape_doc="(tokens, hidden)")
   _common.check_array(
@@ -115,7 +128,21 @@ def _check(x, router_logits, w_in, w_out, top_k, axis_name, activation, fused):
       f"{_FN}: fused=True (one two-mesh launch overlapping the dispatch "
       "with the grouped matmul) is not implemented yet; use fused=False"
     )
-  return ring, top_k
+  if capacity_factor is not None:
+    if isinstance(capacity_factor, bool) or not isinstance(
+      capacity_factor, int | float | np.integer | np.floating
+    ):
+      raise TypeError(
+        f"{_FN}: expected 'capacity_factor' to be None or a number, got "
+        f"{capacity_factor!r}"
+      )
+    capacity_factor = float(capacity_factor)
+    if not capacity_factor > 0:
+      raise ValueError(
+        f"{_FN}: expected 'capacity_factor' > 0, got {capacity_factor}"
+      )
+  return_dropped = _common.check_bool(_FN, "return_dropped", return_dropped)
+  return ring, top_k, capacity_factor, return_dropped
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -132,8 +159,10 @@ def moe(
   axis_name: str | tuple[str, ...],
   activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
   fused: bool = False,
-) -> jax.Array:
-  """An expert-parallel mixture-of-experts layer (dropless).
+  capacity_factor: float | None = None,
+  return_dropped: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """An expert-parallel mixture-of-experts layer (dropless by default).
 
   Call inside ``jax.shard_map`` over ``axis_name``: ``x`` and
   ``router_logits`` are this device's tokens, ``w_in`` / ``w_out`` its
@@ -158,15 +187,26 @@ def moe(
     activation: applied to ``x @ w_in[e]`` in float32.
     fused: True asks for the single-launch form that overlaps the dispatch
       with the grouped matmul: not implemented yet (``NotImplementedError``).
+    capacity_factor: None (dropless: a device can take every row sent to
+      it), or each expert takes at most ``ceil(capacity_factor * tokens *
+      top_k * D / experts)`` rows (that factor times its share of a
+      uniform routing), first come first served in the order (device,
+      token, choice); a dropped (token, expert) pair adds nothing to the
+      token's sum (the other weights are not renormalized). Receive
+      buffers shrink to ``experts_local`` capacities.
+    return_dropped: also return which (token, choice) pairs were dropped.
 
   Returns:
-    (tokens, hidden) array of ``x``'s dtype.
+    (tokens, hidden) array of ``x``'s dtype; with ``return_dropped``, also
+    a (tokens, top_k) bool array: True where the token's choice was dropped
+    (never, when dropless).
 
   Raises:
     TypeError: an argument of the wrong kind or dtype.
     ValueError: shapes that disagree, an expert count that is not
-      experts_local x the axis size, ``top_k`` out of range, or a call
-      outside ``shard_map`` over ``axis_name``.
+      experts_local x the axis size, ``top_k`` out of range, a
+      ``capacity_factor`` <= 0, or a call outside ``shard_map`` over
+      ``axis_name``.
     NotImplementedError: ``fused=True``.
 
   Example:
@@ -184,8 +224,17 @@ def moe(
     >>> y.shape, y.dtype
     ((12, 16), dtype('float32'))
   """
-  ring, top_k = _check(
-    x, router_logits, w_in, w_out, top_k, axis_name, activation, fused
+  ring, top_k, capacity_factor, return_dropped = _check(
+    x,
+    router_logits,
+    w_in,
+    w_out,
+    top_k,
+    axis_name,
+    activation,
+    fused,
+    capacity_factor,
+    return_dropped,
   )
   groups = ragged.check_groups(_FN, axis_name, None)
   devices = ring.size
@@ -199,17 +248,39 @@ def moe(
   chosen, expert = lax.top_k(router_logits.astype(jnp.float32), top_k)
   weights = jax.nn.softmax(chosen, axis=-1)
   expert = expert.reshape(rows).astype(i32)
+  counts = jnp.zeros((experts,), i32).at[expert].add(1)
+  # counts[j, e]: rows device j routes to expert e.
+  all_counts = lax.all_gather(counts, axis_name)
+  me = lax.axis_index(axis_name)
+  if capacity_factor is None:
+    dropped = jnp.zeros((rows,), jnp.bool_)
+    capacity = _round_up(devices * rows, _SUBLANES)
+  else:
+    # Each expert takes its first per_expert rows, devices in order.
+    per_expert = math.ceil(capacity_factor * rows * devices / experts)
+    earlier = _exclusive_cumsum(all_counts, axis=0)
+    all_counts = jnp.clip(per_expert - earlier, 0, all_counts)
+    room = lax.dynamic_index_in_dim(all_counts, me, axis=0, keepdims=False)
+    by_expert_order = jnp.argsort(expert, stable=True)
+    starts = _exclusive_cumsum(counts)[expert[by_expert_order]]
+    rank = (
+      jnp.zeros((rows,), i32)
+      .at[by_expert_order]
+      .set(jnp.arange(rows, dtype=i32) - starts)
+    )
+    dropped = rank >= room[expert]
+    expert = jnp.where(dropped, experts, expert)  # sorted last, never sent
+    capacity = _round_up(
+      min(devices * rows, experts_local * per_expert), _SUBLANES
+    )
   order = jnp.argsort(expert, stable=True)
   token = order // top_k  # the token of each sorted row
-  counts = jnp.zeros((experts,), i32).at[expert].add(1)
 
-  # Who sends what where: counts[j, t, el] rows from device j to local
+  # Who sends what where: all_counts[j, t, el] rows from device j to local
   # expert el of device t. A device's rows for another device are
   # contiguous (sorted by expert), so each pair exchanges one slice, and a
   # receiver keeps its arrivals by source device (source-major).
-  all_counts = lax.all_gather(counts, axis_name).reshape(
-    devices, devices, experts_local
-  )
+  all_counts = all_counts.reshape(devices, devices, experts_local)
   me = lax.axis_index(axis_name)
   pair = jnp.sum(all_counts, axis=2)  # [j, t]: rows from j to t
   send_sizes = lax.dynamic_index_in_dim(pair, me, axis=0, keepdims=False)
@@ -218,7 +289,6 @@ def moe(
   landing = _exclusive_cumsum(pair, axis=0)  # [j, t], in t's buffer
   mine = lax.dynamic_index_in_dim(all_counts, me, axis=1, keepdims=False)
   group_sizes = jnp.sum(mine, axis=0)  # (experts_local,)
-  capacity = _round_up(devices * rows, _SUBLANES)
   by_expert, by_source = _regroupings(mine, capacity)
 
   dispatched = ragged._call(
@@ -254,6 +324,8 @@ def moe(
   unsorted = jnp.zeros_like(returned).at[order].set(returned)
   per_choice = unsorted.reshape(tokens, top_k, hidden).astype(jnp.float32)
   y = jnp.einsum("tkh,tk->th", per_choice, weights, precision="highest")
+  if return_dropped:
+    return y.astype(x.dtype), dropped.reshape(tokens, top_k)
   return y.astype(x.dtype)
 
 

@@ -41,11 +41,16 @@ def tolerances(dtype) -> dict[str, float]:
   return dict(rtol=3e-2, atol=3e-2)
 
 
-def dense_reference(x, router_logits, w_in, w_out, *, top_k, activation):
-  """Every token through each of its top-k experts, dense, in f32."""
+def dense_reference(
+  x, router_logits, w_in, w_out, *, top_k, activation, dropped=None
+):
+  """Every token through each of its top-k experts, dense, in f32; the
+  (token, choice) pairs ``dropped`` (a bool mask) add nothing."""
   f32 = jnp.float32
   chosen, expert = lax.top_k(router_logits.astype(f32), top_k)
   weights = jax.nn.softmax(chosen, axis=-1)
+  if dropped is not None:
+    weights = jnp.where(dropped, jnp.zeros_like(weights), weights)
   x = x.astype(f32)
   h = jnp.einsum("th,tkhf->tkf", x, w_in.astype(f32)[expert], precision=HIGHEST)
   out = jnp.einsum(
@@ -205,6 +210,102 @@ def test_grad(rng, devices, routing, dtype):
     )
 
 
+def expected_drops(router_logits, top_k, devices, capacity_factor):
+  """The (token, choice) pairs a capacity drops: each expert takes its
+  first ``ceil(factor * tokens * top_k * D / experts)`` rows in the order
+  (device, token, choice)."""
+  _, expert = lax.top_k(jnp.asarray(router_logits, jnp.float32), top_k)
+  expert = np.asarray(expert)
+  total, experts = router_logits.shape
+  rows = total // devices * top_k
+  per_expert = int(np.ceil(capacity_factor * rows * devices / experts))
+  taken = np.zeros(experts, int)
+  dropped = np.zeros(expert.shape, bool)
+  for t in range(total):  # tokens stacked in device order
+    for c in range(top_k):
+      e = expert[t, c]
+      dropped[t, c] = taken[e] >= per_expert
+      taken[e] += 1
+  return dropped
+
+
+@pytest.mark.parametrize(
+  "devices,capacity_factor,routing",
+  [
+    (2, 0.5, "random"),
+    (2, 1.0, "one_expert"),
+    pytest.param(4, 0.75, "random", marks=pytest.mark.slow),
+  ],
+)
+def test_capacity_drops(rng, devices, capacity_factor, routing):
+  p = Problem(
+    rng,
+    devices=devices,
+    tokens=6,
+    hidden=8,
+    ffn=12,
+    experts_local=2,
+    routing=routing,
+  )
+  layer = p.layer(top_k=2, capacity_factor=capacity_factor, return_dropped=True)
+  got, dropped = jax.jit(layer)(*p.placed())
+  want_dropped = expected_drops(p.logits, 2, devices, capacity_factor)
+  assert want_dropped.any()
+  np.testing.assert_array_equal(np.asarray(dropped), want_dropped)
+  want = dense_reference(
+    *p.args, top_k=2, activation=jax.nn.silu, dropped=want_dropped
+  )
+  assert_close(got, want, jnp.float32)
+  # Gradients flow through the kept pairs only.
+  weights = jnp.asarray(rng.standard_normal(p.x.shape), jnp.float32)
+
+  def loss(fn):
+    return lambda *args: jnp.sum(fn(*args) * weights)
+
+  got = jax.jit(jax.grad(loss(lambda *a: layer(*a)[0]), argnums=(0, 2)))(
+    *p.placed()
+  )
+  reference = functools.partial(
+    dense_reference, top_k=2, activation=jax.nn.silu, dropped=want_dropped
+  )
+  want = jax.grad(loss(reference), argnums=(0, 2))(*p.args)
+  for g, w in zip(got, want, strict=True):
+    assert_close(g, w, jnp.float32)
+
+
+@pytest.mark.parametrize(
+  "axis_name",
+  ["y", pytest.param(("x", "y"), marks=pytest.mark.slow)],
+)
+def test_2d_mesh(rng, axis_name):
+  # Tokens over both axes, experts over axis_name (replicated along the
+  # other axis, if any).
+  mesh = stacked_mesh((2, 2), ("x", "y"))
+  spread = 2 if axis_name == "y" else 4
+  tokens, hidden, ffn, experts_local = 5, 8, 12, 2
+  experts = spread * experts_local
+  x = jnp.asarray(rng.standard_normal((4 * tokens, hidden)), jnp.float32)
+  logits = jnp.asarray(rng.standard_normal((4 * tokens, experts)), jnp.float32)
+  w_in = jnp.asarray(rng.standard_normal((experts, hidden, ffn)), jnp.float32)
+  w_out = jnp.asarray(rng.standard_normal((experts, ffn, hidden)), jnp.float32)
+  token_spec, expert_spec = P(("x", "y")), P(axis_name)
+  specs = (token_spec, token_spec, expert_spec, expert_spec)
+  layer = jax.shard_map(
+    functools.partial(mpmd.kernels.moe, top_k=2, axis_name=axis_name),
+    mesh=mesh,
+    in_specs=specs,
+    out_specs=token_spec,
+  )
+  args = (x, logits, w_in, w_out)
+  placed = [
+    jax.device_put(a, NamedSharding(mesh, spec))
+    for a, spec in zip(args, specs, strict=True)
+  ]
+  got = jax.jit(layer)(*placed)
+  want = dense_reference(*args, top_k=2, activation=jax.nn.silu)
+  assert_close(got, want, jnp.float32)
+
+
 def test_lowers_for_tpu():
   mesh = stacked_mesh((4,), ("x",))
   layer = jax.shard_map(
@@ -318,6 +419,14 @@ def _with(index, shape_dtype):
     (_GOOD, dict(activation="relu"), TypeError, "'activation' to be a"),
     (_GOOD, dict(axis_name="y"), ValueError, "'y' is not an axis"),
     (_GOOD, dict(fused=True), NotImplementedError, "fused=True"),
+    (_GOOD, dict(capacity_factor=0.0), ValueError, "'capacity_factor' > 0"),
+    (
+      _GOOD,
+      dict(capacity_factor="1"),
+      TypeError,
+      "'capacity_factor' to be None or a number",
+    ),
+    (_GOOD, dict(return_dropped=1), TypeError, "'return_dropped' to be a"),
   ],
 )
 def test_errors(shapes, kwargs, error, match):
