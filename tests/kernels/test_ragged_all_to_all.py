@@ -18,6 +18,7 @@ Errors raised before lowering are at the end.
 """
 
 import functools
+import logging
 import re
 
 import jax
@@ -192,6 +193,30 @@ class TestCpuFallback:
     for i, b in enumerate(batch):
       assert_equal(got[:, i], b.expected())
 
+  def test_second_call_does_not_recompile(self, rng):
+    first = random_routing(rng, devices=2, k=1, rows=10, trailing=(5,))
+    # The same shapes, another routing.
+    second = first._replace(
+      send_sizes=first.send_sizes // 2, recv_sizes=first.recv_sizes // 2
+    )
+    mesh = stacked_mesh((2,), ("x",))
+    fn = jax.jit(stacked(ragged_fn(), mesh))
+    jax.block_until_ready(fn(*place(mesh, *first.args)))
+    args = jax.block_until_ready(place(mesh, *second.args))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("jax")
+    with jax.log_compiles(True):
+      logger.addHandler(handler)
+      try:
+        got = jax.block_until_ready(fn(*args))
+      finally:
+        logger.removeHandler(handler)
+    compiles = [r.getMessage() for r in records]
+    assert not [m for m in compiles if "Compiling" in m], compiles
+    assert_equal(got, second.expected())
+
   def test_takes_lockstep_path(self):
     mesh = stacked_mesh((2,), ("x",))
     f = jax.shard_map(ragged_fn(), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
@@ -297,6 +322,20 @@ class TestTpuLowering:
     ] + [((count * 2 * d,), jnp.int32)] * 4
     fn = forced(schedule, axis_name=axis_name)
     self.assert_collective_kernel(self.lower(fn, mesh, names, shapes))
+
+  def test_export_serializes(self):
+    mesh = stacked_mesh((4,), ("x",))
+    spec = NamedSharding(mesh, P("x"))
+    f = jax.shard_map(ragged_fn(), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    args = [
+      jax.ShapeDtypeStruct((4 * 64, 128), jnp.bfloat16, sharding=spec),
+      jax.ShapeDtypeStruct((4 * 96, 128), jnp.bfloat16, sharding=spec),
+    ] + [jax.ShapeDtypeStruct((4 * 4,), jnp.int32, sharding=spec)] * 4
+    with mpmd.tpu_target():
+      exported = jax.export.export(jax.jit(f), platforms=("tpu",))(*args)
+    restored = jax.export.deserialize(exported.serialize())
+    assert restored.platforms == ("tpu",)
+    assert "tpu_custom_call" in restored.mlir_module()
 
   def test_default_schedule_follows_the_platform(self):
     assert ragged.resolve_schedule(None, None) == "window"
