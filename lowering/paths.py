@@ -242,7 +242,7 @@ def choose(
       "interpret=pltpu.InterpretParams() (or interpret=None on CPU) for "
       "the TPU simulator."
     )
-  checked = check_params.default_for(jaxprs, meshes)
+  checked = _checker_covers(jaxprs, meshes)
   if checked is not None:
     return Path(
       CHECK,
@@ -253,6 +253,25 @@ def choose(
   return Path(
     TPU_SIMULATOR, f"{reason}, and not in lockstep: {why_not}", tpu_params()
   )
+
+
+def _checker_covers(jaxprs, meshes):
+  """``CheckParams()`` where the checking executor runs every operation of
+  a launch whose programs wait on each other (else None: the simulator)."""
+  from mpmd.lowering.check import interp, params
+
+  if any(is_gpu_mesh(m) for m in meshes):
+    return None
+  semaphore_space = _jax.tpu().core.MemorySpace.SEMAPHORE
+  if any(
+    is_semaphore(v.aval)
+    and getattr(v.aval, "memory_space", None) is not semaphore_space
+    for v in jaxprs[0].invars
+  ):
+    return None  # semaphores carried from launch to launch
+  if any(interp.unsupported(j) is not None for j in jaxprs):
+    return None
+  return params.CheckParams()
 
 
 def fully_manual_axes(names: Sequence[Any], manual: Any) -> tuple[Any, ...]:

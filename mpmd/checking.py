@@ -100,6 +100,10 @@ def _call(session, f, args, kwargs, text, keep=None):
   except Exception as e:  # noqa: BLE001 (sorted below)
     failed = [err for _, err in session.runs if err is not None]
     if failed:
+      if not isinstance(failed[0], errors.LaunchError):
+        # Not a failure of the kernel (an operation the executor does not
+        # run, a bug of ours): the caller hears of it as it is.
+        raise failed[0] from None
       return None, failed[0]
     typed = errors.launch_error(e)
     if typed is not None:

@@ -181,26 +181,6 @@ def config_state():
   )
 
 
-def default_for(jaxprs, meshes) -> CheckParams | None:
-  """``CheckParams()`` where the executor runs every operation of a launch
-  whose programs wait on each other (else None: the TPU simulator)."""
-  from mpmd.lowering import paths
-  from mpmd.lowering.check import interp
-
-  if any(paths.is_gpu_mesh(m) for m in meshes):
-    return None
-  semaphore_space = _jax.tpu().core.MemorySpace.SEMAPHORE
-  if any(
-    paths.is_semaphore(v.aval)
-    and getattr(v.aval, "memory_space", None) is not semaphore_space
-    for v in jaxprs[0].invars
-  ):
-    return None  # semaphores carried from launch to launch
-  if any(interp.unsupported(j) is not None for j in jaxprs):
-    return None
-  return CheckParams()
-
-
 def forced() -> Any:
   """What the config state asks for (None: nothing)."""
   if ENV not in os.environ and config_state.cache_info().currsize == 0:

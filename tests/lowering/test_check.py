@@ -440,3 +440,21 @@ GOLDEN_DIGESTS = {
   "random:11": "e6f3dbeda833a527",
   "pct3:4:40": "a890485998e34e64",
 }
+
+
+def test_unsupported_operation_is_named_not_reported_as_a_failure():
+  def bitcasts(x_hbm, o_hbm, buf):
+    pltpu.sync_copy(x_hbm, buf)
+    view = buf.bitcast(jnp.int32)
+    view[...] = view[...] + 1
+    pltpu.sync_copy(buf, o_hbm)
+
+  f = jax.jit(
+    mpmd.mpmd_map(
+      [(mpmd.tensorcore_mesh("core", num_cores=1), bitcasts)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[pltpu.VMEM((ROWS, COLS), jnp.float32)],
+    )
+  )
+  with pytest.raises(NotImplementedError, match="mpmd checker: .*transform"):
+    mpmd.explore(f, X, schedules=2)
