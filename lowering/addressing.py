@@ -143,9 +143,18 @@ def dma_operands(eqn: Any, operands: Sequence[Any]) -> tuple[Any, Any]:
   _, _, sem, send_sem, device_id = eqn.params["tree"].unflatten(operands)
   if eqn.primitive.name == "dma_wait" and _jax.dma_wait_is_send(eqn.params):
     sem = send_sem  # wait_send swapped them
-  if isinstance(sem, _jax.state_types.TransformedRef):
+  return _underlying(sem), device_id
+
+
+def _underlying(sem: Any) -> Any:
+  """The semaphore Ref (variable or value) under views of it. Of the
+  semaphores ``pl.select_ref`` chooses from at run time, the first: JAX
+  selects only among Refs of one type, so of one memory and owner mesh."""
+  while isinstance(sem, _jax.state_types.TransformedRef):
     sem = sem.ref
-  return sem, device_id
+  if isinstance(sem, tuple):
+    return _underlying(sem[0])
+  return sem
 
 
 def _tensorcores_only(meshes: Sequence[Any]) -> bool:

@@ -3,8 +3,22 @@
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mpmd._jax import core, pallas_core, pallas_primitives, state, tree_util
-from mpmd.lowering import paths
+import jax
+
+from mpmd import _jax
+from mpmd._jax import (
+  api_util,
+  core,
+  lax_control_flow,
+  lu,
+  pallas_core,
+  pallas_primitives,
+  pe,
+  pjit,
+  state,
+  tree_util,
+)
+from mpmd.lowering import jaxpr_util, paths
 from mpmd.primitives import mpmd_map as prim
 
 
@@ -75,12 +89,16 @@ def pallas_params(mesh, jaxpr, ctx, params) -> dict[str, Any]:
 
 def plain_avals(avals: Sequence[Any]) -> list[Any]:
   """The avals a CPU path's launch function takes: semaphores as their
-  int32 counts in device memory (what their IR values are), without
-  varying-axes types (kernels are traced without them)."""
+  int32 counts in device memory (what their IR values are), arrays in a
+  Pallas memory space (a frozen ``jax.new_ref(x, memory_space=pltpu.HBM)``
+  the kernel closed over) in device memory, as the discharged kernels take
+  them, without varying-axes types (kernels are traced without them)."""
   plain = []
   for a in avals:
     if paths.is_semaphore_array(a):
       a = core.physical_aval(a).update(memory_space=core.MemorySpace.Device)
+    elif not isinstance(a.memory_space, core.MemorySpace):
+      a = a.update(memory_space=core.MemorySpace.Device)
     plain.append(a.update(manual_axis_type=core.ManualAxisType()))
   return plain
 
@@ -131,7 +149,13 @@ def scoped_scratch(
 
 
 def alias_refs(jaxpr, num_in, aliases, mesh, meshes):
-  """An aliased input and output are one buffer: the output's."""
+  """An aliased input and output are one buffer: the output's.
+
+  A loop or branch that took both Refs takes that buffer once
+  (``_distinct_refs``): JAX rejects the same Ref as two operands of one
+  (``jax_enable_checks``), and discharges each copy on its own, so the
+  last copy written back would win over the writes of the other.
+  """
   if not aliases:
     return jaxpr
 
@@ -139,7 +163,104 @@ def alias_refs(jaxpr, num_in, aliases, mesh, meshes):
     refs = list(refs)
     for i, o in aliases.items():
       refs[i] = refs[num_in + o]
-    core.eval_jaxpr(jaxpr, (), *refs)
+    jaxpr_util.eval_with_rule(jaxpr, (), refs, _distinct_refs)
     return ()
 
   return prim.retrace(jaxpr, mesh, meshes, body)
+
+
+def _firsts(operands: Sequence[Any]) -> list[int]:
+  """Per operand, the position of its first occurrence if it is a Ref
+  passed before, else its own."""
+  first: dict[int, int] = {}
+  return [
+    first.setdefault(id(x), i)
+    if isinstance(jax.typeof(x), state.AbstractRef)
+    else i
+    for i, x in enumerate(operands)
+  ]
+
+
+def _once(jaxpr: core.Jaxpr, consts, firsts: Sequence[int]):
+  """``jaxpr`` taking each Ref once: only its inputs ``i`` with
+  ``firsts[i] == i``, a repeated input reading its first occurrence. The
+  new jaxpr and its consts."""
+  keep = [i for i, f in enumerate(firsts) if f == i]
+  avals = [jaxpr.invars[i].aval for i in keep]
+
+  def body(*args):
+    full = [args[keep.index(f)] for f in firsts]
+    return jaxpr_util.eval_with_rule(jaxpr, consts, full, _distinct_refs)
+
+  debug_info = api_util.debug_info("mpmd_map alias", body, avals, {})
+  fun = lu.wrap_init(body, debug_info=debug_info)
+  new, _, new_consts = pe.trace_to_jaxpr_dynamic(fun, avals)
+  return new, new_consts
+
+
+def _closed_once(j, firsts: Sequence[int]):
+  return _jax.closed_jaxpr(*_once(*_jax.open_jaxpr(j), firsts))
+
+
+def _distinct_refs(eqn, invals):
+  """Rule: a cond, loop, scope or call given one Ref twice takes it once
+  (calls are inlined); None for other equations."""
+  p, params = eqn.primitive, eqn.params
+  calls = {pjit.jit_p: "jaxpr", core.closed_call_p: "call_jaxpr"}
+  nested = (
+    lax_control_flow.cond_p,
+    lax_control_flow.while_p,
+    lax_control_flow.scan_p,
+    pallas_primitives.run_scoped_p,
+  )
+  if p not in calls and p not in nested:
+    return None
+  if _firsts(invals) == list(range(len(invals))):
+    return None
+  if p in calls:
+    inner, consts = _jax.open_jaxpr(params[calls[p]])
+    return jaxpr_util.eval_with_rule(inner, consts, invals, _distinct_refs)
+  new = dict(params)
+  if p is pallas_primitives.run_scoped_p:
+    # The scope's constvars are its operands (the Refs it closes over).
+    firsts = _firsts(invals)
+    scope = pe.convert_constvars_jaxpr(params["jaxpr"])
+    allocated = range(len(invals), len(scope.invars))
+    body, consts = _once(scope, (), [*firsts, *allocated])
+    if consts:
+      raise NotImplementedError(
+        "mpmd_map: rewriting a nested kernel scope captured constants"
+      )
+    operands = [x for i, x in enumerate(invals) if firsts[i] == i]
+    new["jaxpr"] = _jax.scope_jaxpr(body, len(operands), operands)
+  elif p is lax_control_flow.scan_p:
+    # Refs are among the scan's constants (it carries and scans arrays).
+    num_consts, _ = _jax.scan_layout(params)
+    consts = invals[:num_consts]
+    firsts = _firsts(consts)
+    firsts += range(num_consts, len(invals))
+    kept = [x for i, x in enumerate(consts) if firsts[i] == i]
+    new = _jax.scan_with_consts(params, len(kept))
+    new["jaxpr"] = _closed_once(params["jaxpr"], firsts)
+    operands = [*kept, *invals[num_consts:]]
+  elif p is lax_control_flow.cond_p:
+    index, ops = invals[0], invals[1:]
+    firsts = _firsts(ops)
+    new["branches"] = tuple(_closed_once(b, firsts) for b in params["branches"])
+    operands = [index, *(x for i, x in enumerate(ops) if firsts[i] == i)]
+  else:
+    # JAX checks the cond's consts and the body's apart, each with the
+    # carry (which holds no Refs).
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts = invals[:nc], invals[nc : nc + nb]
+    carry = invals[nc + nb :]
+    ones = []
+    for key, consts in ("cond", cond_consts), ("body", body_consts):
+      firsts = _firsts(consts)
+      firsts += range(len(consts), len(consts) + len(carry))
+      new[f"{key}_jaxpr"] = _closed_once(params[f"{key}_jaxpr"], firsts)
+      ones.append([x for i, x in enumerate(consts) if firsts[i] == i])
+      new[f"{key}_nconsts"] = len(ones[-1])
+    operands = [*ones[0], *ones[1], *carry]
+  outs = p.bind(*operands, **p.get_bind_params(new))
+  return outs if p.multiple_results else [outs]

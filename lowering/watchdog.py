@@ -546,11 +546,7 @@ def lower_supervised(
       None,
       ordered=True,
     )
-    # The simulators evaluate the kernel as ordinary JAX code; inside a
-    # shard_map(check_vma=True) its device-index arithmetic would mix varying
-    # and invariant values, which kernels (traced without vma) may do.
-    with _jax.no_vma_check():
-      results = run(*args)
+    results = run(*args)
     callback.io_callback(finish, None, ordered=True)
     return results
 
@@ -561,4 +557,10 @@ def lower_supervised(
   ordered = {_jax.ordered_io_effect(), *simulator_effects}
   own = mlir.TokenSet({e: mlir.create_token() for e in ordered})
   inner = ctx.replace(tokens_in=own, tokens_out=None)
-  return mlir.lower_fun(launch, multiple_results=True)(inner, *in_nodes)
+  # The simulators evaluate the kernel as ordinary JAX code; inside a
+  # shard_map(check_vma=True) its device-index arithmetic would mix varying
+  # and invariant values, which kernels (traced without vma) may do. So it
+  # is traced without vma, and type-checked (jax_enable_checks) so too:
+  # checked with vma, the simulator's axis_index would read as mistyped.
+  with _jax.no_vma_check():
+    return mlir.lower_fun(launch, multiple_results=True)(inner, *in_nodes)

@@ -306,6 +306,18 @@ def scan_layout(params) -> tuple[int, int]:
   return len(list(consts)), len(list(carry))
 
 
+def scan_with_consts(params, num_consts: int) -> dict[str, Any]:
+  """A scan's params with ``num_consts`` constants (its carry and scanned
+  operands as they are): counts up to 0.11, ``ft_in`` from 0.12."""
+  if "num_consts" in params:
+    return dict(params, num_consts=num_consts)
+  from jax._src import flattree
+
+  _, carry, xs = params["ft_in"].unpack()
+  ft_in = flattree.pack((flattree.nones(num_consts), carry, xs))
+  return dict(params, ft_in=ft_in)
+
+
 def dma_wait_is_send(params) -> bool:
   """A ``dma_wait`` equation awaits the send side (``wait_send`` /
   ``wait_read``), whose operands come swapped: source first, the send
