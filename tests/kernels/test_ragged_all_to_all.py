@@ -73,6 +73,7 @@ class TestCpuFallback:
     [
       (2, 1, (8,), jnp.float32),
       (2, 3, (), jnp.int32),
+      (3, 2, (4,), jnp.float16),  # an odd device count
       (4, 2, (2, 4), jnp.bfloat16),
       pytest.param(8, 2, (8,), jnp.float32, marks=pytest.mark.slow),
       pytest.param(8, 1, (16,), jnp.bfloat16, marks=pytest.mark.slow),
