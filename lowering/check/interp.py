@@ -355,11 +355,16 @@ def _addupdate(ctx, eqn, invals):
   yield
 
 
-def _masked_load(ctx, eqn, invals):
-  ref, transforms, mask, other = eqn.params["args_tree"].unflatten(invals)
+def _masked_operands(ctx, eqn, ref, transforms, mask):
+  """(view, mask as numpy) of a masked load / swap."""
   ref, own = records.split_ref(ref)
   view = ctx.machine.view(ctx, ref, (*own, *(transforms or ())), eqn)
-  mask = None if mask is None else np.asarray(mask)
+  return view, None if mask is None else np.asarray(mask)
+
+
+def _masked_load(ctx, eqn, invals):
+  ref, transforms, mask, other = eqn.params["args_tree"].unflatten(invals)
+  view, mask = _masked_operands(ctx, eqn, ref, transforms, mask)
   value = ctx.machine.load(ctx, view, eqn, mask=mask)
   if mask is not None:
     fill = 0 if other is None else np.asarray(other)
@@ -370,9 +375,7 @@ def _masked_load(ctx, eqn, invals):
 
 def _masked_swap(ctx, eqn, invals):
   ref, transforms, value, mask = eqn.params["args_tree"].unflatten(invals)
-  ref, own = records.split_ref(ref)
-  view = ctx.machine.view(ctx, ref, (*own, *(transforms or ())), eqn)
-  mask = None if mask is None else np.asarray(mask)
+  view, mask = _masked_operands(ctx, eqn, ref, transforms, mask)
   old = ctx.machine.load(ctx, view, eqn, check_init=False)
   ctx.machine.store(ctx, view, value, eqn, mask=mask)
   return [old]
