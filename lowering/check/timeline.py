@@ -61,9 +61,41 @@ def _meta(m, launch: int) -> list[dict[str, Any]]:
   return meta
 
 
+def _span(name, cat, pid, tid, ts, dur, where=None) -> dict[str, Any]:
+  span = {
+    "name": name,
+    "cat": cat,
+    "ph": "X",
+    "pid": pid,
+    "tid": tid,
+    "ts": ts,
+    "dur": dur,
+  }
+  if where is not None:
+    span["args"] = {"where": where}
+  return span
+
+
+def _arrow(flow, source_pid, source_tid, source_ts, pid, tid, ts):
+  """A flow arrow from a signal (or a DMA's landing) to the wait it let
+  through."""
+  common = {"name": "releases", "cat": "sync", "id": flow}
+  return [
+    {
+      **common,
+      "ph": "s",
+      "pid": source_pid,
+      "tid": source_tid,
+      "ts": source_ts,
+    },
+    {**common, "ph": "f", "bp": "e", "pid": pid, "tid": tid, "ts": ts},
+  ]
+
+
 def _launch_events(m, launch: int, offset: int) -> list[dict[str, Any]]:
   plan = m.plan
   out = _meta(m, launch)
+  dmas = plan.num_programs  # the DMA thread of each device
 
   def pid(d):
     return launch * plan.num_devices + d
@@ -74,79 +106,39 @@ def _launch_events(m, launch: int, offset: int) -> list[dict[str, Any]]:
     ts = offset + e.step * _UNIT
     if e.kind == "dma_start":
       starts[e.dma] = e
-    if e.program < 0:  # a DMA lands
+    if e.program < 0:  # a DMA lands: its span from its start
       start = starts.get(e.dma)
       begin = offset + (start.step if start else e.step) * _UNIT
       out.append(
-        {
-          "name": e.what,
-          "cat": "dma",
-          "ph": "X",
-          "pid": pid(e.device),
-          "tid": plan.num_programs,
-          "ts": begin,
-          "dur": max(ts - begin, 1),
-          "args": {"where": e.where},
-        }
+        _span(
+          e.what, "dma", pid(e.device), dmas, begin, max(ts - begin, 1), e.where
+        )
       )
       continue
     where = (e.device, e.program)
     begin = last.get(where, offset)
     ts = max(ts, begin)  # events of one step (a last wait, then the exit)
+    released = e.kind == "wait" and e.after is not None
     if ts > begin:
-      name = (
-        "blocked" if e.kind == "wait" and e.after is not None else ("compute")
-      )
+      name = "blocked" if released else "compute"
       out.append(
-        {
-          "name": name,
-          "cat": "program",
-          "ph": "X",
-          "pid": pid(e.device),
-          "tid": e.program,
-          "ts": begin,
-          "dur": ts - begin,
-        }
+        _span(name, "program", pid(e.device), e.program, begin, ts - begin)
       )
     out.append(
-      {
-        "name": e.what,
-        "cat": e.kind,
-        "ph": "X",
-        "pid": pid(e.device),
-        "tid": e.program,
-        "ts": ts,
-        "dur": _UNIT,
-        "args": {"where": e.where},
-      }
+      _span(e.what, e.kind, pid(e.device), e.program, ts, _UNIT, e.where)
     )
     last[where] = ts + _UNIT
-    if e.kind == "wait" and e.after is not None:
+    if released:
       source = m.events[e.after]
-      tid = source.program if source.program >= 0 else plan.num_programs
-      flow = launch * 1_000_000 + k
-      out.append(
-        {
-          "name": "releases",
-          "cat": "sync",
-          "ph": "s",
-          "id": flow,
-          "pid": pid(source.device),
-          "tid": tid,
-          "ts": offset + source.step * _UNIT,
-        }
-      )
-      out.append(
-        {
-          "name": "releases",
-          "cat": "sync",
-          "ph": "f",
-          "bp": "e",
-          "id": flow,
-          "pid": pid(e.device),
-          "tid": e.program,
-          "ts": ts,
-        }
+      tid = source.program if source.program >= 0 else dmas
+      out += _arrow(
+        launch * 1_000_000 + k,
+        pid(source.device),
+        tid,
+        offset + source.step * _UNIT,
+        pid(e.device),
+        e.program,
+        ts,
       )
   return out
 
