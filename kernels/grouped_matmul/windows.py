@@ -167,6 +167,16 @@ def _for_each(count, body) -> None:
 
 
 def _dot(x, w, contract_w: int, in_dtype):
+  """``x @ w`` (w contracted on ``contract_w``) of ``in_dtype`` operands,
+  accumulated in f32.
+
+  16-bit float operands are widened to f32 first: their products are exact
+  there, and XLA:CPU runs such dots in f32 anyway, but where it folds a
+  transpose into the dot (tgmm of ``lhs.T`` inside a jit, as gmm's VJP
+  makes) its DotThunk cannot run a bf16 x bf16 -> f32 dot (UNIMPLEMENTED).
+  """
+  if jnp.dtype(in_dtype).itemsize < 4:
+    in_dtype = jnp.float32
   return lax.dot_general(
     x.astype(in_dtype),
     w.astype(in_dtype),
