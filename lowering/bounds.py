@@ -6,8 +6,9 @@ The fast and lockstep paths copy with ``lax.dynamic_slice`` and
 simulators fault instead, and so does the CPU fallback:
 
 * a window fixed in the kernel (literal indices) fails when the kernel is
-  traced, with a ``ValueError`` (``check_static``, called by ``mpmd_map``'s
-  checks for TPU meshes: every CPU path, and lowerings for TPU);
+  traced, with a ``StaticOutOfBoundsError`` (``check_static``, called by
+  ``mpmd_map``'s checks for TPU meshes: every CPU path, and lowerings for
+  TPU; an ``OutOfBoundsError`` that is also a ``ValueError``);
 * any other window is checked where its DMA starts (``Checks``), unless an
   interval analysis proves it in bounds (``prove``: loop counters, program
   indices). The check is a ``checkify`` check: the launch threads one error
@@ -30,7 +31,7 @@ from jax.experimental import checkify
 
 from mpmd import _jax
 from mpmd._jax import core, state_types, tree_util
-from mpmd.lowering import jaxpr_util, watchdog
+from mpmd.lowering import errors, jaxpr_util, watchdog
 from mpmd.lowering.ranges import CALLS, dma_sides, parts, ref_indexers
 
 # Checks whose message starts so report a DeadlockError, the others an
@@ -262,7 +263,8 @@ def _describe(role: str, name: str, chain: str, shapes: list[str]) -> str:
 
 
 def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
-  """Raises ValueError for a DMA whose literal indices leave its buffer.
+  """Raises ``StaticOutOfBoundsError`` (an ``mpmd.OutOfBoundsError`` and a
+  ``ValueError``) for a DMA whose literal indices leave its buffer.
 
   Args:
     jaxpr: a traced kernel, before any rewrite (its literals are the user's).
@@ -283,7 +285,7 @@ def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
       )
       shapes = [shape for shape, _ in windows]
       name = refs.names.get(root, "a Ref")
-      raise ValueError(
+      raise errors.StaticOutOfBoundsError(
         f"mpmd_map: kernel {kernel}: "
         f"{_describe(role, name, chain, shapes)} (hardware would fault)"
       )

@@ -39,7 +39,14 @@ class OutOfBoundsError(LaunchError, IndexError):
   """A DMA's window reached past its buffer (hardware would fault).
 
   Also an ``IndexError``, as the simulators' own out-of-bounds reports are.
+  A window fixed in the kernel fails when the kernel is traced, with a
+  ``StaticOutOfBoundsError``.
   """
+
+
+class StaticOutOfBoundsError(OutOfBoundsError, ValueError):
+  """A window fixed in the kernel leaves its Ref: found when the kernel is
+  traced. Also a ``ValueError``, as JAX's own indexing check reports it."""
 
 
 class UninitializedError(LaunchError):

@@ -318,6 +318,22 @@ def scan_with_consts(params, num_consts: int) -> dict[str, Any]:
   return dict(params, ft_in=ft_in)
 
 
+def ref_indexings(traceback) -> list[tuple[Any, tuple[Any, ...]]]:
+  """The ``ref.at[indices]`` calls an exception's ``traceback`` passes
+  through, innermost first: (the Ref or view indexed, its indices)."""
+  code = state_types.RefIndexer.__getitem__.__code__
+  found = []
+  while traceback is not None:
+    frame = traceback.tb_frame
+    if frame.f_code is code:
+      local = frame.f_locals
+      indices = local["slc"]
+      indices = indices if isinstance(indices, tuple) else (indices,)
+      found.append((local["self"].ref_or_view, indices))
+    traceback = traceback.tb_next
+  return found[::-1]
+
+
 def dma_wait_is_send(params) -> bool:
   """A ``dma_wait`` equation awaits the send side (``wait_send`` /
   ``wait_read``), whose operands come swapped: source first, the send

@@ -40,6 +40,7 @@ from mpmd.kernel_checks import (
   Roles,
   check_kernel,
   check_static_windows,
+  raise_if_fixed_window_leaves,
   raise_if_unbound_axis,
 )
 from mpmd.lowering import paths
@@ -396,7 +397,10 @@ def _trace_kernel(spec: _KernelSpec, caller: int, views: _Views, num_in: int):
     debug_info = debug_info.replace_func_name(spec.name)
   returned = []
 
+  traced_refs = []
+
   def flat_fn(*refs):
+    traced_refs[:] = refs
     refs = [
       state_types.TransformedRef(r, v.transforms)
       if isinstance(v, state_types.TransformedRef)
@@ -414,6 +418,11 @@ def _trace_kernel(spec: _KernelSpec, caller: int, views: _Views, num_in: int):
       )
   except NameError as e:
     raise_if_unbound_axis(e, mesh, meshes, debug_info)
+    raise
+  except ValueError as e:
+    raise_if_fixed_window_leaves(
+      e, traced_refs, debug_info, num_in, len(spec.out_avals)
+    )
     raise
   if returned[0] is not None:
     raise ValueError(
@@ -479,5 +488,32 @@ def _unify_consts(traced, meshes, num_in, flat_kernel_avals):
       return ()
 
     with prim.tracing_context(mesh, meshes):
-      jaxprs.append(prim.retrace(jaxpr, mesh, meshes, body, avals))
+      jaxprs.append(
+        prim.retrace(
+          _with_hoisted_names(
+            jaxpr, num_in, len(all_consts), len(flat_kernel_avals)
+          ),
+          mesh,
+          meshes,
+          body,
+          avals,
+        )
+      )
   return tuple(jaxprs), all_consts
+
+
+def _with_hoisted_names(
+  jaxpr: core.Jaxpr, num_in: int, num_consts: int, num_operands: int
+):
+  """``jaxpr`` whose debug info names the user's kernel and its
+  ``num_operands`` operands, the ``num_consts`` hoisted values (after the
+  inputs) with no name, as the retrace that hoists them takes them (else
+  errors would name the retrace's function and its ``args[i]``)."""
+  info = jaxpr.debug_info
+  names = None if info is None else info.arg_names
+  if names is None or len(names) < num_operands:
+    return jaxpr
+  # The kernel's own closed-over values lead its names from jax 0.11 on.
+  names = names[len(names) - num_operands :]
+  names = (*names[:num_in], *("",) * num_consts, *names[num_in:])
+  return jaxpr.replace(debug_info=info._replace(arg_names=names))

@@ -3,11 +3,13 @@ may touch (memory spaces, collectives, DMAs, device ids, core indices), fixed
 DMA windows, unbound axis names."""
 
 import math
+import operator
 import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
+from jax.experimental import pallas as pl
 
 from mpmd import _jax
 from mpmd._jax import (
@@ -16,7 +18,7 @@ from mpmd._jax import (
   tree_util,
 )
 from mpmd.arguments import short
-from mpmd.lowering import addressing, bounds, jaxpr_util, paths
+from mpmd.lowering import addressing, bounds, errors, jaxpr_util, paths
 from mpmd.primitives import mpmd_map as prim
 
 _UNBOUND_AXIS = re.compile(r"unbound axis name: (.+?)(?:\. |\.?$)", re.M)
@@ -42,6 +44,112 @@ def raise_if_unbound_axis(error: NameError, mesh, meshes, debug_info):
       else " (and there is no enclosing shard_map)"
     )
   ) from None
+
+
+class _Fixed(NamedTuple):
+  """One index of a ``.at[...]`` window, as written: its text, and whether
+  it stays inside its dimension (True when not fixed at trace time)."""
+
+  text: str
+  inside: bool
+
+
+def _fixed(x: Any) -> int | None:
+  """``x`` as a Python int if it is fixed at trace time, else None."""
+  try:
+    return operator.index(x)
+  except TypeError:  # a traced value (or no integer at all)
+    return None
+
+
+def _fixed_dims(indices: tuple[Any, ...], shape) -> list[_Fixed] | None:
+  """Per dimension of ``shape``, its index among ``indices`` (None if they
+  do not index it as we know: JAX then reports what is wrong itself)."""
+  if sum(i is Ellipsis for i in indices) > 1:
+    return None
+  if Ellipsis in indices:
+    k = indices.index(Ellipsis)
+    fill = (slice(None),) * (len(shape) - len(indices) + 1)
+    indices = (*indices[:k], *fill, *indices[k + 1 :])
+  if len(indices) > len(shape):
+    return None
+  indices = (*indices, *(slice(None),) * (len(shape) - len(indices)))
+  dims = []
+  for index, size in zip(indices, shape, strict=True):
+    if isinstance(index, slice):  # JAX clamps Python slices into the shape
+      start, stop, _ = index.indices(size)
+      dims.append(_Fixed(f"{start}:{stop}", True))
+    elif isinstance(index, pl.Slice):
+      start, length = _fixed(index.start), _fixed(index.size)
+      if start is None or length is None:
+        dims.append(_Fixed("(traced)", True))
+        continue
+      last = start + (length - 1) * index.stride
+      step = f":{index.stride}" if index.stride != 1 else ""
+      dims.append(
+        _Fixed(
+          f"{start}:{start + length * index.stride}{step}",
+          length <= 0 or (start >= 0 and last < size),
+        )
+      )
+    else:
+      value = _fixed(index)
+      if value is None:
+        dims.append(_Fixed("(traced)", True))
+      else:
+        dims.append(_Fixed(str(value), 0 <= value < size))
+  return dims
+
+
+def raise_if_fixed_window_leaves(
+  error: ValueError, operands, debug_info, num_in: int, num_out: int
+) -> None:
+  """JAX rejects a ``.at[...]`` window fixed past its Ref's end where it is
+  written, with a bare ``ValueError``: re-raised as a
+  ``mpmd.OutOfBoundsError`` (also a ``ValueError``) that names the kernel,
+  the Ref and the window, as for the windows it lets through.
+
+  Args:
+    error: what tracing the kernel raised.
+    operands: the kernel's flat Ref operands, as traced.
+    debug_info: the kernel's (its name, source and argument names).
+    num_in: how many of ``operands`` are inputs; then ``num_out`` outputs,
+      then scratch.
+  """
+  for view, indices in _jax.ref_indexings(error.__traceback__):
+    shape = tuple(view.shape)
+    dims = _fixed_dims(indices, shape)
+    if dims is None or all(d.inside for d in dims):
+      continue
+    root = view
+    while isinstance(root, _jax.state_types.TransformedRef):
+      root = root.ref
+    k = next((k for k, r in enumerate(operands) if r is root), None)
+    name = _operand(k, debug_info, num_in, num_out, root)
+    if root is not view:
+      name += f", in its view of shape {shape}"
+    window = f".at[{', '.join(d.text for d in dims)}]"
+    raise errors.StaticOutOfBoundsError(
+      f"mpmd_map: kernel {debug_info.func_src_info}: the window {window} "
+      f"is out of bounds of {name} (hardware would fault; JAX: {error})"
+    ) from None
+
+
+def _operand(k: int | None, debug_info, num_in: int, num_out: int, ref):
+  """``'x_hbm' (input 0, f32[8,128])``, as run-time errors name it."""
+  aval = jax.typeof(ref)
+  aval = getattr(aval, "inner_aval", aval).str_short(short_dtypes=True)
+  if k is None:
+    return f"a closed-over Ref ({aval})"
+  if k < num_in:
+    role = f"input {k}"
+  elif k < num_in + num_out:
+    role = f"output {k - num_in}"
+  else:
+    role = f"scratch {k - num_in - num_out}"
+  names = debug_info.arg_names or ()
+  name = f"{names[k]!r} " if k < len(names) and names[k] else ""
+  return f"{name}({role}, {aval})"
 
 
 class Roles(NamedTuple):

@@ -2,9 +2,10 @@
 
 Pallas' discharge rules slice with ``lax.dynamic_slice``, which clamps: a
 DMA of rows [12, 20) of a 16-row buffer used to copy rows [8, 16). A window
-fixed in the kernel now fails when the kernel is traced (``ValueError``, for
-TPU meshes, whatever the platform the launch is then lowered for), one the
-kernel computes when the launch runs (``mpmd.OutOfBoundsError``);
+fixed in the kernel now fails when the kernel is traced, for TPU meshes,
+whatever the platform the launch is then lowered for, one the kernel
+computes when the launch runs; both with an ``mpmd.OutOfBoundsError`` (at
+trace time also a ``ValueError``, as JAX's own indexing check is), and
 both name the kernel, the Ref, the window and the shape, on the fast path
 (local DMAs: ``sync_copy``, ``make_async_copy``) and on the lockstep path
 (remote DMAs), for sources and destinations. The next launch still works.
@@ -39,8 +40,9 @@ DYNAMIC_STARTS = [12, 100, -4]
 
 
 def _static_start(start: int):
-  # Python ints past the end already fail in JAX's own indexing (without
-  # naming the kernel); a concrete jnp scalar and a negative int do not.
+  # Python ints past the end already fail in JAX's own indexing, where
+  # ``.at`` is written (JAX_REJECTS); a concrete jnp scalar and a negative
+  # int do not.
   return start if start < 0 else jnp.int32(start)
 
 
@@ -160,8 +162,9 @@ def test_fast_path_dynamic_window_fails_at_run_time(kind, side, start):
 @pytest.mark.parametrize("kind, side", FAST_CASES)
 def test_fast_path_static_window_fails_when_traced(kind, side, start, window):
   f = _fast(kind, side, start)
-  with pytest.raises(ValueError) as info:
+  with pytest.raises(mpmd.OutOfBoundsError) as info:
     f.trace(_start(0), _rows())
+  assert isinstance(info.value, ValueError)
   message = str(info.value)
   for part in (
     f"kernel {NAME} at ",
@@ -169,6 +172,92 @@ def test_fast_path_static_window_fails_when_traced(kind, side, start, window):
     f"out of bounds of {_ref(side)}",
   ):
     assert part in message, (part, message)
+
+
+# Windows that JAX's own indexing rejects where ``.at[...]`` is written:
+# (the indexer, the window as reported, JAX's words).
+JAX_REJECTS = {
+  "rows": (lambda x: x.at[pl.ds(12, WINDOW)], "12:20, 0:128", "start=12"),
+  "past the end": (lambda x: x.at[pl.ds(ROWS, 1)], "16:17, 0:128", "start=16"),
+  "columns": (lambda x: x.at[:, pl.ds(64, COLS)], "0:16, 64:192", "size=128"),
+  "ellipsis": (lambda x: x.at[..., pl.ds(COLS, 8)], "0:16, 128:136", "=128"),
+}
+
+
+@pytest.mark.parametrize("case", list(JAX_REJECTS))
+def test_windows_jax_rejects_name_the_kernel_and_ref(case):
+  """Python ints past the end fail in JAX's indexing, as the kernel is
+  traced: the same typed error, naming the kernel and the Ref (JAX's
+  ValueError named neither)."""
+  index, window, jax_words = JAX_REJECTS[case]
+
+  def oob_copy(x_hbm, o_hbm):
+    pltpu.sync_copy(index(x_hbm), o_hbm.at[0])
+
+  f = mpmd.mpmd_map(
+    [(CORE, oob_copy)], jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32)
+  )
+  with pytest.raises(mpmd.OutOfBoundsError) as info:
+    jax.jit(f).trace(_rows())
+  assert isinstance(info.value, ValueError)  # as JAX's own error is
+  message = str(info.value)
+  for part in (
+    "kernel oob_copy at ",
+    f"the window .at[{window}] is out of bounds of "
+    f"'x_hbm' (input 0, f32[{ROWS},{COLS}])",
+    jax_words,
+  ):
+    assert part in message, (part, message)
+
+
+def test_a_view_out_of_bounds_names_its_ref_and_the_view():
+  def oob_copy(x_hbm, o_hbm):
+    pltpu.sync_copy(x_hbm.at[pl.ds(8, WINDOW)].at[pl.ds(4, WINDOW)], o_hbm)
+
+  f = mpmd.mpmd_map(
+    [(CORE, oob_copy)], jax.ShapeDtypeStruct((WINDOW, COLS), jnp.float32)
+  )
+  with pytest.raises(
+    mpmd.OutOfBoundsError,
+    match=r"the window \.at\[4:12, 0:128\] is out of bounds of 'x_hbm' "
+    r"\(input 0, f32\[16,128\]\), in its view of shape \(8, 128\)",
+  ):
+    jax.jit(f).trace(_rows())
+
+
+def test_other_indexing_errors_stay_jax_s():
+  """Not a window out of bounds: JAX's ValueError, as it wrote it."""
+
+  def bad(x_hbm, o_hbm):
+    pltpu.sync_copy(x_hbm.at[0, 0, 0], o_hbm)
+
+  f = mpmd.mpmd_map([(CORE, bad)], jax.ShapeDtypeStruct((), jnp.float32))
+  with pytest.raises(ValueError) as info:
+    jax.jit(f).trace(_rows())
+  assert not isinstance(info.value, mpmd.OutOfBoundsError)
+
+
+def test_a_closed_over_traced_start_names_the_kernel_and_its_refs():
+  """The start is a traced value of the caller the kernel closes over: the
+  run-time error names the user's kernel and Refs (on jax 0.10.2 it named
+  mpmd's internal re-trace, ``body`` and ``'args[0]'``)."""
+
+  @jax.jit
+  def f(x, start):
+    def oob_copy(x_hbm, o_hbm):
+      pltpu.sync_copy(x_hbm.at[pl.ds(start, WINDOW)], o_hbm)
+
+    return mpmd.mpmd_map(
+      [(CORE, oob_copy)], jax.ShapeDtypeStruct((WINDOW, COLS), jnp.float32)
+    )(x)
+
+  with _fails_at_run_time(
+    f"kernel oob_copy at {__file__}",
+    f"a DMA's source window .at[12:20, 0:{COLS}] is out of bounds of "
+    f"'x_hbm' (input 0, f32[{ROWS},{COLS}])",
+  ):
+    jax.block_until_ready(f(_rows(), 12))
+  np.testing.assert_array_equal(f(_rows(), 8), _rows()[8:])
 
 
 def test_in_bounds_windows_copy_exactly():
