@@ -73,6 +73,7 @@ TPU_EXAMPLES = [
   "grouped_matmul",
   "producer_consumer",
   "quickstart",
+  "ring_all_reduce",
 ]
 
 
