@@ -135,11 +135,18 @@ def sync_reason(
         ):
           return f"it issues a DMA ({name}) to another mesh's program"
       elif name == "semaphore_signal":
-        *_, device_id, core_index = eqn.params["args_tree"].unflatten(
+        sem, *_, device_id, core_index = eqn.params["args_tree"].unflatten(
           eqn.invars
         )
         if device_id is not None or core_index is not None:
           return "it signals a semaphore of another program"
+        # With no device_id, a semaphore another mesh owns is that mesh's
+        # program's at the caller's own indices of the axes they share.
+        if meshes and addressing.owner_of(sem.aval, meshes, i) not in (
+          None,
+          i,
+        ):
+          return "it signals a semaphore of another mesh's program"
       elif name == "get_barrier_semaphore":
         return "it uses the cross-device barrier semaphore"
   return None

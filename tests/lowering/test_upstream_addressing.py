@@ -129,6 +129,47 @@ def test_the_issue_reproducer_runs_and_lowers():
     assert_lowers_to_one_kernel(f)
 
 
+@pytest.mark.parametrize("subcores", [2, 16])
+def test_vector_subcores_signal_their_own_scalar_subcore(subcores):
+  """Issue 36 item 2: with ``device_id=None`` a vector subcore's signal to
+  a semaphore the scalar mesh owns reaches its own SparseCore's scalar
+  subcore (the meshes share the core axis). Only the scalar subcores wait,
+  so the fast path took the launch, and gave each signal to the caller's
+  own copy of the semaphore: a DeadlockError. Each scalar subcore waits for
+  exactly its own vector subcores: a signal sent to the other SparseCore
+  would leave one short (a deadlock) and the other counting (leftover)."""
+  with mpmd.tpu_target("v7x"):
+    vector = plsc.VectorSubcoreMesh(
+      core_axis_name="s_core",
+      subcore_axis_name="subcore",
+      num_cores=2,
+      num_subcores=subcores,
+    )
+    scalar = plsc.ScalarSubcoreMesh(axis_name="s_core", num_cores=2)
+
+    def vector_fn(x_hbm, o_hbm, scs_sem):
+      c = jax.lax.axis_index("s_core")
+      s = jax.lax.axis_index("subcore")
+      pltpu.sync_copy(x_hbm.at[c], o_hbm.at[c, s])
+      pl.semaphore_signal(scs_sem, 1)
+
+    def scalar_fn(x_hbm, o_hbm, scs_sem):
+      pl.semaphore_wait(scs_sem, jax.lax.axis_size("subcore"))
+
+    f = mpmd.mpmd_map(
+      [(vector, vector_fn), (scalar, scalar_fn)],
+      jax.ShapeDtypeStruct((2, subcores, LANES), jnp.int32),
+      scratch_types=[pltpu.SemaphoreType.REGULAR(()) @ scalar],
+    )
+    x = jnp.arange(2 * LANES, dtype=jnp.int32).reshape(2, LANES)
+    with mpmd.typed_errors():
+      out = jax.block_until_ready(jax.jit(f)(x))
+    want = jnp.broadcast_to(x[:, None, :], (2, subcores, LANES))
+    np.testing.assert_array_equal(out, want)
+    # Vector to scalar signals only: Mosaic of every supported jax takes it.
+    assert lower_for_tpu(f, x).count("tpu_custom_call") == 1
+
+
 def test_a_signal_to_the_wrong_subcore_leaves_a_waiter_stuck():
   """The partial device_id really selects the program: signalling subcore 0
   twice leaves subcore 1 waiting (a deadlock), which the simulator reports
