@@ -11,16 +11,18 @@ Two schedules deal with that:
   ``R = min(N, M)`` rows (the largest valid slice) that starts at the
   slice, or earlier where the window would run past ``operand`` (its
   ``shift`` says where the slice starts in it), into a staging slot of its
-  receiver, one slot per (sender, slice). Every device issues the same
-  remote DMAs in step, none under a condition, so the lockstep path runs
-  them as XLA collectives (a remote DMA under ``pl.when`` would send the
-  launch to the threaded simulator). The sender's output offsets and
-  shifts travel with the windows; after the launch the receiver takes, for
-  each row of ``output``, the staged row that lands there (its own
-  ``recv_sizes`` say how many rows of each window count), in plain XLA: a
-  gather. Cost: ``R`` rows per (peer, slice) whatever the slice's size, and
-  ``k * D * R`` rows of staging, which is what a CPU can afford and makes
-  each exchange a few collectives that compile quickly.
+  receiver, one slot per (sender, slice); where ``k * R > N`` the whole
+  ``operand`` moves once per peer instead, holding all ``k`` slices.
+  Every device issues the same remote DMAs in step, none under a
+  condition, so the lockstep path runs them as XLA collectives (a remote
+  DMA under ``pl.when`` would send the launch to the threaded simulator).
+  The sender's output offsets and shifts travel with the windows; after
+  the launch the receiver takes, for each row of ``output``, the staged
+  row that lands there (its own ``recv_sizes`` say how many rows of each
+  window count), in plain XLA: a gather. Cost: ``min(k * R, N)`` rows per
+  peer whatever the slices' sizes, and as many rows of staging per peer:
+  what a CPU can afford, and each exchange is a few collectives that
+  compile quickly.
 * ``"conditional"`` (TPU's): a slice of ``size`` rows moves as binary
   chunks straight into ``output`` (aliased): chunk ``b`` (``2**b`` rows)
   carries rows ``[prefix_b, prefix_b + 2**b)`` of the slice when bit ``b``
@@ -294,23 +296,36 @@ def _launch(config: Config, body, out_types, scratch_types, **kwargs):
 _TRAVEL_OFF, _TRAVEL_SHIFT = range(2)
 
 
+def moves_whole_operand(n: int, m: int, k: int) -> bool:
+  """Whether the window schedule moves the whole operand once per peer
+  rather than a window per slice of the largest valid slice (which would
+  move more rows)."""
+  return n < k * min(n, m)
+
+
 def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
   groups = config.groups
   d = groups.size
   n, m = operand.shape[0], output.shape[0]
   k = meta.shape[1] // d
   trailing = operand.shape[1:]
-  window = min(n, m)
   in_off, size, out_off = meta[_IN_OFF], meta[_SEND], meta[_OUT_OFF]
   valid = _valid(in_off, size, out_off, n, m)
-  start = jnp.minimum(in_off, n - window)
-  shift = in_off - start
-  # An invalid slice reads the window from row n: out of bounds.
+  whole = moves_whole_operand(n, m, k)
+  window, units = (n, 1) if whole else (min(n, m), k)
+  if whole:
+    start = jnp.zeros((d,), jnp.int32)
+    shift = in_off
+    valid = jnp.all(valid.reshape(d, k), axis=1)
+  else:
+    start = jnp.minimum(in_off, n - window)
+    shift = in_off - start
+  # A window with an invalid slice is read from row n: out of bounds.
   start = jnp.where(valid, start, n)
   travel = jnp.stack([out_off, shift]).reshape(2, d, k).transpose(1, 0, 2)
   varying = _varying(config, operand, output, meta)
   out_types = (
-    _common.out_type((d * k * window, *trailing), operand.dtype, varying),
+    _common.out_type((d * units * window, *trailing), operand.dtype, varying),
     _common.out_type(travel.shape, jnp.int32, varying),
   )
 
@@ -320,8 +335,8 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
     me = peers.position
     _handshake(peers)
 
-    def slot(source, s):
-      return staging.at[pl.ds((source * k + s) * window, window)]
+    def unit(source, q):
+      return staging.at[pl.ds((source * units + q) * window, window)]
 
     copies = []
     for o in range(1, d):
@@ -335,11 +350,11 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
           device_id=peers.ids[o],
         )
       )
-      for s in range(k):
+      for q in range(units):
         copies.append(
           pltpu.make_async_remote_copy(
-            operand.at[pl.ds(starts[target * k + s], window)],
-            slot(me, s),
+            operand.at[pl.ds(starts[target * units + q], window)],
+            unit(me, q),
             send,
             recv,
             device_id=peers.ids[o],
@@ -348,9 +363,9 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
     for copy in copies:
       copy.start()
     pltpu.sync_copy(travel.at[pl.ds(me, 1)], arrived.at[pl.ds(me, 1)])
-    for s in range(k):
+    for q in range(units):
       pltpu.sync_copy(
-        operand.at[pl.ds(starts[me * k + s], window)], slot(me, s)
+        operand.at[pl.ds(starts[me * units + q], window)], unit(me, q)
       )
     # Every peer sends this device the same windows it sends them.
     for copy in copies:
@@ -370,7 +385,9 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
       pltpu.SemaphoreType.DMA,
     ),
     cost_estimate=pl.CostEstimate(
-      flops=0, transcendentals=0, bytes_accessed=2 * d * k * window * row_bytes
+      flops=0,
+      transcendentals=0,
+      bytes_accessed=2 * d * units * window * row_bytes,
     ),
     name=_FN,
   )(operand, start, travel)
@@ -384,8 +401,9 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
   # Where slices overlap, the later one wins, as in JAX's definition.
   last = d * k - 1 - jnp.argmax(inside[:, ::-1], axis=1).astype(jnp.int32)
   found = jnp.any(inside, axis=1)
-  source = last * window + shifts[last] + rows[:, 0] - lands[last]
-  source = jnp.clip(source, 0, d * k * window - 1)
+  held_by = last if not whole else last // k  # the unit holding the slice
+  source = held_by * window + shifts[last] + rows[:, 0] - lands[last]
+  source = jnp.clip(source, 0, d * units * window - 1)
   found = found.reshape(found.shape + (1,) * len(trailing))
   return jnp.where(found, staging[source], output)
 

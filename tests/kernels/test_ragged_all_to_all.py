@@ -86,6 +86,16 @@ class TestCpuFallback:
     mesh = stacked_mesh((devices,), ("x",))
     assert_equal(run_stacked(ragged_fn(), mesh, *r.args), r.expected())
 
+  @pytest.mark.parametrize("rows,whole", [(8, True), (60, False)])
+  def test_window_modes(self, rng, rows, whole):
+    # Few operand rows: the whole operand moves once per peer; many (and a
+    # short output): a window per slice.
+    r = random_routing(rng, devices=2, k=2, rows=rows, max_size=2)
+    n, m = r.operand.shape[1], r.output.shape[1]
+    assert ragged.moves_whole_operand(n, m, 2) == whole
+    mesh = stacked_mesh((2,), ("x",))
+    assert_equal(run_stacked(ragged_fn(), mesh, *r.args), r.expected())
+
   @pytest.mark.parametrize(
     "pad", [False, pytest.param(True, marks=pytest.mark.slow)]
   )
@@ -234,24 +244,27 @@ class TestCpuFallback:
     assert path.kind == paths.LOCKSTEP, path
 
   @pytest.mark.parametrize(
-    "field,device,slot,value,window",
+    "field,device,slot,value,k",
     [
-      ("input_offsets", 0, 1, 20, "source window"),
-      ("input_offsets", 1, 0, -1, "source window"),
-      ("send_sizes", 1, 1, -2, "source window"),
-      ("output_offsets", 0, 1, 40, "source window"),
-      ("output_offsets", 1, 1, 40, "source window"),  # to itself
+      ("input_offsets", 0, 1, 20, 1),
+      ("input_offsets", 1, 0, -1, 1),
+      ("send_sizes", 1, 1, -2, 1),
+      ("output_offsets", 0, 1, 40, 1),
+      ("output_offsets", 1, 1, 40, 1),  # to itself
+      # k = 3: the whole operand moves once per peer.
+      ("input_offsets", 0, 4, 30, 3),
+      ("output_offsets", 1, 2, 40, 3),
     ],
   )
-  def test_out_of_bounds_at_run_time(
-    self, rng, field, device, slot, value, window
-  ):
-    r = random_routing(rng, devices=2, k=1, rows=8)
+  def test_out_of_bounds_at_run_time(self, rng, field, device, slot, value, k):
+    r = random_routing(rng, devices=2, k=k, rows=8)
+    n, m = r.operand.shape[1], r.output.shape[1]
+    assert ragged.moves_whole_operand(n, m, k) == (k > 1)
     bad = getattr(r, field).at[device, slot].set(value)
     r = r._replace(**{field: bad})
     mesh = stacked_mesh((2,), ("x",))
     with (
-      pytest.raises(mpmd.OutOfBoundsError, match=window),
+      pytest.raises(mpmd.OutOfBoundsError, match="source window"),
       mpmd.typed_errors(),
     ):
       jax.block_until_ready(run_stacked(ragged_fn(), mesh, *r.args))
