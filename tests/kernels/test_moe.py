@@ -273,6 +273,29 @@ def test_capacity_drops(rng, devices, capacity_factor, routing):
     assert_close(g, w, jnp.float32)
 
 
+@pytest.mark.slow
+def test_vmap_over_token_sets(rng):
+  p = Problem(rng, devices=2, tokens=5, hidden=8, ffn=12, experts_local=2)
+  xs = jnp.stack([p.x, 2 * p.x])
+  logits = jnp.stack([p.logits, -p.logits])
+  layer = jax.vmap(
+    functools.partial(mpmd.kernels.moe, top_k=2, axis_name="x"),
+    in_axes=(0, 0, None, None),
+  )
+  specs = (P(None, "x"), P(None, "x"), P("x"), P("x"))
+  f = jax.shard_map(layer, mesh=p.mesh, in_specs=specs, out_specs=P(None, "x"))
+  args = [
+    jax.device_put(a, NamedSharding(p.mesh, spec))
+    for a, spec in zip((xs, logits, p.w_in, p.w_out), specs, strict=True)
+  ]
+  got = jax.jit(f)(*args)
+  for b in range(2):
+    want = dense_reference(
+      xs[b], logits[b], p.w_in, p.w_out, top_k=2, activation=jax.nn.silu
+    )
+    assert_close(got[b], want, jnp.float32)
+
+
 @pytest.mark.parametrize(
   "axis_name",
   ["y", pytest.param(("x", "y"), marks=pytest.mark.slow)],
