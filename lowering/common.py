@@ -204,7 +204,7 @@ def _closed_once(j, firsts: Sequence[int]):
 
 def _distinct_refs(eqn, invals):
   """Rule: a cond, loop, scope or call given one Ref twice takes it once
-  (calls are inlined); None for other equations."""
+  (calls are inlined); other equations are bound as they are."""
   p, params = eqn.primitive, eqn.params
   calls = {pjit.jit_p: "jaxpr", core.closed_call_p: "call_jaxpr"}
   nested = (
@@ -213,10 +213,13 @@ def _distinct_refs(eqn, invals):
     lax_control_flow.scan_p,
     pallas_primitives.run_scoped_p,
   )
-  if p not in calls and p not in nested:
-    return None
-  if _firsts(invals) == list(range(len(invals))):
-    return None
+  if (p not in calls and p not in nested) or _firsts(invals) == list(
+    range(len(invals))
+  ):
+    # Bound as it is: the jaxprs of an equation given distinct Refs are
+    # given distinct Refs inside too.
+    outs = p.bind(*invals, **p.get_bind_params(params))
+    return outs if p.multiple_results else [outs]
   if p in calls:
     inner, consts = _jax.open_jaxpr(params[calls[p]])
     return jaxpr_util.eval_with_rule(inner, consts, invals, _distinct_refs)

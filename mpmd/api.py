@@ -490,30 +490,32 @@ def _unify_consts(traced, meshes, num_in, flat_kernel_avals):
     with prim.tracing_context(mesh, meshes):
       jaxprs.append(
         prim.retrace(
-          _with_hoisted_names(
-            jaxpr, num_in, len(all_consts), len(flat_kernel_avals)
-          ),
+          jaxpr,
           mesh,
           meshes,
           body,
           avals,
+          _hoisted_names(
+            jaxpr, num_in, len(all_consts), len(flat_kernel_avals)
+          ),
         )
       )
   return tuple(jaxprs), all_consts
 
 
-def _with_hoisted_names(
+def _hoisted_names(
   jaxpr: core.Jaxpr, num_in: int, num_consts: int, num_operands: int
 ):
-  """``jaxpr`` whose debug info names the user's kernel and its
-  ``num_operands`` operands, the ``num_consts`` hoisted values (after the
-  inputs) with no name, as the retrace that hoists them takes them (else
-  errors would name the retrace's function and its ``args[i]``)."""
+  """The debug info of ``jaxpr`` (the user's kernel, of ``num_operands``
+  operands) for the retrace that hoists ``num_consts`` closed-over values
+  to inputs after its ``num_in`` inputs: the kernel's name and its operands'
+  names, the hoisted values unnamed (else errors would name the retrace's
+  function and its ``args[i]``). None when the kernel's names are unknown."""
   info = jaxpr.debug_info
   names = None if info is None else info.arg_names
   if names is None or len(names) < num_operands:
-    return jaxpr
+    return None
   # The kernel's own closed-over values lead its names from jax 0.11 on.
   names = names[len(names) - num_operands :]
   names = (*names[:num_in], *("",) * num_consts, *names[num_in:])
-  return jaxpr.replace(debug_info=info._replace(arg_names=names))
+  return info._replace(arg_names=names)

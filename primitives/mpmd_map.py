@@ -117,11 +117,17 @@ def tracing_context(mesh: Any, meshes: Sequence[Any]):
 
 
 def retrace(
-  jaxpr: core.Jaxpr, mesh: Any, meshes: Sequence[Any], body, avals=None
+  jaxpr: core.Jaxpr,
+  mesh: Any,
+  meshes: Sequence[Any],
+  body,
+  avals=None,
+  debug_info=None,
 ) -> core.Jaxpr:
-  """Traces ``body`` over ``jaxpr``'s input avals in ``mesh``'s context."""
+  """Traces ``body`` over ``jaxpr``'s input avals (or ``avals``) in
+  ``mesh``'s context, named by ``jaxpr``'s debug info (or ``debug_info``)."""
   avals = [v.aval for v in jaxpr.invars] if avals is None else avals
-  debug_info = jaxpr.debug_info
+  debug_info = jaxpr.debug_info if debug_info is None else debug_info
   names = debug_info.arg_names if debug_info is not None else None
   if names is None or len(names) != len(avals):
     # A rewrite that adds operands (discharge, hidden outputs) renames them:
