@@ -28,6 +28,9 @@ the padded and gathered layers.
 
 Small: 4 devices, 8 experts, 2,048 tokens (512 per device), hidden 512, ffn
 1,024, top-2, f32. Large: 8 devices, 16 experts, 4,096 tokens, same layer.
+Each shape ends with an analytical TPU v5e estimate per chip: the
+exchanges' bytes over ICI against the grouped matmuls' time, unfused
+(one after the other) and at best overlapped (what ``fused=True`` is for).
   python benchmarks/moe.py --quick
 """
 
@@ -201,6 +204,40 @@ def _case(shape, rounds):
   }, statistics.median(times["ours"])
 
 
+# TPU v5e (one TensorCore per chip), public figures, as in the collective
+# matmul bench: peak bf16 matmul throughput, HBM bandwidth, one ICI link's
+# bandwidth per direction (a chip has 4; an all-to-all uses several).
+TPU_NAME = "TPU v5e"
+TPU_BF16_FLOPS = 197e12
+TPU_HBM_BYTES_PER_S = 819e9
+TPU_ICI_BYTES_PER_S = 50e9
+BF16_BYTES = 2
+
+
+def tpu_estimate(shape) -> str:
+  """What one chip spends on the unfused layer in bf16 (the conditional
+  schedule moves only the slices' rows): the two exchanges over ICI, the
+  two grouped matmuls on the MXU, and what a fused launch could hide."""
+  devices, experts, tokens, hidden, ffn, top_k = shape
+  # Rows a chip sends (and, on average, receives) per exchange.
+  rows = tokens // devices * top_k
+  remote = rows * (devices - 1) / devices  # of which leave the chip
+  wire = 2 * remote * hidden * BF16_BYTES  # dispatch + combine
+  flops = 2 * 2 * rows * hidden * ffn  # two matmuls per row
+  hbm = (2 * rows * hidden + 2 * rows * ffn) * BF16_BYTES + (
+    2 * experts // devices * hidden * ffn * BF16_BYTES
+  )
+  t_wire = wire / TPU_ICI_BYTES_PER_S
+  t_mxu = max(flops / TPU_BF16_FLOPS, hbm / TPU_HBM_BYTES_PER_S)
+  return (
+    f"  {TPU_NAME} estimate per chip (bf16, uniform routing): exchanges "
+    f"{wire / 1e6:.2f} MB over one ICI link {t_wire * 1e6:.0f} us, grouped "
+    f"matmuls {flops / 1e9:.2f} GFLOP / {hbm / 1e6:.1f} MB HBM "
+    f"{t_mxu * 1e6:.0f} us; unfused {(t_wire + t_mxu) * 1e6:.0f} us, a fused "
+    f"launch that overlaps them at best {max(t_wire, t_mxu) * 1e6:.0f} us"
+  )
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="mpmd bench moe", description=__doc__)
   parser.add_argument("--quick", action="store_true", help="small shape only")
@@ -223,6 +260,7 @@ def main(argv=None) -> int:
         f"  ours / {name:<8} {ratio:5.2f} [{low:.2f}-{high:.2f}] "
         f"({theirs * 1e3:.1f} ms)"
       )
+    print(tpu_estimate(shape))
   return 0
 
 
