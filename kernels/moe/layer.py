@@ -17,10 +17,13 @@ expert ``e`` lives on device ``e // El``)::
     sorted order
   unsort, weight, sum over the K choices -> (T, H)
 
-Dropless: a device's receive buffer holds every row that could come to it,
-``D * T * K`` (rounded up to whole sublane tiles), so no token is dropped
-whatever the routing. Differentiable in ``x``, ``router_logits``, ``w_in``
-and ``w_out`` (the exchanges' and ``gmm``'s custom VJPs, the rest plain JAX).
+Dropless by default: a device's receive buffer holds every row that could
+come to it, ``D * T * K`` (rounded up to whole sublane tiles), so no token
+is dropped whatever the routing. With a capacity factor each expert takes
+its first rows (devices in order), the rest are dropped before the
+dispatch and the buffer holds ``El`` capacities. Differentiable in ``x``,
+``router_logits``, ``w_in`` and ``w_out`` (the exchanges' and ``gmm``'s
+custom VJPs, the rest plain JAX).
 """
 
 from __future__ import annotations
