@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
@@ -94,6 +95,33 @@ def test_simulator_under_shard_map_with_check_vma(interpret):
     )
   )
   x = jnp.arange(4 * 8 * 128, dtype=jnp.float32).reshape(32, 128)
+  x = jax.device_put(x, jax.NamedSharding(mesh, P("d")))
+  np.testing.assert_array_equal(f(x), np.asarray(x) + 1.0)
+
+
+def test_gpu_simulator_under_shard_map_with_check_vma():
+  """The Mosaic GPU simulator shares the TPU simulator's supervision."""
+  mesh = jax.make_mesh((2,), ("d",))
+  warpgroups = plgpu.Mesh(num_threads=2, thread_name="wg")
+
+  def kernel(x_ref, o_ref):
+    half = ROWS[0] // 2
+    rows = pl.ds(jax.lax.axis_index("wg") * half, half)
+    o_ref[rows, :] = x_ref[rows, :] + 1.0
+
+  def shard(x):
+    return mpmd.mpmd_map(
+      [(warpgroups, kernel)],
+      jax.ShapeDtypeStruct(ROWS, jnp.float32),
+      interpret=mpmd.GPUInterpretParams(),
+    )(x)
+
+  f = jax.jit(
+    jax.shard_map(
+      shard, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=True
+    )
+  )
+  x = jnp.arange(2 * 8 * 128, dtype=jnp.float32).reshape(16, 128)
   x = jax.device_put(x, jax.NamedSharding(mesh, P("d")))
   np.testing.assert_array_equal(f(x), np.asarray(x) + 1.0)
 
