@@ -320,16 +320,19 @@ def scan_with_consts(params, num_consts: int) -> dict[str, Any]:
 
 def ref_indexings(traceback) -> list[tuple[Any, tuple[Any, ...]]]:
   """The ``ref.at[indices]`` calls an exception's ``traceback`` passes
-  through, innermost first: (the Ref or view indexed, its indices)."""
+  through, innermost first: (the Ref or view indexed, its indices). Empty
+  where JAX's ``RefIndexer.__getitem__`` no longer names them so."""
   code = state_types.RefIndexer.__getitem__.__code__
   found = []
   while traceback is not None:
     frame = traceback.tb_frame
     if frame.f_code is code:
       local = frame.f_locals
-      indices = local["slc"]
-      indices = indices if isinstance(indices, tuple) else (indices,)
-      found.append((local["self"].ref_or_view, indices))
+      indexer, indices = local.get("self"), local.get("slc")
+      view = getattr(indexer, "ref_or_view", None)
+      if view is not None and indices is not None:
+        indices = indices if isinstance(indices, tuple) else (indices,)
+        found.append((view, indices))
     traceback = traceback.tb_next
   return found[::-1]
 
