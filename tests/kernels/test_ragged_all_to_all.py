@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from launches import kernel_path
 from ragged_all_to_all_util import (
+  Routing,
   place,
   random_routing,
   run_stacked,
@@ -187,6 +188,39 @@ class TestCpuFallback:
     want = jax.grad(reference, argnums=(0, 1))(r.operand, r.output)
     for g, w in zip(got, want, strict=True):
       assert_equal(g, w)
+
+  def test_grad_of_output_with_an_empty_slot_at_a_used_offset(self, rng):
+    # Device 1 receives an empty slice from device 0 at offset 1, where its
+    # own slice of 2 rows lands: rows 1 and 2 are written, no other row
+    # (the packed layout where issue 35 reports JAX's own transpose rule
+    # getting the output's gradient wrong).
+    operand = jnp.asarray(rng.standard_normal((2, 4, 3)), jnp.float32)
+    output = jnp.asarray(rng.standard_normal((2, 5, 3)), jnp.float32)
+    metadata = [
+      jnp.asarray(a, jnp.int32)
+      for a in (
+        [[0, 0], [0, 1]],  # input_offsets
+        [[1, 0], [0, 2]],  # send_sizes
+        [[0, 1], [4, 1]],  # output_offsets
+        [[1, 0], [0, 2]],  # recv_sizes
+      )
+    ]
+    r = Routing(operand, output, *metadata, groups=[[0, 1]])
+    mesh = stacked_mesh((2,), ("x",))
+    fn = stacked(ragged_fn(), mesh)
+    placed = place(mesh, *metadata)
+    weights = jnp.asarray(rng.standard_normal(output.shape), jnp.float32)
+
+    def ours(operand, output):
+      return jnp.sum(fn(operand, output, *placed) * weights)
+
+    d_output = jax.jit(jax.grad(ours, argnums=1))(*place(mesh, operand, output))
+    written = np.zeros((2, 5), bool)
+    written[0, 0] = True  # device 0 keeps its own row 0
+    written[1, 1:3] = True
+    want = np.where(written[..., None], 0.0, np.asarray(weights))
+    np.testing.assert_array_equal(np.asarray(d_output), want)
+    assert_equal(run_stacked(ragged_fn(), mesh, *r.args), r.expected())
 
   def test_vmap(self, rng):
     first = random_routing(rng, devices=2, k=1, rows=6, pad=False)
