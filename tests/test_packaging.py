@@ -35,7 +35,13 @@ def test_wheel_holds_only_the_mpmd_namespace(tmp_path):
   names = zipfile.ZipFile(wheel).namelist()
   top = {n.split("/")[0] for n in names if not n.startswith("jax_mpmd-")}
   assert top == {"mpmd"}
-  for package in ("primitives", "lowering", "kernels", "kernels/gpu"):
+  for package in (
+    "primitives",
+    "lowering",
+    "kernels",
+    "kernels/gpu",
+    "kernels/moe",
+  ):
     assert f"mpmd/{package}/__init__.py" in names
   assert "mpmd/lowering/merge.py" in names
   # The license travels with the wheel, and its metadata names it.
