@@ -397,7 +397,7 @@ def _trace_kernel(spec: _KernelSpec, caller: int, views: _Views, num_in: int):
     debug_info = debug_info.replace_func_name(spec.name)
   returned = []
 
-  traced_refs = []
+  traced_refs = []  # the kernel's Refs while it is traced, to name them
 
   def flat_fn(*refs):
     traced_refs[:] = refs
@@ -409,6 +409,7 @@ def _trace_kernel(spec: _KernelSpec, caller: int, views: _Views, num_in: int):
     ]
     args, kwargs = views.tree.unflatten(refs)
     returned.append(fn(*args, **kwargs))
+    traced_refs.clear()  # kept for errors only: a tracer must not outlive
     return []
 
   try:
