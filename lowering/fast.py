@@ -33,6 +33,7 @@ from mpmd.lowering import (
   watchdog,
   words,
 )
+from mpmd.lowering.check import static
 from mpmd.primitives import mpmd_map as prim
 
 
@@ -145,6 +146,7 @@ def _fast_programs(num_in: int, params):
   aliases = dict(params["input_output_aliases"])
   num_out = len(params["out_avals"])
   programs, labels, num_checks, sparsecores = [], [], 0, []
+  found: list[list[static.Access]] = []  # per program: statically known
   # Meshes by position, never `meshes.index(mesh)`: upstream meshes compare
   # with `==`, which is elementwise (and ambiguous) for a multi-core
   # TensorCoreMesh on jax 0.10.2, and a mesh may appear twice.
@@ -157,9 +159,8 @@ def _fast_programs(num_in: int, params):
       if consts:
         raise NotImplementedError("mpmd_map: kernel captured constants")
       jaxpr = jaxpr_util.map_avals(jaxpr, lockstep.widen)
-    refs = bounds.trace_refs(
-      jaxpr, bounds.operand_names(traced, num_in, num_out)
-    )
+    names = bounds.operand_names(traced, num_in, num_out)
+    refs = bounds.trace_refs(jaxpr, names)
     proven = ranges.prove(jaxpr, sizes)
     sparsecore_axis = merge.sparsecore_axis(mesh)
     for program in range(math.prod(sizes.values())):
@@ -169,6 +170,8 @@ def _fast_programs(num_in: int, params):
       )
       coords = ", ".join(f"{a}={int(v)}" for a, v in values.items())
       label = f"mesh {i} program {program} ({coords})"
+      with prim.tracing_context(mesh, meshes):
+        found.append(static.accesses(jaxpr, len(labels), values))
       checks = bounds.Checks(
         traced.debug_info.func_src_info,
         refs,
@@ -184,6 +187,22 @@ def _fast_programs(num_in: int, params):
         programs.append(_jax.discharge_state(_jax.closed_jaxpr(unrolled)))
       labels.append(label)
       num_checks += checks.count
+  kernel = params["jaxprs"][0]
+  operands = num_in + num_out
+  out_to_in = {o: i for i, o in aliases.items()}
+
+  def shared(program: int, k: int):
+    """Which buffer operand ``k`` of ``program`` is (None: its own)."""
+    if k < operands:
+      return ("operand", out_to_in.get(k - num_in, k) if k >= num_in else k)
+    sharing = _sharing(kernel.invars[k].aval)
+    if sharing == _DEVICE:
+      return k
+    if sharing == _SPARSECORE:
+      return (k, sparsecores[program])
+    return None
+
+  static.find_race(found, shared, labels, names)
   return programs, labels, num_checks, tuple(sparsecores)
 
 

@@ -270,9 +270,13 @@ def _checker_covers(jaxprs, meshes):
   if any(is_gpu_mesh(m) for m in meshes):
     return None
   semaphore_space = _jax.tpu().core.MemorySpace.SEMAPHORE
+
+  def space(aval):  # without its owner (`type @ mesh`)
+    space = getattr(aval, "memory_space", None)
+    return getattr(space, "memory_space", space)
+
   if any(
-    is_semaphore(v.aval)
-    and getattr(v.aval, "memory_space", None) is not semaphore_space
+    is_semaphore(v.aval) and space(v.aval) is not semaphore_space
     for v in jaxprs[0].invars
   ):
     return None  # semaphores carried from launch to launch

@@ -458,3 +458,47 @@ def test_unsupported_operation_is_named_not_reported_as_a_failure():
   )
   with pytest.raises(NotImplementedError, match="mpmd checker: .*transform"):
     mpmd.explore(f, X, schedules=2)
+
+
+def test_fast_path_proves_a_race_between_programs_that_never_wait():
+  """A loader and a consumer with no semaphore at all: on hardware they
+  race, whichever is listed first (the fast path would run them one after
+  another and get the numbers right, or all NaN)."""
+
+  def load(x_hbm, o_hbm, staged):
+    del o_hbm
+    pltpu.sync_copy(x_hbm, staged)
+
+  def use(x_hbm, o_hbm, staged):
+    del x_hbm
+    pltpu.sync_copy(staged, o_hbm)
+
+  loader = mpmd.tensorcore_mesh("loader", num_cores=1)
+  user = mpmd.tensorcore_mesh("user", num_cores=1)
+  for order in ([(loader, load), (user, use)], [(user, use), (loader, load)]):
+    f = jax.jit(
+      mpmd.mpmd_map(
+        order,
+        jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+        scratch_types=[pltpu.HBM((ROWS, COLS), jnp.float32)],
+      )
+    )
+    with pytest.raises(mpmd.RaceError, match="data race on 'staged'"):
+      f(X)
+
+
+def test_fast_path_programs_on_their_own_parts_do_not_race():
+  def each_row_block(x_hbm, o_hbm, staged):
+    core = jax.lax.axis_index("core")
+    rows = pl.ds(core * 4, 4)
+    pltpu.sync_copy(x_hbm.at[rows], staged.at[rows])
+    pltpu.sync_copy(staged.at[rows], o_hbm.at[rows])
+
+  f = jax.jit(
+    mpmd.mpmd_map(
+      [(mpmd.tensorcore_mesh("core", num_cores=2), each_row_block)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[pltpu.HBM((ROWS, COLS), jnp.float32)],
+    )
+  )
+  np.testing.assert_array_equal(f(X), X)

@@ -302,36 +302,55 @@ def test_vmem_shared_scratch_needs_no_owner(cores):
     assert_lowers_to_one_kernel(f, x)
 
 
-def test_vmem_shared_is_per_sparsecore_on_the_fast_path(capsys):
-  """Without synchronisation the fast path runs the programs one after
-  another, the vector mesh first: vector subcore 0 of each SparseCore
-  writes its row to VMEM_SHARED, and the scalar subcore of the same
-  SparseCore reads it back (one shared buffer would give both the last
-  row written)."""
+def _vmem_shared_rows(x, *, handshake):
+  """Vector subcore 0 of each SparseCore writes its row of ``x`` to
+  VMEM_SHARED; the scalar subcore of the same SparseCore reads it back
+  (after a signal when ``handshake``). One buffer shared by both
+  SparseCores would give both the last row written."""
+  vector, scalar = sc_meshes(2)
+
+  def vector_fn(x_hbm, o_hbm, shared, ready):
+    del o_hbm
+    c = jax.lax.axis_index("s_core")
+
+    @pl.when(jax.lax.axis_index("subcore") == 0)
+    def _():
+      pltpu.sync_copy(x_hbm.at[c], shared)
+      if handshake:
+        pl.semaphore_signal(ready, device_id={"s_core": c})
+
+  def scalar_fn(x_hbm, o_hbm, shared, ready):
+    del x_hbm
+    if handshake:
+      pl.semaphore_wait(ready, 1)
+    pltpu.sync_copy(shared, o_hbm.at[jax.lax.axis_index("s_core")])
+
+  return mpmd.mpmd_map(
+    [(vector, vector_fn), (scalar, scalar_fn)],
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+    scratch_types=[
+      pltpu.VMEM_SHARED((LANES,), x.dtype),
+      pltpu.SemaphoreType.REGULAR(()) @ scalar,
+    ],
+    debug=True,
+  )(x)
+
+
+def test_vmem_shared_is_per_sparsecore(capsys):
   x = jnp.arange(2 * LANES, dtype=jnp.int32).reshape(2, LANES)
   with mpmd.tpu_target(TARGET):
-    vector, scalar = sc_meshes(2)
-
-    def vector_fn(x_hbm, o_hbm, shared):
-      del o_hbm
-      c = jax.lax.axis_index("s_core")
-
-      @pl.when(jax.lax.axis_index("subcore") == 0)
-      def _():
-        pltpu.sync_copy(x_hbm.at[c], shared)
-
-    def scalar_fn(x_hbm, o_hbm, shared):
-      del x_hbm
-      pltpu.sync_copy(shared, o_hbm.at[jax.lax.axis_index("s_core")])
-
-    out = mpmd.mpmd_map(
-      [(vector, vector_fn), (scalar, scalar_fn)],
-      jax.ShapeDtypeStruct(x.shape, x.dtype),
-      scratch_types=[pltpu.VMEM_SHARED((LANES,), x.dtype)],
-      debug=True,
-    )(x)
+    out = _vmem_shared_rows(x, handshake=True)
   np.testing.assert_array_equal(out, x)
-  assert "takes the fast path" in capsys.readouterr().out
+  assert "takes the check path" in capsys.readouterr().out
+
+
+def test_vmem_shared_read_without_a_handshake_is_a_race_on_the_fast_path():
+  """Without synchronisation the launch takes the fast path, which proves
+  the race (run one after another, the programs would get the rows)."""
+  x = jnp.arange(2 * LANES, dtype=jnp.int32).reshape(2, LANES)
+  with mpmd.tpu_target(TARGET):
+    with pytest.raises(mpmd.RaceError, match="data race on 'shared'"):
+      _vmem_shared_rows(x, handshake=False)
 
 
 @pytest.mark.parametrize(
