@@ -326,6 +326,7 @@ class TestTpuSimulator:
     with mpmd.race_policy("record"):
       got = run_stacked(fn, mesh, *r.args)
       assert_equal(got, r.expected())
+      assert not mpmd.get_races().races_found
 
 
 class TestTpuLowering:
