@@ -67,7 +67,9 @@ def _barrier(mine, scalar_sem, vector_sem):
   pl.semaphore_wait(mine, num_cores + num_cores * num_subcores)
 
 
-def all_to_all_barrier(num_subcores=NUM_SUBCORES):
+def all_to_all_barrier(
+  num_subcores=NUM_SUBCORES, interpret=pltpu.InterpretParams()
+):
   """The reproducer: an all-to-all semaphore barrier over the scalar and
   vector subcores of 2 SparseCores; each vector subcore then writes its
   row."""
@@ -92,8 +94,18 @@ def all_to_all_barrier(num_subcores=NUM_SUBCORES):
         pltpu.SemaphoreType.REGULAR(()) @ scalar,
         (pltpu.VMEM @ vector)((16,), jnp.int32),
       ],
+      # The threaded simulator, which these tests are about (by default
+      # the checking executor runs it, one program at a time).
+      interpret=interpret,
     )
   )
+
+
+def test_all_to_all_barrier_of_34_programs_on_the_checking_executor():
+  """The default for programs that wait on each other: one at a time, so
+  the count of concurrent computations does not matter."""
+  f = all_to_all_barrier(interpret=None)
+  np.testing.assert_array_equal(f(), _expected())
 
 
 def _expected(num_subcores=NUM_SUBCORES):
@@ -163,6 +175,7 @@ def test_programs_run_on_the_host_compute_what_compiled_ones_do(limit, on_host):
         pltpu.SemaphoreType.REGULAR(()) @ scalar,
         (pltpu.VMEM @ vector)((16,), jnp.int32),
       ],
+      interpret=pltpu.InterpretParams(),  # the threaded simulator
     )
   )
   expected = np.asarray(x) + 3

@@ -187,7 +187,26 @@ def test_tpu_cross_lowering_of_two_tensorcore_meshes():
 # -- no hangs, and races ------------------------------------------------------
 
 
-def test_deadlock_names_mesh_program_and_semaphore():
+@pytest.mark.parametrize(
+  "interpret, message",
+  [
+    # The default for programs that wait on each other: the checking
+    # executor reports at once, with the count held now and the line.
+    (
+      None,
+      r"deadlocks(.|\n)*mesh 1 program \{'b': 1\} waits \(semaphore_wait "
+      r"at .*test_multi_mesh.py:\d+.*\) on 'sem' .* for 1; it holds 0 now",
+    ),
+    (
+      pltpu.InterpretParams(),
+      r"mpmd_map deadlock(.|\n)*mesh 1 "
+      r"program 1 \(b=1\) waits on a semaphore for 1 \(it "
+      r"holds 0\)",
+    ),
+  ],
+  ids=["checker", "simulator"],
+)
+def test_deadlock_names_mesh_program_and_semaphore(interpret, message):
   x = jnp.ones(ROWS, jnp.float32)
   a, b = tc("a", 1), tc("b", 2)
 
@@ -202,16 +221,12 @@ def test_deadlock_names_mesh_program_and_semaphore():
     [(a, signals_one), (b, waits)],
     jax.ShapeDtypeStruct(ROWS, jnp.float32),
     scratch_types=[pltpu.SemaphoreType.REGULAR @ b],
+    interpret=interpret,
   )
   with watchdog.deadlock_timeout(1.0):
-    with pytest.raises(
-      Exception,
-      match=r"mpmd_map deadlock(.|\n)*mesh 1 "
-      r"program 1 \(b=1\) waits on a semaphore for 1 \(it "
-      r"holds 0\)",
-    ):
+    with pytest.raises(Exception, match=message):
       jax.block_until_ready(f(x))
-  # The simulator recovers: the next launch runs.
+  # The process recovers: the next launch runs.
   np.testing.assert_allclose(producer_consumer(x), pc_reference(x))
 
 
