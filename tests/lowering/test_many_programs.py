@@ -22,6 +22,7 @@ from mpmd import _patches
 from mpmd.lowering import host_programs
 
 NUM_CORES, NUM_SUBCORES = 2, 16
+SIMULATOR = pltpu.InterpretParams()  # the threaded simulator
 NUM_PROGRAMS = NUM_CORES * NUM_SUBCORES + NUM_CORES  # 34: past XLA's 32
 
 
@@ -68,7 +69,7 @@ def _barrier(mine, scalar_sem, vector_sem):
 
 
 def all_to_all_barrier(
-  num_subcores=NUM_SUBCORES, interpret=pltpu.InterpretParams()
+  num_subcores=NUM_SUBCORES, interpret=SIMULATOR
 ):
   """The reproducer: an all-to-all semaphore barrier over the scalar and
   vector subcores of 2 SparseCores; each vector subcore then writes its
