@@ -60,10 +60,11 @@ def lower_for_tpu(f, *args) -> str:
   return jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
 
-def check_runs(f, args, expected):
-  """Runs on CPU: the expected result on jax 0.12, the simulator's limit
-  named on jax 0.10.2."""
-  if NEW_JAX:
+def check_runs(f, args, expected, *, simulator: bool = False):
+  """Runs on CPU with the expected result: on the checking executor (the
+  default for programs that wait on each other) on every jax; in the TPU
+  simulator (``simulator``) on jax 0.12, whose limit jax 0.10.2 names."""
+  if not simulator or NEW_JAX:
     np.testing.assert_array_equal(f(*args), expected)
     return
   with pytest.raises(NotImplementedError, match=OLD_SIMULATOR):
@@ -125,7 +126,7 @@ def test_scalar_subcore_dmas_into_vector_subcore_vmem(cores):
     check_lowers(f, (x,), sparsecore=True)
 
 
-def vector_ring(x, *, cores):
+def vector_ring(x, *, cores, interpret=None):
   """Vector subcore ``s`` DMAs its row into subcore ``s + 1``'s VMEM (the
   caller's own mesh, addressed by ``subcore`` alone)."""
   vector, _ = sc_meshes(cores)
@@ -148,6 +149,7 @@ def vector_ring(x, *, cores):
       pltpu.SemaphoreType.DMA(()),
       pltpu.SemaphoreType.DMA(()),
     ],
+    interpret=interpret,
   )(x)
 
 
@@ -161,6 +163,8 @@ def test_vector_subcores_dma_into_each_others_vmem():
   with mpmd.tpu_target(SC_TARGET):
     # Subcore s holds what subcore s - 1 sent.
     check_runs(f, (x,), jnp.roll(x, 1, axis=1))
+    simulated = functools.partial(f, interpret=pltpu.InterpretParams())
+    check_runs(simulated, (x,), jnp.roll(x, 1, axis=1), simulator=True)
     check_lowers(f, (x,), sparsecore=True)
 
 
