@@ -167,22 +167,32 @@ def _for_each(count, body) -> None:
 
 
 def _dot(x, w, contract_w: int, in_dtype):
-  """``x @ w`` (w contracted on ``contract_w``) of ``in_dtype`` operands,
-  accumulated in f32.
-
-  16-bit float operands are widened to f32 first: their products are exact
-  there, and XLA:CPU runs such dots in f32 anyway, but where it folds a
-  transpose into the dot (tgmm of ``lhs.T`` inside a jit, as gmm's VJP
-  makes) its DotThunk cannot run a bf16 x bf16 -> f32 dot (UNIMPLEMENTED).
-  """
-  if jnp.dtype(in_dtype).itemsize < 4:
-    in_dtype = jnp.float32
   return lax.dot_general(
     x.astype(in_dtype),
     w.astype(in_dtype),
     (((1,), (contract_w,)), ((), ())),
     preferred_element_type=jnp.float32,
   )
+
+
+def _as_laid_out(*operands: jax.Array) -> tuple[jax.Array, ...]:
+  """The operands as the kernel reads them, behind an optimization barrier
+  where they hold 16-bit floats.
+
+  Otherwise XLA:CPU folds a transpose that made an operand (tgmm of
+  ``lhs.T`` inside a jit, as gmm's VJP calls it) into the dots of the
+  windows the kernel slices from it, and its DotThunk cannot run a
+  transposed bf16 x bf16 -> f32 dot (UNIMPLEMENTED). Behind the barrier
+  the transpose is one copy, before the kernel. Where the CPU fallback
+  holds such buffers as 16-bit words (jax 0.10.2, ``lowering/words.py``),
+  XLA cannot fold through the bitcasts, and the copy would only cost
+  time (gmm's bf16 VJP 1.15-1.2x).
+  """
+  if _jax.FLOAT16_DYNAMIC_OPS_CONVERT or not any(
+    jnp.dtype(x.dtype).itemsize == 2 for x in operands
+  ):
+    return operands
+  return tuple(lax.optimization_barrier(operands))
 
 
 def gmm_windows_call(
@@ -251,6 +261,7 @@ def gmm_windows_call(
 
     _for_each(num_local, group)
 
+  lhs, rhs = _as_laid_out(lhs, rhs)
   w_shape = (n, k) if cfg.transpose_rhs else (k, n)
   call = mpmd_map(
     [(_common.single_core_mesh(), kernel)],
@@ -287,6 +298,7 @@ def tgmm_windows_call(
   plan = schedule(m)
   meta = _metadata(group_sizes, group_offset, num_local, m, plan)
   has_existing = existing_out is not None
+  lhs, rhs = _as_laid_out(lhs, rhs)
   operands = [meta, lhs, rhs] + ([existing_out] if has_existing else [])
 
   def kernel(meta_hbm, lhs_ref, rhs_ref, *refs):
