@@ -118,8 +118,9 @@ def _check_one_process(jaxprs, path: paths.Path, axis_context: Any) -> None:
     f"path ({path.reason}), which simulates memory, DMAs and semaphores "
     f"within one process only, and this launch {spans}. Across processes "
     "the CPU fallback runs kernels on the lockstep path (remote DMAs and "
-    "signals that every device issues in step, outside conditions) and "
-    "single-device kernels on the fast path: rewrite the kernel that way, "
-    "or run it in one process (simulated devices: "
-    'jax.config.update("jax_num_cpu_devices", n)).'
+    "signals that every device issues in step, outside conditions), "
+    "single-device kernels on the fast path, and the rest on the checking "
+    "executor (interpret=None or mpmd.CheckParams(): every process runs "
+    "the whole launch); pass one of those, or run it in one process "
+    '(simulated devices: jax.config.update("jax_num_cpu_devices", n)).'
   )

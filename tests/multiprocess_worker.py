@@ -134,7 +134,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: Path):
   )
 
   # A kernel the lockstep path cannot run (its remote DMA starts under a
-  # condition) needs the TPU simulator, whose memory is this process's.
+  # condition), in the TPU simulator, whose memory is this process's.
   core = mpmd.tensorcore_mesh("core", num_cores=1)
 
   def conditional_send(x_hbm, o_hbm, send, recv):
@@ -149,11 +149,12 @@ def main(process_id: int, num_processes: int, port: int, out_dir: Path):
 
     copy.wait()
 
-  def send_right(x):
+  def send_right(x, interpret=pltpu.InterpretParams()):  # noqa: B008
     return mpmd.mpmd_map(
       [(core, conditional_send)],
       jax.ShapeDtypeStruct(x.shape, x.dtype),
       scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
+      interpret=interpret,
     )(x)
 
   def error_of(launch):
@@ -179,6 +180,14 @@ def main(process_id: int, num_processes: int, port: int, out_dir: Path):
       )(place(block, P("x")))
     ),
   }
+
+  # By default the checking executor runs it: every process gathers the
+  # ring's inputs and runs the whole launch.
+  keep(
+    "checked_send",
+    run(lambda x: send_right(x, interpret=None), (P("x"),), P("x"), block),
+  )
+  shards["checked_send_input"] = block
 
   # The simulator still runs launches on this process's own devices.
   def signal_then_copy(x_hbm, o_hbm, sem):

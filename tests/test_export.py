@@ -199,9 +199,7 @@ CPU_TPU = ("cpu", "tpu")
 @pytest.mark.parametrize(
   "f,args,platforms,path",
   [
-    refused(
-      "producer_consumer", CPU_TPU, paths.TPU_SIMULATOR, "signals a semaphore"
-    ),
+    refused("producer_consumer", CPU_TPU, paths.CHECK, "signals a semaphore"),
     refused(
       "producer_consumer",
       CPU_TPU,

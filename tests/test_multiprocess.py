@@ -160,13 +160,30 @@ def test_a_simulator_kernel_across_processes_is_a_clear_error(job, mesh, spans):
     message = error["message"]
     assert re.match(
       r"mpmd_map: kernel conditional_send at \S+multiprocess_worker\.py:\d+ "
-      r"needs the CPU fallback's tpu-simulator path \(.*it issues a remote "
-      r"dma_start inside cond\)",
+      r"needs the CPU fallback's tpu-simulator path \(interpret= gave TPU "
+      r"InterpretParams\)",
       message,
     ), message
     assert re.search(spans, message), message
     assert "runs kernels on the lockstep path" in message, message
+    assert "the checking executor (interpret=None" in message, message
     assert "or run it in one process" in message, message
+
+
+def test_the_checking_executor_runs_a_kernel_across_processes(job):
+  """The same kernel on its default path: each process gathers the ring's
+  inputs, runs every device's program and keeps its own devices' blocks."""
+  _, shards = job
+  rows = set()
+  for process in shards:
+    x = process["checked_send_input"]
+    want = np.roll(x, len(x) // DEVICES, axis=0)
+    for key in process:
+      if key.startswith("checked_send/"):
+        start, stop = (int(r) for r in key.split("/")[1].split(":"))
+        np.testing.assert_array_equal(process[key], want[start:stop])
+        rows.add((start, stop))
+  assert len(rows) == DEVICES, rows
 
 
 def test_the_simulator_still_runs_on_one_process_devices(job):
