@@ -145,7 +145,7 @@ class _Segment:
     def fn(*values):
       env = dict(zip(invars, values, strict=True))
       for eqn in eqns:
-        outs = _bind(eqn, [_read(env, v) for v in eqn.invars])
+        outs = bind_eqn(eqn, [_read(env, v) for v in eqn.invars])
         for v, x in zip(eqn.outvars, outs, strict=True):
           if not isinstance(v, core.DropVar):
             env[v] = x
@@ -190,7 +190,8 @@ def _text(eqns, invars, outvars) -> str:
   return repr(parts)
 
 
-def _bind(eqn, invals):
+def bind_eqn(eqn, invals) -> list:
+  """Binds a pure equation on values; its outputs as a list."""
   params = eqn.primitive.get_bind_params(eqn.params)
   outs = eqn.primitive.bind(*invals, **params)
   return outs if eqn.primitive.multiple_results else [outs]
@@ -269,7 +270,7 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
     if rule is not None:
       outs = yield from rule(ctx, eqn, invals)
     elif not _eqn_needs(eqn, memo):
-      outs = [_host(x) for x in _bind(eqn, invals)]
+      outs = [_host(x) for x in bind_eqn(eqn, invals)]
     else:
       raise NotImplementedError(
         f"mpmd checker: {eqn.primitive.name!r} (at {ctx.where}) is not "
@@ -302,7 +303,8 @@ def unsupported(jaxpr: core.Jaxpr) -> str | None:
   return None
 
 
-def _closed(j):
+def opened(j):
+  """(jaxpr, consts) of a closed or open jaxpr of an equation's params."""
   return _jax.open_jaxpr(j)
 
 
@@ -415,14 +417,14 @@ class ScopeEnd:
 def _cond(ctx, eqn, invals):
   index, *args = invals
   branch = eqn.params["branches"][int(index)]
-  jaxpr, consts = _closed(branch)
+  jaxpr, consts = opened(branch)
   return (yield from run_jaxpr(ctx, jaxpr, consts, args))
 
 
 def _while(ctx, eqn, invals):
   p = eqn.params
-  cond_jaxpr, cond_consts = _closed(p["cond_jaxpr"])
-  body_jaxpr, body_consts = _closed(p["body_jaxpr"])
+  cond_jaxpr, cond_consts = opened(p["cond_jaxpr"])
+  body_jaxpr, body_consts = opened(p["body_jaxpr"])
   nc, nb = p["cond_nconsts"], p["body_nconsts"]
   cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
   while True:
@@ -439,7 +441,7 @@ def _while(ctx, eqn, invals):
 def _scan(ctx, eqn, invals):
   p = eqn.params
   num_consts, num_carry = _jax.scan_layout(p)
-  jaxpr, jconsts = _closed(p["jaxpr"])
+  jaxpr, jconsts = opened(p["jaxpr"])
   consts = invals[:num_consts]
   carry = invals[num_consts : num_consts + num_carry]
   xs = invals[num_consts + num_carry :]
@@ -463,12 +465,12 @@ def _scan(ctx, eqn, invals):
 
 
 def _call(ctx, eqn, invals):
-  jaxpr, consts = _closed(eqn.params["jaxpr"])
+  jaxpr, consts = opened(eqn.params["jaxpr"])
   return (yield from run_jaxpr(ctx, jaxpr, consts, invals))
 
 
 def _custom_call(ctx, eqn, invals):
-  jaxpr, consts = _closed(eqn.params["call_jaxpr"])
+  jaxpr, consts = opened(eqn.params["call_jaxpr"])
   return (yield from run_jaxpr(ctx, jaxpr, consts, invals))
 
 

@@ -82,7 +82,7 @@ def _walk(jaxpr, env, program, axis_values, found) -> None:
       inner = dict(zip(body.constvars, ins, strict=True))
       _walk(body, inner, program, axis_values, found)
     elif prim is lax_control_flow.cond_p and ins[0] is not _UNKNOWN:
-      branch, _ = interp._closed(eqn.params["branches"][int(ins[0])])
+      branch, _ = interp.opened(eqn.params["branches"][int(ins[0])])
       inner = dict(zip(branch.invars, ins[1:], strict=True))
       _walk(branch, inner, program, axis_values, found)
     elif prim is pjit.jit_p and not eqn.effects:
@@ -105,7 +105,7 @@ def _evaluate(eqn, ins):
   if any(getattr(v.aval, "shape", None) != () for v in eqn.outvars):
     return None
   try:
-    return [np.asarray(x) for x in interp._bind(eqn, ins)]
+    return [np.asarray(x) for x in interp.bind_eqn(eqn, ins)]
   except Exception:  # noqa: BLE001 (what cannot be evaluated stays unknown)
     return None
 
