@@ -294,7 +294,7 @@ def moe(
   group_sizes = jnp.sum(mine, axis=0)  # (experts_local,)
   by_expert, by_source = _regroupings(mine, capacity)
 
-  dispatched = ragged._call(
+  dispatched = ragged.checked_call(
     groups,
     x[token],
     jnp.zeros((capacity, hidden), x.dtype),
@@ -314,7 +314,7 @@ def moe(
   # 0.12) a bf16 x bf16 = f32 dot it cannot run ("DotThunk").
   out = gmm(a, w_out, group_sizes, preferred_element_type=jnp.float32)
   out = out.astype(x.dtype)
-  returned = ragged._call(
+  returned = ragged.checked_call(
     groups,
     out[by_source],
     jnp.zeros((rows, hidden), x.dtype),

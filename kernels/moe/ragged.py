@@ -696,7 +696,7 @@ def ragged_all_to_all(
     "recv_sizes": recv_sizes,
   }
   check_arguments(_FN, operand, output, offsets, groups)
-  return _call(
+  return checked_call(
     groups,
     operand,
     output,
@@ -707,7 +707,7 @@ def ragged_all_to_all(
   )
 
 
-def _call(
+def checked_call(
   groups: Groups,
   operand,
   output,
@@ -719,8 +719,9 @@ def _call(
   schedule: str | None = None,
   interpret: Interpret = None,
 ) -> jax.Array:
-  """The checked call; ``schedule`` / ``interpret`` force a schedule or a
-  CPU path (tests)."""
+  """The ragged all-to-all over resolved ``groups``, its arguments checked:
+  what ``ragged_all_to_all`` and the MoE layer call. ``schedule`` /
+  ``interpret`` force a schedule or a CPU path."""
   config = Config(groups, resolve_schedule(schedule, interpret), interpret)
   meta = jnp.stack(
     [

@@ -57,7 +57,9 @@ def forced(schedule, interpret=None, axis_name="x"):
 
   def fn(*args):
     groups = ragged.check_groups("test", axis_name, None)
-    return ragged._call(groups, *args, schedule=schedule, interpret=interpret)
+    return ragged.checked_call(
+      groups, *args, schedule=schedule, interpret=interpret
+    )
 
   return fn
 
