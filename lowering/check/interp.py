@@ -109,7 +109,10 @@ def _jax_util_sub_jaxprs(params):
 
 def _read(env: dict, v):
   if isinstance(v, core.Literal):
-    return v.val
+    # On the host: a literal traced as a jax Array carries the mesh of the
+    # shard_map it was traced in, which another launch's segment of the
+    # same text (compiled once for both) must not see.
+    return _host(v.val)
   return env[v]
 
 
