@@ -25,6 +25,7 @@ from mpmd._jax import (
   state,
   state_primitives,
 )
+from mpmd.lowering import jaxpr_util
 from mpmd.lowering.check import records
 
 _custom = _jax.custom_derivatives()
@@ -97,14 +98,9 @@ def _eqn_needs(eqn: core.JaxprEqn, memo: dict) -> bool:
   if any(isinstance(v.aval, state.AbstractRef) for v in eqn.invars):
     return True
   return any(
-    _needs_interpretation(sub, memo) for sub in _jax_util_sub_jaxprs(eqn.params)
+    _needs_interpretation(sub, memo)
+    for sub in jaxpr_util.sub_jaxprs(eqn.params)
   )
-
-
-def _jax_util_sub_jaxprs(params):
-  from mpmd.lowering import jaxpr_util
-
-  return jaxpr_util.sub_jaxprs(params)
 
 
 def _read(env: dict, v):
@@ -291,8 +287,6 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
 def unsupported(jaxpr: core.Jaxpr) -> str | None:
   """The first operation of ``jaxpr`` (nested ones included) that the
   executor cannot run, None if it runs them all."""
-  from mpmd.lowering import jaxpr_util
-
   for eqn in jaxpr_util.iter_eqns(jaxpr):
     if eqn.primitive in _RULES:
       if eqn.primitive is pallas_primitives.run_scoped_p and eqn.params.get(

@@ -124,8 +124,9 @@ class Owner:
       timeline.write(self.params.trace, [machine])
 
 
-@functools.cache
+@_jax.util.cache(max_size=4096, trace_context_in_key=False)
 def _owners(params: CheckParams) -> Owner:
+  # One per CheckParams (its calls counted); jax.clear_caches() reaches it.
   return Owner(params)
 
 
