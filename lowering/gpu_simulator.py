@@ -11,7 +11,13 @@ from typing import Any
 
 from mpmd import _jax, _patches
 from mpmd._jax import core, gpu, mlir, pallas_core, source_info_util
-from mpmd.lowering import callbacks, common, host_programs, watchdog
+from mpmd.lowering import (
+  callbacks,
+  common,
+  host_programs,
+  warps,
+  watchdog,
+)
 
 
 @contextlib.contextmanager
@@ -78,6 +84,7 @@ def lower(
   host_programs.install()
   callbacks.install()
   num_operands = len(in_nodes) + len(params["out_avals"])
+  jaxpr = warps.sequential(jaxpr, mesh)
   # Barriers as kernel scratch fail in the simulator (trap 6); the rest
   # stays kernel scratch, which the simulator allocates at its logical
   # shape, given its layout transforms.

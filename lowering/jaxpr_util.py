@@ -93,10 +93,17 @@ def bind_rewritten(eqn, invals, rule: EqnRule, **param_updates) -> list[Any]:
     jaxpr, consts = _jax.open_jaxpr(j)
     return _jax.closed_jaxpr(*_retrace(jaxpr, consts, rule))
 
-  params = {
-    k: _map_jaxprs(v, rewrite_one)
-    for k, v in {**eqn.params, **param_updates}.items()
-  }
+  # A warp map's body asks for its warp axis, which only it binds.
+  warps = _jax.warp_map_parts(eqn, invals)
+  with (
+    contextlib.nullcontext()
+    if warps is None
+    else core.extend_axis_env_nd(warps[0].shape.items())
+  ):
+    params = {
+      k: _map_jaxprs(v, rewrite_one)
+      for k, v in {**eqn.params, **param_updates}.items()
+    }
   outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
   return outs if eqn.primitive.multiple_results else [outs]
 

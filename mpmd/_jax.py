@@ -490,3 +490,55 @@ def gpu_simulator_races_found() -> bool:
   """Whether the Mosaic GPU simulator's race detector found a race."""
   races = gpu().simulator_callbacks._races
   return races is not None and races.races_found
+
+
+# -- warp maps: Pallas' fork over the warps of a Mosaic GPU warpgroup ---------
+
+
+def is_warp_mesh(mesh: Any) -> bool:
+  """Whether ``mesh`` is a ``plgpu.WarpMesh`` (the warps of a warpgroup)."""
+  try:
+    return isinstance(mesh, gpu().core.WarpMesh)
+  except ImportError:  # no Mosaic GPU backend: no such meshes
+    return False
+
+
+# 0.12's Mosaic GPU simulator runs each warp of a warp map as a thread of its
+# own; 0.10.2's runs none (it raises "Higher-order primitive core_map").
+GPU_SIMULATOR_RUNS_WARP_MAPS = JAX_VERSION >= (0, 12)
+
+
+def bind_warp_map(mesh: Any, fn) -> None:
+  """Binds Pallas' own warp map of ``fn()`` over ``mesh`` (a WarpMesh), as
+  ``pl.core_map(mesh)(fn)`` does: 0.10.2 binds its ``core_map`` primitive,
+  later versions (which removed it) their ``mpmd_map`` primitive, which the
+  Mosaic GPU lowering and simulator know."""
+  if hasattr(pallas_core, "core_map_p"):
+    pallas_core.core_map(mesh)(fn)
+  else:
+    from jax._src.pallas import mpmd as pallas_mpmd
+
+    pallas_mpmd._mpmd_map([(mesh, fn)])()
+
+
+def warp_map_parts(eqn, invals):
+  """``(mesh, body, consts, args, primitive name)`` of a warp-map equation
+  (``core_map`` or Pallas' ``mpmd_map`` over one WarpMesh), evaluated as
+  ``core.eval_jaxpr(body, consts, *args)``; None for other equations."""
+  core_map_p = getattr(pallas_core, "core_map_p", None)
+  if core_map_p is not None and eqn.primitive is core_map_p:
+    mesh = eqn.params["mesh"]
+    if is_warp_mesh(mesh):
+      return mesh, eqn.params["jaxpr"], list(invals), [], "core_map"
+    return None
+  if eqn.primitive.name != "mpmd_map" or "jaxprs" not in eqn.params:
+    return None
+  from jax._src.pallas import mpmd as pallas_mpmd
+
+  if eqn.primitive is not pallas_mpmd.mpmd_map_p:
+    return None
+  meshes, jaxprs = eqn.params["meshes"], eqn.params["jaxprs"]
+  if len(meshes) != 1 or not is_warp_mesh(meshes[0]):
+    return None
+  body, consts = open_jaxpr(jaxprs[0])
+  return meshes[0], body, list(consts), list(invals), "mpmd_map"

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from mpmd import warp_map
 from mpmd._jax import (
   FrozenDict,
   api_util,
@@ -88,7 +89,9 @@ def mpmd_map(
       SparseCore mesh, sharing their core axis (name and size), with axis
       names of their own next to a TensorCore mesh. Beyond upstream:
       several TensorCore meshes (upstream accepts one), and several GPU
-      meshes, in one launch.
+      meshes, in one launch. Inside a GPU kernel body,
+      ``mpmd_map([(plgpu.WarpMesh(axis_name=...), fn)])()`` runs ``fn``
+      on each warp of the warpgroup, as upstream's (:mod:`mpmd.warp_map`).
     out_types: a pytree of ``jax.ShapeDtypeStruct``, JAX types
       (``jax.typeof(x)``; under ``shard_map`` the output varies like the
       type says) or arrays (standing for their type), or memory-space
@@ -156,6 +159,14 @@ def mpmd_map(
     >>> f(jnp.ones((8, 128)))[0, :4]
     Array([2., 2., 2., 2.], dtype=float32)
   """
+  if warp_map.has_warp_mesh(meshes_and_fns):
+    # Not a launch: a fork over the warps of the running warpgroup.
+    return warp_map.warp_map(
+      meshes_and_fns,
+      out_types,
+      scratch_types=scratch_types,
+      input_output_aliases=input_output_aliases,
+    )
   meshes, fns = check_meshes_and_fns(meshes_and_fns)
   gpu = paths.is_gpu_mesh(meshes[0])
   flat_out_types, out_tree = _flat_out_types(out_types)
