@@ -11,6 +11,7 @@ from mpmd._jax import (
 from mpmd.lowering import (
   callbacks,
   common,
+  external,
   fast,
   gpu_simulator,
   lockstep,
@@ -23,6 +24,11 @@ from mpmd.lowering import (
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   jaxprs, meshes = params["jaxprs"], params["meshes"]
   paths.check_simulable(jaxprs)
+  # A DMA or signal to the one program of a mesh that runs nothing here
+  # (its memory holds an operand) lands on that operand: the caller's own.
+  external.check_addressable(meshes, jaxprs)
+  jaxprs = external.localize(meshes, jaxprs)
+  params = {**params, "jaxprs": jaxprs}
   callbacks.install()  # our callbacks' errors reach the caller typed
   num_operands = len(in_nodes) + len(params["out_avals"])
   paths.check_semaphore_operands(jaxprs, meshes, num_operands)

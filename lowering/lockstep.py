@@ -133,6 +133,11 @@ def sync_rule(
       state_primitives.ref_set(dst, None, data)
       if dst_sem is not None:
         signal(dst_sem, ref_bytes(dst))
+      if src_sem is not None:
+        # The data has left: its send semaphore counts, as in Pallas'
+        # discharge rule (a DMA to an external mesh's one program runs as a
+        # local one).
+        signal(src_sem, ref_bytes(src))
       return []
     if name == "dma_wait":
       # wait_send binds this with source and destination swapped, so the

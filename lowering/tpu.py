@@ -4,7 +4,7 @@ import jax
 
 from mpmd import _jax
 from mpmd._jax import mlir, pallas_core, tpu
-from mpmd.lowering import addressing, cpu, jaxpr_util, merge
+from mpmd.lowering import addressing, cpu, external, jaxpr_util, merge
 from mpmd.primitives import mpmd_map as prim
 
 
@@ -69,6 +69,9 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
       f"{[f'{type(m).__name__} ({m.core_type})' for m in others]}, which "
       "lower for their own platform ('cuda' for plgpu.Mesh)"
     )
+  # Meshes whose memory holds an operand but that run nothing here: Mosaic
+  # resolves a device_id naming their programs (upstream's external meshes).
+  outside = external.of_kernels(meshes, jaxprs)
   core_types = {m.core_type for m in meshes}
   tensorcore = tpu().core.CoreType.TC
   if len(meshes) > 1 and core_types == {tensorcore}:
@@ -97,7 +100,7 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     cost_estimate=params["cost_estimate"],
     metadata=params["metadata"],
     name=params["name"],
-    external_meshes=(),
+    external_meshes=outside,
     num_scratch=prim.num_scratch(
       jaxprs, len(in_nodes), len(params["out_avals"])
     ),

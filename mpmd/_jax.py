@@ -61,6 +61,13 @@ SWITCH_COPIES_UPDATED_BUFFERS = JAX_VERSION < (0, 11)
 # width it does not.
 FLOAT16_DYNAMIC_OPS_CONVERT = JAX_VERSION < (0, 11)
 
+# Upstream's mpmd_map gives an output declared in a kernel memory space
+# (pltpu.SMEM(...), pltpu.VMEM(...) @ tc_mesh) the type of a device array
+# from 0.11 on (JAX outside a kernel then rejects Pallas memory spaces); on
+# 0.10 it keeps the memory space, which Mosaic then reads as the buffer's
+# colour where a later launch takes the array back as a Ref.
+OUTPUTS_LEAVE_AS_DEVICE_ARRAYS = JAX_VERSION >= (0, 11)
+
 # ruff: noqa: E402, F401, I001
 from jax._src import api_util
 from jax._src import callback

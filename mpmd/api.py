@@ -44,7 +44,7 @@ from mpmd.kernel_checks import (
   raise_if_fixed_window_leaves,
   raise_if_unbound_axis,
 )
-from mpmd.lowering import paths
+from mpmd.lowering import external, paths
 from mpmd.primitives import mpmd_map as prim
 from mpmd.types import Interpret, MeshAndFn
 
@@ -100,7 +100,12 @@ def mpmd_map(
       ``shard_map(check_vma=True)``: an output without it varies like the
       inputs together, unless the kernels name a ``shard_map`` axis the
       inputs do not vary over (``axis_index``, ``device_id``), which is
-      the error upstream raises.
+      the error upstream raises. As upstream, an output may live in the
+      memory of a mesh that runs nothing in this launch (``pltpu.VMEM(...)
+      @ tc_mesh``, a semaphore ``@ tc_mesh``): kernels address its programs
+      by ``device_id`` (``{"tc": 0}``) and a later launch over that mesh
+      takes the output back (the CPU fallback runs this for such a mesh of
+      one program).
     scratch_types: a pytree of scratch types (``pltpu.VMEM(shape, dtype)``,
       ``pltpu.SemaphoreType.DMA(())``, ``plgpu.SMEM(...)``, ...); with several
       TPU meshes, ``type @ mesh`` says which mesh's memory holds it, except
@@ -279,6 +284,9 @@ def _choose_cpu_path(jaxprs, launch: _Launch):
   if launch.interpret is not None:
     # Interpreted on every platform: what no CPU path runs fails now.
     paths.check_simulable(jaxprs)
+  # The CPU fallback runs a DMA to the one program of an external mesh
+  # (its memory holds an operand) as the caller's own: chosen as such.
+  jaxprs = external.localize(launch.meshes, jaxprs)
   return paths.choose(
     jaxprs, launch.meshes, launch.interpret, paths.traced_manual_axes()
   )
@@ -350,12 +358,16 @@ def _trace(spec: _KernelSpec, flat_in_avals, in_tree):
 
 def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
   views = _kernel_views(spec, flat_in_avals, in_tree)
+  # Meshes whose memory holds an operand (`VMEM @ tc_mesh`) but that run
+  # nothing here: the kernels may name their programs in a device_id.
+  outside = external.external_meshes(spec.meshes, views.flat_avals)
+  reach = (*spec.meshes, *outside)
   traced = [
-    _trace_kernel(spec, caller, views, len(flat_in_avals))
+    _trace_kernel(spec, caller, views, len(flat_in_avals), reach)
     for caller in range(len(spec.meshes))
   ]
   jaxprs, all_consts = _unify_consts(
-    traced, spec.meshes, len(flat_in_avals), views.flat_avals
+    traced, spec.meshes, len(flat_in_avals), views.flat_avals, reach
   )
   check_static_windows(
     jaxprs,
@@ -400,9 +412,12 @@ def _kernel_views(spec: _KernelSpec, flat_in_avals, in_tree) -> _Views:
   return _Views(flat_views, kernel_tree, flat_kernel_avals)
 
 
-def _trace_kernel(spec: _KernelSpec, caller: int, views: _Views, num_in: int):
-  """The jaxpr of mesh ``caller``'s kernel, checked, and its consts."""
-  mesh, fn, meshes = spec.meshes[caller], spec.fns[caller], spec.meshes
+def _trace_kernel(
+  spec: _KernelSpec, caller: int, views: _Views, num_in: int, reach
+):
+  """The jaxpr of mesh ``caller``'s kernel, checked, and its consts;
+  ``reach``: the launch's meshes, then the external meshes it addresses."""
+  mesh, fn, meshes = spec.meshes[caller], spec.fns[caller], reach
   debug_info = api_util.debug_info("mpmd_map", fn, views.flat_avals, {})
   if spec.name is not None:
     debug_info = debug_info.replace_func_name(spec.name)
@@ -457,7 +472,7 @@ def _trace_kernel(spec: _KernelSpec, caller: int, views: _Views, num_in: int):
   return jaxpr, consts
 
 
-def _unify_consts(traced, meshes, num_in, flat_kernel_avals):
+def _unify_consts(traced, meshes, num_in, flat_kernel_avals, reach):
   """Closed-over Refs and scalars become inputs shared by all kernels.
 
   Every kernel then takes ``(*inputs, *consts, *outputs, *scratch)``, the
@@ -499,12 +514,12 @@ def _unify_consts(traced, meshes, num_in, flat_kernel_avals):
       core.eval_jaxpr(jaxpr, mine, *ins, *rest)
       return ()
 
-    with prim.tracing_context(mesh, meshes):
+    with prim.tracing_context(mesh, reach):
       jaxprs.append(
         prim.retrace(
           jaxpr,
           mesh,
-          meshes,
+          reach,
           body,
           avals,
           _hoisted_names(

@@ -219,10 +219,33 @@ def _mpmd_map_abstract_eval(
     in_avals[out_to_in[o]]
     if o in out_to_in
     and not isinstance(in_avals[out_to_in[o]], state.AbstractRef)
-    else aval
+    else _outside_type(aval)
     for o, aval in enumerate(out_avals)
   ]
   return outs, effs
+
+
+def _outside_type(aval):
+  """The type outside the launch of an output declared in a kernel memory
+  space. As upstream of the JAX version: up to 0.10 it keeps its type;
+  from 0.11 on an array leaves as a device array (JAX's operations reject
+  Pallas memory spaces; a later launch names the memory again:
+  ``jax.new_ref(out, memory_space=pltpu.VMEM @ tc_mesh)``). A semaphore,
+  which no operation outside a kernel takes, keeps its memory space
+  without the owner: passed to a later launch as it is, it is a semaphore
+  there too, which the CPU fallback counts as such."""
+  space = getattr(aval, "memory_space", None)
+  if (
+    not _jax.OUTPUTS_LEAVE_AS_DEVICE_ARRAYS
+    or space is None
+    or isinstance(space, core.MemorySpace)
+  ):
+    return aval
+  if paths.is_semaphore_array(aval):
+    if isinstance(space, pallas_core.CoreMemorySpace):
+      return aval.update(memory_space=space.memory_space)
+    return aval
+  return aval.update(memory_space=core.MemorySpace.Device)
 
 
 # -- typecheck ----------------------------------------------------------------
