@@ -126,10 +126,11 @@ def mpmd_map(
     metadata: string key/values attached to the launch.
 
   Returns:
-    A function of the inputs (a pytree of arrays or Refs) returning outputs
-    with the structure of ``out_types``. Kernels may close over Refs and
-    scalars; beyond upstream, ``vmap`` may batch a closed-over scalar (each
-    batch element gets its own launch).
+    A function of the inputs (a pytree of arrays, Refs or views of Refs:
+    ``x_ref.at[i]``, ``x_ref.reshape(...)``, which the kernels see as such)
+    returning outputs with the structure of ``out_types``. Kernels may
+    close over Refs and scalars; beyond upstream, ``vmap`` may batch a
+    closed-over scalar (each batch element gets its own launch).
 
   Raises:
     TypeError: an argument of the wrong kind (a ``name`` that is not a str,
@@ -206,11 +207,12 @@ def mpmd_map(
 
   def wrapper(*args):
     flat_args, in_tree = tree_util.tree_flatten(args)
+    flat_args, views = _split_views(flat_args)
     flat_avals = _input_avals(flat_args)
     out_avals = output_avals(flat_out_types, flat_avals)
     check_aliases(launch.input_output_aliases, flat_avals, out_avals)
     kernels = _KernelSpec(out_avals=out_avals, **spec)
-    jaxprs, consts = _trace(kernels, flat_avals, in_tree)
+    jaxprs, consts = _trace(kernels, flat_avals, in_tree, views)
     check_consts_not_passed(consts, flat_args)
     check_inferred_vma(flat_out_types, flat_avals, jaxprs, meshes)
     cpu_path = _choose_cpu_path(jaxprs, launch)
@@ -270,6 +272,24 @@ class _Launch(NamedTuple):
   name: str | None
   metadata: Mapping[str, str] | None
   scratch_transforms: tuple[Any, ...]
+
+
+def _split_views(flat_args) -> tuple[list[Any], tuple[Any, ...]]:
+  """Operands that are views of a Ref (``x_ref.at[i]``,
+  ``x_ref.reshape(...)``), as upstream allows: the launch takes the Ref
+  itself, and each kernel sees the view of it (its transforms, returned
+  per operand, None for a whole operand). A view's traced indices reach
+  the kernels as closed-over scalars do."""
+  views = tuple(
+    x.transforms if isinstance(x, state_types.TransformedRef) else None
+    for x in flat_args
+  )
+  if not any(v is not None for v in views):
+    return list(flat_args), views
+  refs = [
+    x.ref if isinstance(x, state_types.TransformedRef) else x for x in flat_args
+  ]
+  return refs, views
 
 
 def _input_avals(flat_args) -> tuple[Any, ...]:
@@ -342,13 +362,16 @@ _TRACED: dict[Any, tuple[tuple[core.Jaxpr, ...], list[Any]]] = {}
 _MAX_TRACED = 512
 
 
-def _trace(spec: _KernelSpec, flat_in_avals, in_tree):
+def _trace(spec: _KernelSpec, flat_in_avals, in_tree, views):
+  if any(v is not None for v in views):
+    # A view's indices may be tracers of the enclosing trace: not cached.
+    return _trace_uncached(spec, flat_in_avals, in_tree, views)
   # Tracing depends on the context too: the axis env (inside shard_map or
   # not), the abstract mesh, the TPU target (all in JAX's trace context).
   key = (spec, flat_in_avals, in_tree, config.trace_context())
   if (hit := _TRACED.get(key)) is not None:
     return hit
-  jaxprs, consts = _trace_uncached(spec, flat_in_avals, in_tree)
+  jaxprs, consts = _trace_uncached(spec, flat_in_avals, in_tree, views)
   if not consts:
     if len(_TRACED) >= _MAX_TRACED:
       _TRACED.pop(next(iter(_TRACED)))
@@ -356,8 +379,8 @@ def _trace(spec: _KernelSpec, flat_in_avals, in_tree):
   return jaxprs, consts
 
 
-def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree):
-  views = _kernel_views(spec, flat_in_avals, in_tree)
+def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree, in_views):
+  views = _kernel_views(spec, flat_in_avals, in_tree, in_views)
   # Meshes whose memory holds an operand (`VMEM @ tc_mesh`) but that run
   # nothing here: the kernels may name their programs in a device_id.
   outside = external.external_meshes(spec.meshes, views.flat_avals)
@@ -388,9 +411,16 @@ class _Views(NamedTuple):
   flat_avals: list[Any]
 
 
-def _kernel_views(spec: _KernelSpec, flat_in_avals, in_tree) -> _Views:
+def _kernel_views(
+  spec: _KernelSpec, flat_in_avals, in_tree, in_views
+) -> _Views:
   meshes = spec.meshes
-  kernel_avals = [kernel_aval(a, meshes) for a in flat_in_avals]
+  kernel_avals = [
+    kernel_aval(a, meshes)
+    if view is None
+    else state_types.TransformedRef(kernel_aval(a, meshes), view)
+    for a, view in zip(flat_in_avals, in_views, strict=True)
+  ]
   out_refs = [kernel_aval(a, meshes) for a in spec.out_avals]
   if spec.is_output_sequence:
     out_args = list(spec.out_tree.unflatten(out_refs))
@@ -403,8 +433,8 @@ def _kernel_views(spec: _KernelSpec, flat_in_avals, in_tree) -> _Views:
     args = [*in_tree.unflatten(kernel_avals), *out_args, *scratch]
     kwargs = {}
   flat_views, kernel_tree = tree_util.tree_flatten((args, kwargs))
-  # Scratch with layout transforms (e.g. swizzled SMEM) is traced as its
-  # physical Ref; the kernel sees the transformed view of it.
+  # Scratch with layout transforms (e.g. swizzled SMEM) and views of an
+  # input Ref are traced as the Ref; the kernel sees the view of it.
   flat_kernel_avals = [
     v.ref if isinstance(v, state_types.TransformedRef) else v
     for v in flat_views
