@@ -85,7 +85,8 @@ def lower(
   callbacks.install()
   num_operands = len(in_nodes) + len(params["out_avals"])
   jaxpr = warps.sequential(jaxpr, mesh)
-  # Barriers as kernel scratch fail in the simulator (trap 6); the rest
+  # Barriers as kernel scratch fail in the simulator (docs/design.md,
+  # trap 6); the rest
   # stays kernel scratch, which the simulator allocates at its logical
   # shape, given its layout transforms.
   jaxpr, kept = common.scoped_scratch(

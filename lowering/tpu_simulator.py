@@ -1,6 +1,7 @@
 """The faithful CPU path for TPU meshes: Pallas' threaded TPU simulator.
 
-Two traps of that simulator on jax 0.10.2 are worked around here, narrowly:
+Two traps of that simulator on jax 0.10.2 are worked around here, narrowly
+(docs/design.md, traps 1 and 2):
 
 1. A semaphore signal with neither ``device_id`` nor ``core_index`` (a
    program signalling itself) is delivered to core 0, so programs > 0 that

@@ -61,7 +61,7 @@ def _wrap(name: str, owners, attr: str, make: Callable[[Any], Any]) -> None:
   _INSTALLED[name] = tuple(sites)
 
 
-# -- TPU hardware queries off-TPU (trap 4) ------------------------------------
+# -- TPU hardware queries off-TPU (docs/design.md, trap 4) -------------------
 # Pallas asks ``tpu_info`` for the attached TPU while tracing (emit_pipeline,
 # tiling) and lowering. JAX's own hook, an abstract mesh of TPU devices, leaks
 # into the avals of kernels traced inside a CPU shard_map; so inside our
@@ -135,7 +135,7 @@ def _install_tpu_queries() -> None:
   _wrap("tpu_info", modules, "get_tpu_info", tpu_info)
 
 
-# -- simulator callbacks take numpy (trap 3) ----------------------------------
+# -- simulator callbacks take numpy (docs/design.md, trap 3) -----------------
 
 
 @functools.cache
@@ -170,11 +170,11 @@ def callback_function(flat_callback) -> Callable | None:
 def let_gpu_simulator_take_numpy() -> None:
   """Lets the Mosaic GPU simulator's callbacks take numpy arguments.
 
-  Our simulator callbacks get numpy arrays, not jax Arrays (trap 3). From
-  0.11 on, the simulator rebuilds its thread and mesh-location dataclasses
-  from callback arguments with ``_to_int``, which takes ints, tracers and
-  jax Arrays but refuses numpy. Only numpy arguments (which only our
-  callbacks hand it) take the new branch.
+  Our simulator callbacks get numpy arrays, not jax Arrays (docs/design.md,
+  trap 3). From 0.11 on, the simulator rebuilds its thread and
+  mesh-location dataclasses from callback arguments with ``_to_int``, which
+  takes ints, tracers and jax Arrays but refuses numpy. Only numpy
+  arguments (which only our callbacks hand it) take the new branch.
   """
   if _jax.JAX_VERSION < (0, 11):
     return

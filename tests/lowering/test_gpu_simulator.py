@@ -58,8 +58,9 @@ def test_a_race_can_be_recorded_instead(rng):
 
 
 def test_simulator_callbacks_take_numpy(rng):
-  """Simulator callbacks get numpy arguments (trap 3); jax 0.11+ rebuilds
-  its thread objects from them with ``_to_int``, which we teach numpy."""
+  """Simulator callbacks get numpy arguments (docs/design.md, trap 3);
+  jax 0.11+ rebuilds its thread objects from them with ``_to_int``, which
+  we teach numpy."""
   x = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
   np.testing.assert_array_equal(_launch(_halves, None)(x), x + 1.0)
   to_int = getattr(_jax.gpu().simulator_memory, "_to_int", None)

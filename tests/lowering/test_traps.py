@@ -1,4 +1,5 @@
-"""Each upstream trap of jax 0.10.2 that our lowering works around (DESIGN §6).
+"""Each upstream trap that our lowering works around (docs/design.md, *Traps
+of upstream Pallas*; found on jax 0.10.2).
 
 Every test runs a kernel that hits the trap and checks that it now works.
 """
