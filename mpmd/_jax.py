@@ -149,6 +149,23 @@ def custom_derivatives():
   return _custom_derivatives
 
 
+def register_physicalize_rule(primitive, rule) -> None:
+  """Registers ``rule(ctx, *args, **params)`` as ``primitive``'s rule for
+  the Pallas fuser's ``physicalize`` (which replaces fusion dtypes by their
+  physical parts), as upstream registers one for its mpmd_map. Both ends
+  of our range have the fuser's rule table (jax 0.10.2, 0.12)."""
+  from jax._src.pallas.fuser import fusible_dtype
+
+  fusible_dtype._physicalize_rules[primitive] = rule
+
+
+def physicalize_jaxpr(jaxpr):
+  """``jaxpr`` (no constvars) with fusion dtypes replaced by their parts."""
+  from jax._src.pallas.fuser import fusible_dtype
+
+  return fusible_dtype.physicalize_jaxpr(jaxpr)
+
+
 def is_fusion_dtype(dtype: Any) -> bool:
   """A Pallas fuser dtype (``FusionDType``, what ``fuser.physicalize``
   resolves); the fuser is imported only for extended dtypes."""

@@ -148,7 +148,8 @@ def mpmd_map(
     NotImplementedError: as upstream, with several TPU meshes, scratch
       without an owner outside HBM / ANY / VMEM_SHARED; one Ref passed
       twice, or closed over and passed; upstream features we do not
-      support: hijax types, Pallas fuser dtypes (``fuser.physicalize``), and
+      support: hijax types, Pallas fuser dtypes as operands (kernels that
+      use them inside are physicalized by ``fusible_dtype.physicalize``), and
       on the CPU fallback ``pl.select_ref`` (at trace time when
       ``interpret`` is given).
 

@@ -183,9 +183,11 @@ def check_interpret(interpret: Any, meshes: Sequence[Any]) -> None:
 
 
 def check_lojax(aval: Any, what: str) -> None:
-  """Upstream features we do not support, named: hijax types (upstream
-  lowers them to their parts) and Pallas fuser dtypes (which
-  ``fuser.physicalize`` resolves through upstream's own mpmd_map)."""
+  """Operands we do not take, named: hijax types (upstream lowers them to
+  their parts when the program is lowered, after our kernel checks and
+  CPU path choice, which read plain Refs; see the README) and Pallas fuser
+  dtypes (upstream's physicalize rule refuses them as operands too; inside
+  kernels, ``fusible_dtype.physicalize`` rewrites them)."""
   if getattr(aval, "is_high", False):
     raise NotImplementedError(
       f"mpmd_map: hijax types (jax.experimental.hijax.HiType) are not "
@@ -195,8 +197,10 @@ def check_lojax(aval: Any, what: str) -> None:
   inner = getattr(aval, "inner_aval", aval)
   if _jax.is_fusion_dtype(getattr(inner, "dtype", None)):
     raise NotImplementedError(
-      "mpmd_map: Pallas fuser dtypes (fuser.physicalize) are not supported: "
-      f"{what} has dtype {inner.dtype}; pass its physical parts instead"
+      "mpmd_map: Pallas fuser dtypes (fuser.physicalize) are not supported "
+      f"as launch operands (upstream: Fusion type found in avals): {what} "
+      f"has dtype {inner.dtype}; pass its physical parts instead (a kernel "
+      "may compute on fuser dtypes inside: physicalize rewrites it)"
     )
 
 

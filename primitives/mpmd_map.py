@@ -46,7 +46,7 @@ from mpmd._jax import (
   state,
   util,
 )
-from mpmd.lowering import errors, paths
+from mpmd.lowering import errors, external, paths
 
 mpmd_map_p = core.Primitive("mpmd_map")
 mpmd_map_p.multiple_results = True
@@ -512,3 +512,40 @@ def _mpmd_map_batching(axis_data, args, dims, **params):
 
 
 batching.fancy_primitive_batchers[mpmd_map_p] = _mpmd_map_batching
+
+
+# -- physicalize (the Pallas fuser) -------------------------------------------
+
+
+def _mpmd_map_physicalize(ctx, *args, jaxprs, meshes, **params):
+  """Kernels that compute on fusion dtypes inside (``fusible_dtype.pack``
+  then ``unpack``) become kernels of their physical parts, as upstream's
+  rule does; the launch's operands are physical already (``mpmd_map``
+  refuses fusion dtypes there)."""
+  fused = [
+    a
+    for a in (*ctx.avals_in, *ctx.avals_out)
+    if _jax.is_fusion_dtype(getattr(_kernel_operand_aval(a), "dtype", None))
+  ]
+  if fused:
+    raise NotImplementedError(
+      "mpmd_map: launch operands of Pallas fuser dtypes cannot be "
+      f"physicalized: {fused}; pass their physical parts"
+    )
+  reach = (*meshes, *external.of_kernels(meshes, jaxprs))
+  physical = []
+  for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
+    with tracing_context(mesh, reach):
+      new = _jax.physicalize_jaxpr(jaxpr)
+    if len(new.invars) != len(jaxpr.invars):
+      raise NotImplementedError(
+        f"mpmd_map: kernel {jaxpr.debug_info.func_src_info}: scratch of "
+        "Pallas fuser dtypes cannot be physicalized; allocate its physical "
+        "parts as scratch"
+      )
+    # The kernel keeps its name (Mosaic names the kernel after it).
+    physical.append(_jax.replace_jaxpr(new, debug_info=jaxpr.debug_info))
+  return mpmd_map_p.bind(*args, jaxprs=tuple(physical), meshes=meshes, **params)
+
+
+_jax.register_physicalize_rule(mpmd_map_p, _mpmd_map_physicalize)

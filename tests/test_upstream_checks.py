@@ -336,7 +336,9 @@ def test_hijax_out_types_are_not_supported():
 
 def test_fuser_dtypes_are_not_supported():
   """``fuser.physicalize`` of a program that hands mpmd_map an array of a
-  fuser dtype: upstream physicalizes the kernels; we say we do not."""
+  fuser dtype: upstream's physicalize rule refuses it ("Fusion type found
+  in avals"); so do we, before tracing (kernels that use fuser dtypes
+  inside are physicalized: tests/test_physicalize.py)."""
   from jax._src.pallas.fuser import fusible_dtype
 
   class Pair(fusible_dtype.FusionDType):
@@ -372,8 +374,9 @@ def test_fuser_dtypes_are_not_supported():
   x = jnp.ones(ROWS, jnp.float32)
   with pytest.raises(
     NotImplementedError,
-    match=r"Pallas fuser dtypes \(fuser.physicalize\) are not supported: "
-    r"input 0 has dtype Pair",
+    match=r"Pallas fuser dtypes \(fuser.physicalize\) are not supported as "
+    r"launch operands \(upstream: Fusion type found in avals\): input 0 "
+    r"has dtype Pair",
   ):
     fusible_dtype.physicalize(f)(x, x)
 
