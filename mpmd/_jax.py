@@ -566,3 +566,49 @@ def warp_map_parts(eqn, invals):
     return None
   body, consts = open_jaxpr(jaxprs[0])
   return meshes[0], body, list(consts), list(invals), "mpmd_map"
+
+
+# jax 0.10's CPU client runs a multi-device program's host callbacks on the
+# thread pool that runs its computations: while every device's callback
+# holds a thread of it, a computation dispatched from inside one of them
+# may never get one (seen at 4 devices and more). Drop with jax 0.10.
+CALLBACKS_FILL_POOL = JAX_VERSION < (0, 11)
+
+
+@functools.cache
+def _host_client():
+  """A CPU client of our own: one device, executing on the caller's thread.
+
+  The checking executor runs inside a host callback of a multi-device
+  program, where the process's client may have no thread to spare
+  (``CALLBACKS_FILL_POOL``). This client runs on the caller's thread.
+  """
+  from jax._src.lib import xla_client
+
+  return xla_client.make_cpu_client(asynchronous=False, num_devices=1)
+
+
+def compile_on_host(fn, avals):
+  """``fn`` (numpy arrays in, a list of them out) compiled for our own CPU
+  client (see ``_host_client``): safe to call from any host callback."""
+  from jax._src import compiler
+  from jax._src.lib import xla_client
+
+  client = _host_client()
+  device = client.local_devices()[0]
+  lowered = jax.jit(fn, keep_unused=True).trace(*avals)
+  module = lowered.lower(lowering_platforms=("cpu",)).compiler_ir("stablehlo")
+  executable = client.compile_and_load(
+    mlir.module_to_bytecode(module),
+    xla_client.DeviceList((device,)),
+    compiler.get_compile_options(num_replicas=1, num_partitions=1),
+  )
+
+  def run(*values):
+    inputs = [jax.device_put(np.asarray(v), device) for v in values]
+    outs = executable.execute_sharded(inputs)
+    return [
+      np.asarray(o[0]) for o in outs.disassemble_into_single_device_arrays()
+    ]
+
+  return run

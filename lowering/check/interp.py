@@ -120,11 +120,12 @@ COMPILE_AFTER = 16
 
 class _Shared:
   """What launches know of one segment's text: how often it ran, and its
-  compiled function once it has one."""
+  compiled functions once it has them."""
 
   def __init__(self):
     self.calls = 0
     self.compiled = None
+    self.on_host = None
 
 
 @_jax.util.cache(max_size=4096, trace_context_in_key=False)
@@ -135,11 +136,21 @@ def _shared(text: str) -> _Shared:
 
 class _Segment:
   """A run of pure equations: run one by one, then, once segments of the
-  same text have run ``COMPILE_AFTER`` times, as one jitted function."""
+  same text have run ``COMPILE_AFTER`` times, as one jitted function.
+
+  Inside the host callbacks of a multi-device program on jax 0.10 the
+  process's CPU client has no thread left to run a computation (see
+  ``_jax.compile_on_host``): there a segment is compiled at once for a
+  client of our own. Values of extended dtypes (PRNG keys) have no numpy
+  form; their segments always run on the process's client.
+  """
 
   def __init__(self, eqns, invars, outvars):
     self.invars, self.outvars = invars, outvars
     self.text = _text(eqns, invars, outvars)
+    self.extended = any(
+      _jax.is_extended(v.aval.dtype) for v in (*invars, *outvars)
+    )
 
     def fn(*values):
       env = dict(zip(invars, values, strict=True))
@@ -152,8 +163,15 @@ class _Segment:
 
     self.eager = fn
 
-  def fn(self, *values):
+  def fn(self, own_client: bool, *values):
     shared = _shared(self.text)
+    if own_client and not self.extended:
+      if shared.on_host is None:
+        avals = [
+          jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.invars
+        ]
+        shared.on_host = _jax.compile_on_host(self.eager, avals)
+      return shared.on_host(*values)
     shared.calls += 1
     if shared.compiled is None and shared.calls > COMPILE_AFTER:
       shared.compiled = jax.jit(self.eager)
@@ -214,9 +232,7 @@ def _steps(jaxpr: core.Jaxpr, memo: dict) -> list[Any]:
   run: list[tuple[int, Any]] = []
 
   def flush():
-    if len(run) == 1:
-      steps.append((run[0][1], where(run[0][1])))
-    elif run:
+    if run:
       defined = {v for _, e in run for v in e.outvars}
       free, seen = [], set()
       for _, e in run:
@@ -255,10 +271,11 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
   for v, x in zip(jaxpr.invars, args, strict=True):
     env[v] = x
   memo = ctx.machine.plan.memo
+  own_client = bool(ctx.machine.plan.device_axes) and _jax.CALLBACKS_FILL_POOL
   enclosing = ctx.where
   for step in _steps(jaxpr, memo):
     if isinstance(step, _Segment):
-      outs = step.fn(*[env[v] for v in step.invars])
+      outs = step.fn(own_client, *[env[v] for v in step.invars])
       for v, x in zip(step.outvars, outs, strict=True):
         env[v] = x
       continue
@@ -266,17 +283,14 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
     ctx.where = place or enclosing
     invals = [_read(env, v) for v in eqn.invars]
     rule = _RULES.get(eqn.primitive)
-    if rule is not None:
-      outs = yield from rule(ctx, eqn, invals)
-    elif not _eqn_needs(eqn, memo):
-      outs = [_host(x) for x in bind_eqn(eqn, invals)]
-    else:
+    if rule is None:  # pure equations are segments
       raise NotImplementedError(
         f"mpmd checker: {eqn.primitive.name!r} (at {ctx.where}) is not "
         "supported by the checking executor; run the launch with "
         "interpret=None (the CPU fallback's default paths) or "
         "pltpu.InterpretParams()"
       )
+    outs = yield from rule(ctx, eqn, invals)
     for v, x in zip(eqn.outvars, outs, strict=True):
       if not isinstance(v, core.DropVar):
         env[v] = x

@@ -71,6 +71,7 @@ EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 TPU_EXAMPLES = [
   "collective_matmul",
   "grouped_matmul",
+  "moe_expert_parallel",
   "producer_consumer",
   "quickstart",
   "ring_all_reduce",
