@@ -25,7 +25,6 @@ from mpmd.arguments import (
   check_aliases_arg,
   check_consts,
   check_consts_not_passed,
-  check_inferred_vma,
   check_interpret,
   check_lojax,
   check_meshes_and_fns,
@@ -95,17 +94,15 @@ def mpmd_map(
     out_types: a pytree of ``jax.ShapeDtypeStruct``, JAX types
       (``jax.typeof(x)``; under ``shard_map`` the output varies like the
       type says) or arrays (standing for their type), or memory-space
-      annotated types such as ``pltpu.HBM(shape, dtype)``. Beyond upstream,
-      which requires ``manual_axis_type`` on every output under
-      ``shard_map(check_vma=True)``: an output without it varies like the
-      inputs together, unless the kernels name a ``shard_map`` axis the
-      inputs do not vary over (``axis_index``, ``device_id``), which is
-      the error upstream raises. As upstream, an output may live in the
-      memory of a mesh that runs nothing in this launch (``pltpu.VMEM(...)
-      @ tc_mesh``, a semaphore ``@ tc_mesh``): kernels address its programs
-      by ``device_id`` (``{"tc": 0}``) and a later launch over that mesh
-      takes the output back (the CPU fallback runs this for such a mesh of
-      one program).
+      annotated types such as ``pltpu.HBM(shape, dtype)``. As upstream,
+      under ``shard_map(check_vma=True)`` a ``jax.ShapeDtypeStruct`` says
+      how the output varies across the mesh axes (``manual_axis_type=``;
+      ``jax.typeof(x)`` carries that of ``x``), else ValueError. As
+      upstream, an output may live in the memory of a mesh that runs
+      nothing in this launch (``pltpu.VMEM(...) @ tc_mesh``, a semaphore
+      ``@ tc_mesh``): kernels address its programs by ``device_id``
+      (``{"tc": 0}``) and a later launch over that mesh takes the output
+      back (the CPU fallback runs this for such a mesh of one program).
     scratch_types: a pytree of scratch types (``pltpu.VMEM(shape, dtype)``,
       ``pltpu.SemaphoreType.DMA(())``, ``plgpu.SMEM(...)``, ...); with several
       TPU meshes, ``type @ mesh`` says which mesh's memory holds it, except
@@ -210,12 +207,11 @@ def mpmd_map(
     flat_args, in_tree = tree_util.tree_flatten(args)
     flat_args, views = _split_views(flat_args)
     flat_avals = _input_avals(flat_args)
-    out_avals = output_avals(flat_out_types, flat_avals)
+    out_avals = output_avals(flat_out_types)
     check_aliases(launch.input_output_aliases, flat_avals, out_avals)
     kernels = _KernelSpec(out_avals=out_avals, **spec)
     jaxprs, consts = _trace(kernels, flat_avals, in_tree, views)
     check_consts_not_passed(consts, flat_args)
-    check_inferred_vma(flat_out_types, flat_avals, jaxprs, meshes)
     cpu_path = _choose_cpu_path(jaxprs, launch)
     flat_outs = _bind(
       launch, (*flat_args, *consts), jaxprs, out_avals, cpu_path

@@ -14,8 +14,7 @@ from mpmd._jax import (
   pallas_core,
   state,
 )
-from mpmd.lowering import addressing, jaxpr_util, paths
-from mpmd.primitives import mpmd_map as prim
+from mpmd.lowering import addressing, paths
 
 
 def short(aval) -> str:
@@ -254,92 +253,29 @@ def _check_shape(shape: Sequence[Any], what: str) -> None:
     )
 
 
-def output_avals(out_types, in_avals) -> tuple[core.AbstractValue, ...]:
-  """Output avals; inside ``shard_map(check_vma=True)`` an output that does
-  not say how it varies varies like the inputs together (as an elementwise
-  op would). A kernel whose output varies over more axes (it reads
-  ``axis_index``) says so with ``ShapeDtypeStruct(manual_axis_type=...)``."""
+def output_avals(out_types) -> tuple[core.AbstractValue, ...]:
+  """Output avals. As upstream: inside ``shard_map(check_vma=True)`` every
+  ``jax.ShapeDtypeStruct`` output says how it varies across the mesh axes
+  (``manual_axis_type``); a JAX type or an array as out type carries its
+  own."""
   if _jax.vma_checked():
-    varying = frozenset().union(
-      *(
-        a.manual_axis_type.varying
-        for a in in_avals
-        if getattr(a, "manual_axis_type", None) is not None
-      )
-    )
-    out_types = [
-      jax.ShapeDtypeStruct(
-        t.shape,
-        t.dtype,
-        sharding=t.sharding,
-        manual_axis_type=jax.sharding.ManualAxisType(varying=varying),
-      )
-      if isinstance(t, jax.ShapeDtypeStruct) and t.manual_axis_type is None
-      else t
-      for t in out_types
-    ]
+    for i, t in enumerate(out_types):
+      if isinstance(t, jax.ShapeDtypeStruct) and t.manual_axis_type is None:
+        raise ValueError(
+          f"mpmd_map: under shard_map(check_vma=True), expected out_types "
+          f"leaf {i} ({_type_str(t)}) to say how it varies across the mesh "
+          "axes: jax.ShapeDtypeStruct(shape, dtype, manual_axis_type="
+          "jax.sharding.ManualAxisType(varying=...)) or jax.typeof(x) of an "
+          "array that varies alike; got manual_axis_type=None. Or set "
+          "check_vma=False on jax.shard_map. (Upstream's words: When "
+          "`check_vma=True` on `jax.shard_map`, `manual_axis_type` on "
+          "`jax.ShapeDtypeStruct` must not be `None`.)"
+        )
   return tuple(_jax.out_shape_to_aval(t) for t in out_types)
 
 
-def check_inferred_vma(out_types, in_avals, jaxprs, meshes) -> None:
-  """An output inferred to vary like the inputs (``output_avals``) must not
-  hide a dependence on the device: a kernel that names a ``shard_map`` axis
-  the inputs do not vary over (its ``axis_index``, a ``device_id``) may
-  write different values on each device. Upstream requires every output
-  type to say how it varies under ``check_vma``; we ask for it there."""
-  if not _jax.vma_checked():
-    return
-  inferred = [
-    i
-    for i, t in enumerate(out_types)
-    if isinstance(t, jax.ShapeDtypeStruct) and t.manual_axis_type is None
-  ]
-  outer = jax.sharding.get_abstract_mesh()
-  if not inferred or outer.empty:
-    return
-  kernel_axes = set(prim.axis_env(meshes))
-  outer_axes = set(outer.axis_names) - kernel_axes
-  varying = frozenset().union(
-    *(
-      a.manual_axis_type.varying
-      for a in in_avals
-      if getattr(a, "manual_axis_type", None) is not None
-    )
-  )
-  named = _named_axes(jaxprs, outer_axes) - varying
-  if named:
-    raise ValueError(
-      f"mpmd_map: under shard_map(check_vma=True), out_types leaf "
-      f"{inferred[0]} must say how it varies across mesh axes "
-      "(jax.ShapeDtypeStruct(..., manual_axis_type=...)): the kernels name "
-      f"shard_map axes {sorted(named)} (axis_index, device_id), over which "
-      "the inputs do not vary, so the output cannot be inferred to vary like "
-      "the inputs; or set check_vma=False on jax.shard_map"
-    )
-
-
-def _named_axes(jaxprs, outer_axes: set[Any]) -> set[Any]:
-  """The axes of ``outer_axes`` the kernels name; a ``device_id`` that is
-  not a dict of axes names the device along all of them."""
-  named: set[Any] = set()
-  for jaxpr in jaxprs:
-    for eqn in jaxpr_util.iter_eqns(jaxpr):
-      name = eqn.primitive.name
-      if name == "axis_index":
-        axes = eqn.params["axis_name"]
-        named.update(axes if isinstance(axes, tuple) else (axes,))
-        continue
-      if name == "dma_start":
-        *_, device_id = eqn.params["tree"].unflatten(eqn.invars)
-      elif name == "semaphore_signal":
-        *_, device_id, _ = eqn.params["args_tree"].unflatten(eqn.invars)
-      else:
-        continue
-      if isinstance(device_id, Mapping):
-        named.update(device_id)
-      elif device_id is not None:
-        named.update(outer_axes)
-  return named & outer_axes
+def _type_str(t) -> str:
+  return core.ShapedArray(tuple(t.shape), t.dtype).str_short(short_dtypes=True)
 
 
 def scratch_aval(scratch_type: Any, i: int) -> Any:

@@ -73,7 +73,8 @@ def ring_shift(
   def per_device(block):
     return mpmd_map(
       [(meshes.tensorcore_mesh("core", num_cores=1), _ring_shift_kernel)],
-      jax.ShapeDtypeStruct(block.shape, block.dtype),
+      # The block's type: under check_vma=True, how it varies too.
+      jax.typeof(block),
       scratch_types=[pltpu.SemaphoreType.DMA(())] * 2,
       interpret=interpret,
     )(block)

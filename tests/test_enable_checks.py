@@ -84,7 +84,7 @@ def test_simulator_under_shard_map_with_check_vma(interpret):
   def shard(x):
     return mpmd.mpmd_map(
       [(tc(), kernel)],
-      jax.ShapeDtypeStruct(ROWS, jnp.float32),
+      jax.typeof(x),  # how the output varies, as check_vma needs
       scratch_types=[pltpu.VMEM(ROWS, jnp.float32)],
       interpret=interpret,
     )(x)
@@ -112,7 +112,7 @@ def test_gpu_simulator_under_shard_map_with_check_vma():
   def shard(x):
     return mpmd.mpmd_map(
       [(warpgroups, kernel)],
-      jax.ShapeDtypeStruct(ROWS, jnp.float32),
+      jax.typeof(x),  # how the output varies, as check_vma needs
       interpret=mpmd.GPUInterpretParams(),
     )(x)
 

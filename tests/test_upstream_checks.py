@@ -261,22 +261,22 @@ def in_shard_map(fn, out_specs, in_specs=REPLICATED):
   )(x)
 
 
-CANNOT_BE_INFERRED = (
-  r"under shard_map\(check_vma=True\), out_types leaf 0 must say how it "
-  r"varies across mesh axes .*manual_axis_type.* the kernels name shard_map "
-  r"axes \['x'\]"
+# Upstream's words (jax 0.10.2 and 0.12), which our message includes.
+NO_MANUAL_AXIS_TYPE = (
+  r"out_types leaf 0 \(f32\[8,128\]\) to say how it varies.*"
+  r"When `check_vma=True` on `jax.shard_map`, `manual_axis_type` on "
+  r"`jax.ShapeDtypeStruct` must not be `None`"
 )
 
 # (id, the output type, shard_map's out_specs, the ValueError's regex)
 BAD_VMA = [
-  # Upstream requires manual_axis_type under check_vma; we infer it from the
-  # inputs, except where the kernel names an axis the inputs do not vary
-  # over: it used to be inferred replicated and came out wrong with P().
+  # As upstream: under check_vma, a ShapeDtypeStruct says how it varies,
+  # whatever the out_specs.
   pytest.param(
-    OUT, P(), CANNOT_BE_INFERRED, id="cannot_be_inferred_out_specs_replicated"
+    OUT, P(), NO_MANUAL_AXIS_TYPE, id="no_manual_axis_type_out_specs_replicated"
   ),
   pytest.param(
-    OUT, P("x"), CANNOT_BE_INFERRED, id="cannot_be_inferred_out_specs_sharded"
+    OUT, P("x"), NO_MANUAL_AXIS_TYPE, id="no_manual_axis_type_out_specs_sharded"
   ),
   # The kernel says its output varies over x; out_specs says replicated:
   # shard_map's own check_vma error, as upstream.
@@ -301,10 +301,49 @@ def test_check_vma_a_declared_type_runs():
   np.testing.assert_array_equal(out[:, 0], want)
 
 
-def test_check_vma_inferred_from_varying_inputs_is_our_extension():
-  """No manual_axis_type, inputs varying over x: the output varies over x
-  too (upstream would ask for manual_axis_type)."""
-  out = in_shard_map(adds_device_index(OUT), P("x"), in_specs=P("x"))
+def test_check_vma_without_manual_axis_type_is_an_error_as_upstream():
+  """Inputs varying over x do not make the output's type: upstream's
+  condition, before any kernel is traced (we used to infer it)."""
+  traced = []
+
+  def kernel(x_hbm, o_hbm, buf):
+    traced.append(True)
+
+  f = lambda x: mpmd.mpmd_map([(tc(), kernel)], OUT, scratch_types=VMEM)(x)
+  with pytest.raises(ValueError, match=NO_MANUAL_AXIS_TYPE):
+    in_shard_map(f, P("x"), in_specs=P("x"))
+  assert not traced
+
+
+def test_check_vma_takes_the_type_of_an_array():
+  """``jax.typeof(x)`` as the out type carries how ``x`` varies."""
+
+  def kernel(x_hbm, o_hbm, buf):
+    pltpu.sync_copy(x_hbm, buf)
+    buf[...] += 1.0
+    pltpu.sync_copy(buf, o_hbm)
+
+  f = lambda x: mpmd.mpmd_map(
+    [(tc(), kernel)], jax.typeof(x), scratch_types=VMEM
+  )(x)
+  out = in_shard_map(f, P("x"), in_specs=P("x"))
+  np.testing.assert_array_equal(out, np.ones((NUM_DEVICES * ROWS[0], ROWS[1])))
+
+
+def test_check_vma_false_needs_no_manual_axis_type():
+  mesh = jax.make_mesh(
+    (NUM_DEVICES,), ("x",), devices=jax.devices()[:NUM_DEVICES]
+  )
+  x = jnp.zeros((NUM_DEVICES * ROWS[0], ROWS[1]))
+  x = jax.device_put(x, jax.NamedSharding(mesh, P("x")))
+  f = jax.shard_map(
+    adds_device_index(OUT),
+    mesh=mesh,
+    in_specs=P("x"),
+    out_specs=P("x"),
+    check_vma=False,
+  )
+  out = jax.jit(f)(x)
   want = np.repeat(np.arange(NUM_DEVICES, dtype=np.float32), ROWS[0])
   np.testing.assert_array_equal(out[:, 0], want)
 

@@ -198,9 +198,10 @@ def test_trap5_axis_index_inside_loops_and_conds_on_the_fast_path(capsys):
 @pytest.mark.parametrize(
   "interpret", [None, pltpu.InterpretParams()], ids=["lockstep", "simulator"]
 )
-def test_shard_map_with_check_vma_infers_output_types(rng, interpret):
-  """Out types need no manual_axis_type; device-index arithmetic in the
-  kernel runs on the CPU paths although kernels are traced without vma."""
+def test_shard_map_with_check_vma_and_typed_outputs(rng, interpret):
+  """Out types say how they vary (``jax.typeof(block)``); device-index
+  arithmetic in the kernel runs on the CPU paths although kernels are
+  traced without vma."""
   mesh = jax.make_mesh((4,), ("x",))
   x = jnp.asarray(rng.standard_normal((4 * 8, 128)), jnp.float32)
   x = jax.device_put(x, jax.NamedSharding(mesh, P("x")))
