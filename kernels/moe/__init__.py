@@ -4,7 +4,8 @@
   which runs on the CPU fallback (XLA:CPU has no such op) and lowers for TPU.
 * :func:`moe`: a dropless expert-parallel MoE layer: top-k routing, dispatch
   by ``ragged_all_to_all``, ``gmm`` over the local experts, combine by the
-  reverse exchange.
+  reverse exchange; with ``fused=True`` all three in one two-mesh launch
+  (a dispatch program next to a compute program, ``fused.py``).
 """
 
 from mpmd.kernels.moe.layer import moe as moe

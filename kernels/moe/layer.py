@@ -28,8 +28,10 @@ custom VJPs, the rest plain JAX).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,7 @@ from jax import lax
 from mpmd.kernels import _common
 from mpmd.kernels.collective_matmul.ring import check_ring
 from mpmd.kernels.grouped_matmul import gmm
+from mpmd.kernels.moe import fused as fused_lib
 from mpmd.kernels.moe import ragged
 
 _FN = "moe"
@@ -126,11 +129,7 @@ def _check(
     raise TypeError(
       f"{_FN}: expected 'activation' to be a function, got {activation!r}"
     )
-  if _common.check_bool(_FN, "fused", fused):
-    raise NotImplementedError(
-      f"{_FN}: fused=True (one two-mesh launch overlapping the dispatch "
-      "with the grouped matmul) is not implemented yet; use fused=False"
-    )
+  _common.check_bool(_FN, "fused", fused)
   if capacity_factor is not None:
     if isinstance(capacity_factor, bool) or not isinstance(
       capacity_factor, int | float | np.integer | np.floating
@@ -146,6 +145,20 @@ def _check(
       )
   return_dropped = _common.check_bool(_FN, "return_dropped", return_dropped)
   return ring, top_k, capacity_factor, return_dropped
+
+
+def _check_tile_rows(tile_rows, fused: bool) -> int | None:
+  if tile_rows is None:
+    return None
+  tile_rows = _common.check_int(
+    _FN, "tile_rows", tile_rows, multiple_of=_SUBLANES, why="sublanes"
+  )
+  if not fused:
+    raise ValueError(
+      f"{_FN}: 'tile_rows' sets the fused kernel's tiles; pass fused=True "
+      f"with it (got tile_rows={tile_rows}, fused=False)"
+    )
+  return tile_rows
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -164,6 +177,7 @@ def moe(
   fused: bool = False,
   capacity_factor: float | None = None,
   return_dropped: bool = False,
+  tile_rows: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """An expert-parallel mixture-of-experts layer (dropless by default).
 
@@ -178,6 +192,19 @@ def moe(
   runs ``gmm`` over its local experts. Differentiable in ``x``,
   ``router_logits``, ``w_in`` and ``w_out``.
 
+  With ``fused=True`` the dispatch, the experts' matmuls and the return
+  exchange are one ``mpmd_map`` launch of two meshes per device: a dispatch
+  program sends token rows by remote DMA, tile by tile, and signals each
+  tile's arrival to a compute program, which runs the experts' MLP on it at
+  once and sends the result straight back, so communication overlaps
+  compute (see ``mpmd/kernels/moe/fused.py``). Same routing, same
+  capacity drops, the same products summed in the same order: on the CPU
+  fallback the same numbers, bit for bit where XLA:CPU's dot rounds a row
+  the same whatever rows surround it (within a few float32 ulps where it
+  does not: the unfused ``gmm`` runs small tail windows). Its gradient is
+  the unfused layer's (a custom VJP that recomputes the layer unfused: the
+  fused kernel keeps no intermediates).
+
   Args:
     x: (tokens, hidden) float32, bfloat16 or float16: this device's tokens.
     router_logits: (tokens, experts) of any floating dtype (say float32 with
@@ -188,8 +215,8 @@ def moe(
     axis_name: the ``shard_map`` mesh axis the experts are spread over (or a
       tuple of axes: their flattened index).
     activation: applied to ``x @ w_in[e]`` in float32.
-    fused: True asks for the single-launch form that overlaps the dispatch
-      with the grouped matmul: not implemented yet (``NotImplementedError``).
+    fused: run dispatch, experts and combine as one two-mesh launch that
+      overlaps the exchanges with the experts' matmuls (see above).
     capacity_factor: None (dropless: a device can take every row sent to
       it), or each expert takes at most ``ceil(capacity_factor * tokens *
       top_k * D / experts)`` rows (that factor times its share of a
@@ -198,6 +225,9 @@ def moe(
       token's sum (the other weights are not renormalized). Receive
       buffers shrink to ``experts_local`` capacities.
     return_dropped: also return which (token, choice) pairs were dropped.
+    tile_rows: with ``fused=True``, rows per tile moved and multiplied at
+      once (a multiple of 8; default 128 on TPU, 512 on the CPU fallback,
+      at most the rows one device can send another). Only with ``fused``.
 
   Returns:
     (tokens, hidden) array of ``x``'s dtype; with ``return_dropped``, also
@@ -208,9 +238,9 @@ def moe(
     TypeError: an argument of the wrong kind or dtype.
     ValueError: shapes that disagree, an expert count that is not
       experts_local x the axis size, ``top_k`` out of range, a
-      ``capacity_factor`` <= 0, or a call outside ``shard_map`` over
-      ``axis_name``.
-    NotImplementedError: ``fused=True``.
+      ``capacity_factor`` <= 0, a ``tile_rows`` that is not a positive
+      multiple of 8 or comes without ``fused=True``, or a call outside
+      ``shard_map`` over ``axis_name``.
 
   Example:
     >>> mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
@@ -226,8 +256,14 @@ def moe(
     >>> y = layer(*map(place, (x, logits, w_in, w_out)))
     >>> y.shape, y.dtype
     ((12, 16), dtype('float32'))
+    >>> fused = jax.jit(jax.shard_map(
+    ...   functools.partial(mpmd.kernels.moe, top_k=2, axis_name="x",
+    ...                     fused=True),
+    ...   mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    >>> bool(jnp.all(fused(*map(place, (x, logits, w_in, w_out))) == y))
+    True
   """
-  ring, top_k, capacity_factor, return_dropped = _check(
+  _, top_k, capacity_factor, return_dropped = _check(
     x,
     router_logits,
     w_in,
@@ -239,30 +275,70 @@ def moe(
     capacity_factor,
     return_dropped,
   )
+  tile_rows = _check_tile_rows(tile_rows, fused)
   groups = ragged.check_groups(_FN, axis_name, None)
-  devices = ring.size
-  tokens, hidden = x.shape
-  experts_local = w_in.shape[0]
+  static = _Static(groups, top_k, activation, capacity_factor, tile_rows)
+  if fused:
+    y, dropped = _fused_layer(static, x, router_logits, w_in, w_out)
+  else:
+    y, dropped = _layer(static, False, x, router_logits, w_in, w_out)
+  if return_dropped:
+    return y, dropped
+  return y
+
+
+class _Static(NamedTuple):
+  """The layer's static arguments (hashable: a custom_vjp key)."""
+
+  groups: ragged.Groups
+  top_k: int
+  activation: Callable[[jax.Array], jax.Array]
+  capacity_factor: float | None
+  tile_rows: int | None
+
+
+class Routing(NamedTuple):
+  """Where each device's (token, choice) rows go, from the top-k routing.
+
+  ``rows = tokens * top_k`` per device; rows sorted by global expert, the
+  dropped ones (with a capacity) last."""
+
+  weights: jax.Array  # (tokens, top_k) f32: softmax of the chosen logits
+  order: jax.Array  # (rows,) int32: the (token, choice) of each sorted row
+  dropped: jax.Array  # (rows,) bool, in (token, choice) order
+  # (D, D, El) int32: rows device j sends local expert el of device t.
+  counts: jax.Array
+  capacity: int  # rows a device's receive buffer holds (static)
+  per_source: int  # the most rows one device can send another (static)
+
+
+def route(
+  static: _Static, router_logits: jax.Array, experts_local: int
+) -> Routing:
+  """Top-k, softmax weights, the (capacity-clipped) counts every device
+  sends every expert, and this device's rows sorted by expert."""
+  devices, top_k = static.groups.size, static.top_k
+  axis_name = static.groups.axes
+  tokens = router_logits.shape[0]
   experts = experts_local * devices
   rows = tokens * top_k
   i32 = jnp.int32
-
-  # Routing: the chosen experts and their softmax weights, in f32.
   chosen, expert = lax.top_k(router_logits.astype(jnp.float32), top_k)
   weights = jax.nn.softmax(chosen, axis=-1)
   expert = expert.reshape(rows).astype(i32)
   counts = jnp.zeros((experts,), i32).at[expert].add(1)
-  # counts[j, e]: rows device j routes to expert e.
+  # all_counts[j, e]: rows device j routes to expert e.
   all_counts = lax.all_gather(counts, axis_name)
-  me = lax.axis_index(axis_name)
-  if capacity_factor is None:
+  if static.capacity_factor is None:
     dropped = jnp.zeros((rows,), jnp.bool_)
     capacity = _round_up(devices * rows, _SUBLANES)
+    per_source = rows
   else:
     # Each expert takes its first per_expert rows, devices in order.
-    per_expert = math.ceil(capacity_factor * rows * devices / experts)
+    per_expert = math.ceil(static.capacity_factor * rows * devices / experts)
     earlier = _exclusive_cumsum(all_counts, axis=0)
     all_counts = jnp.clip(per_expert - earlier, 0, all_counts)
+    me = lax.axis_index(axis_name)
     room = lax.dynamic_index_in_dim(all_counts, me, axis=0, keepdims=False)
     by_expert_order = jnp.argsort(expert, stable=True)
     starts = _exclusive_cumsum(counts)[expert[by_expert_order]]
@@ -273,63 +349,122 @@ def moe(
     )
     dropped = rank >= room[expert]
     expert = jnp.where(dropped, experts, expert)  # sorted last, never sent
+    per_source = min(rows, experts_local * per_expert)
     capacity = _round_up(
       min(devices * rows, experts_local * per_expert), _SUBLANES
     )
   order = jnp.argsort(expert, stable=True)
-  token = order // top_k  # the token of each sorted row
+  return Routing(
+    weights,
+    order,
+    dropped,
+    all_counts.reshape(devices, devices, experts_local),
+    capacity,
+    per_source,
+  )
 
-  # Who sends what where: all_counts[j, t, el] rows from device j to local
-  # expert el of device t. A device's rows for another device are
-  # contiguous (sorted by expert), so each pair exchanges one slice, and a
-  # receiver keeps its arrivals by source device (source-major).
-  all_counts = all_counts.reshape(devices, devices, experts_local)
-  me = lax.axis_index(axis_name)
-  pair = jnp.sum(all_counts, axis=2)  # [j, t]: rows from j to t
+
+def combine(returned: jax.Array, routing: Routing, dtype) -> jax.Array:
+  """Rows back in sorted order (rows, H) -> (tokens, H): unsort, weight
+  and sum the top-k choices in f32."""
+  tokens, top_k = routing.weights.shape
+  unsorted = jnp.zeros_like(returned).at[routing.order].set(returned)
+  per_choice = unsorted.reshape(tokens, top_k, -1).astype(jnp.float32)
+  y = jnp.einsum("tkh,tk->th", per_choice, routing.weights, precision="highest")
+  return y.astype(dtype)
+
+
+def _layer(static: _Static, fused: bool, x, router_logits, w_in, w_out):
+  """The layer: (y, dropped (tokens, top_k) bool)."""
+  routing = route(static, router_logits, w_in.shape[0])
+  rows_sorted = x[routing.order // static.top_k]
+  if fused:
+    returned = fused_lib.expert_rows(
+      static.groups,
+      routing,
+      rows_sorted,
+      w_in,
+      w_out,
+      static.activation,
+      tile_rows=static.tile_rows,
+    )
+  else:
+    returned = _unfused_rows(
+      static.groups, routing, rows_sorted, w_in, w_out, static.activation
+    )
+  tokens = x.shape[0]
+  dropped = routing.dropped.reshape(tokens, static.top_k)
+  return combine(returned, routing, x.dtype), dropped
+
+
+# The fused layer's backward pass is the unfused layer's: both compute the
+# same function of the same arguments (the tests check their outputs agree),
+# the unfused one from differentiable pieces (the exchanges' and gmm's
+# custom VJPs). The forward pass is recomputed there (rematerialised), as
+# a fused kernel keeps none of its intermediates.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_layer(static: _Static, x, router_logits, w_in, w_out):
+  return _layer(static, True, x, router_logits, w_in, w_out)
+
+
+def _fused_layer_fwd(static, x, router_logits, w_in, w_out):
+  out = _layer(static, True, x, router_logits, w_in, w_out)
+  return out, (x, router_logits, w_in, w_out)
+
+
+def _fused_layer_bwd(static, residuals, cotangents):
+  _, vjp = jax.vjp(functools.partial(_layer, static, False), *residuals)
+  return vjp(cotangents)
+
+
+_fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd)
+
+
+def _unfused_rows(groups, routing: Routing, rows_sorted, w_in, w_out, act):
+  """Dispatch (ragged all-to-all), gmm, activation, gmm, combine exchange:
+  (rows, H) results in this device's sorted order."""
+  dtype = rows_sorted.dtype
+  rows, hidden = rows_sorted.shape
+  # routing.counts[j, t, el]: rows from device j to local expert el of
+  # device t. A device's rows for another device are contiguous (sorted by
+  # expert), so each pair exchanges one slice, and a receiver keeps its
+  # arrivals by source device (source-major).
+  counts = routing.counts
+  me = lax.axis_index(groups.axes)
+  pair = jnp.sum(counts, axis=2)  # [j, t]: rows from j to t
   send_sizes = lax.dynamic_index_in_dim(pair, me, axis=0, keepdims=False)
   recv_sizes = lax.dynamic_index_in_dim(pair, me, axis=1, keepdims=False)
   sender_offsets = _exclusive_cumsum(pair, axis=1)  # [j, t], in j's rows
   landing = _exclusive_cumsum(pair, axis=0)  # [j, t], in t's buffer
-  mine = lax.dynamic_index_in_dim(all_counts, me, axis=1, keepdims=False)
+  mine = lax.dynamic_index_in_dim(counts, me, axis=1, keepdims=False)
   group_sizes = jnp.sum(mine, axis=0)  # (experts_local,)
-  by_expert, by_source = _regroupings(mine, capacity)
-
+  by_expert, by_source = _regroupings(mine, routing.capacity)
   dispatched = ragged.checked_call(
     groups,
-    x[token],
-    jnp.zeros((capacity, hidden), x.dtype),
+    rows_sorted,
+    jnp.zeros((routing.capacity, hidden), dtype),
     _exclusive_cumsum(send_sizes),
     send_sizes,
     lax.dynamic_index_in_dim(landing, me, axis=0, keepdims=False),
     recv_sizes,
   )
   h = gmm(
-    dispatched[by_expert],
-    w_in,
-    group_sizes,
-    preferred_element_type=jnp.float32,
+    dispatched[by_expert], w_in, group_sizes, preferred_element_type=jnp.float32
   )
-  a = activation(h).astype(x.dtype)
+  a = act(h).astype(dtype)
   # f32 out, then cast: gmm's VJP with a bf16 output hands XLA:CPU (jax
   # 0.12) a bf16 x bf16 = f32 dot it cannot run ("DotThunk").
   out = gmm(a, w_out, group_sizes, preferred_element_type=jnp.float32)
-  out = out.astype(x.dtype)
-  returned = ragged.checked_call(
+  out = out.astype(dtype)
+  return ragged.checked_call(
     groups,
     out[by_source],
-    jnp.zeros((rows, hidden), x.dtype),
+    jnp.zeros((rows, hidden), dtype),
     lax.dynamic_index_in_dim(landing, me, axis=1, keepdims=False),
     recv_sizes,
     lax.dynamic_index_in_dim(sender_offsets, me, axis=1, keepdims=False),
     send_sizes,
   )
-  # Back to (token, choice) order; weight and sum the choices in f32.
-  unsorted = jnp.zeros_like(returned).at[order].set(returned)
-  per_choice = unsorted.reshape(tokens, top_k, hidden).astype(jnp.float32)
-  y = jnp.einsum("tkh,tk->th", per_choice, weights, precision="highest")
-  if return_dropped:
-    return y.astype(x.dtype), dropped.reshape(tokens, top_k)
-  return y.astype(x.dtype)
 
 
 def _regroupings(mine: jax.Array, capacity: int):

@@ -54,37 +54,21 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mpmd import targets
-from mpmd.api import mpmd_map
 from mpmd.kernels import _common
-from mpmd.kernels.collective_matmul.ring import check_ring
+from mpmd.kernels.moe import peers as peers_lib
+from mpmd.kernels.moe.peers import Groups as Groups
+from mpmd.kernels.moe.peers import check_groups as check_groups
 from mpmd.types import Interpret
 
 _FN = "ragged_all_to_all"
 SCHEDULES = ("window", "conditional")
-# The barrier semaphore handshake uses this collective id.
-_COLLECTIVE_ID = 0
 # Rows of the metadata the kernel reads: one per argument, each of length
 # ``k * group_size``.
 _IN_OFF, _SEND, _OUT_OFF, _RECV = range(4)
-
-
-class Groups(NamedTuple):
-  """The devices that exchange: ``members[g][p]`` is the flattened index
-  (along ``axes``) of position ``p`` of group ``g``."""
-
-  axes: tuple[str, ...]
-  sizes: tuple[int, ...]
-  members: tuple[tuple[int, ...], ...]
-
-  @property
-  def size(self) -> int:
-    """Devices per group (the ``D`` of ``k * D`` slices)."""
-    return len(self.members[0])
 
 
 class Config(NamedTuple):
@@ -93,44 +77,6 @@ class Config(NamedTuple):
   groups: Groups
   schedule: str
   interpret: Interpret = None
-
-
-def check_groups(fn: str, axis_name: Any, axis_index_groups: Any) -> Groups:
-  """The exchange's axes (inside ``shard_map``) and its device groups."""
-  ring = check_ring(fn, axis_name, None)
-  size = ring.size
-  if axis_index_groups is None:
-    return Groups(ring.axes, ring.sizes, (tuple(range(size)),))
-  try:
-    if isinstance(axis_index_groups, str):
-      raise TypeError
-    groups = tuple(
-      tuple(_as_index(i) for i in group) for group in axis_index_groups
-    )
-  except TypeError:
-    raise TypeError(
-      f"{fn}: expected 'axis_index_groups' to be None or a sequence of "
-      f"sequences of ints, got {axis_index_groups!r}"
-    ) from None
-  flat = sorted(i for g in groups for i in g)
-  if not groups or flat != list(range(size)):
-    raise ValueError(
-      f"{fn}: expected 'axis_index_groups' to hold every index of "
-      f"range({size}) (the devices along {ring.axes!r}) exactly once, got "
-      f"{axis_index_groups!r}"
-    )
-  if len({len(g) for g in groups}) != 1:
-    raise ValueError(
-      f"{fn}: expected 'axis_index_groups' of equal sizes, got sizes "
-      f"{[len(g) for g in groups]}"
-    )
-  return Groups(ring.axes, ring.sizes, groups)
-
-
-def _as_index(i: Any) -> int:
-  if isinstance(i, bool) or not isinstance(i, int | np.integer):
-    raise TypeError
-  return int(i)
 
 
 def check_arguments(
@@ -196,56 +142,6 @@ def resolve_schedule(schedule: str | None, interpret: Interpret) -> str:
   return schedule
 
 
-def _lookup(index: jax.Array, table: Sequence[int]) -> jax.Array:
-  """``table[index]`` for a traced index and a static table (a kernel
-  captures no arrays): one select per entry, nothing for the identity.
-  Entries are built from ``index`` (``index * 0 + value``) so that under
-  ``shard_map(check_vma=True)`` they vary over the same axes: mixing in a
-  constant would insert a ``pvary``, which Mosaic cannot lower."""
-  if list(table) == list(range(len(table))):
-    return index
-  zero = index * 0
-  out = zero + table[0]
-  for i, value in enumerate(table[1:], 1):
-    out = jnp.where(index == i, zero + value, out)
-  return out
-
-
-class _Peers:
-  """This device's place in its group and its peers' mesh coordinates,
-  computed from ``lax.axis_index`` and static tables (values the CPU
-  fallback knows for every device when it traces the kernel)."""
-
-  def __init__(self, groups: Groups):
-    self.groups = groups
-    flat = lax.axis_index(groups.axes[0])
-    for a, size in zip(groups.axes[1:], groups.sizes[1:], strict=True):
-      flat = flat * size + lax.axis_index(a)
-    total = math.prod(groups.sizes)
-    group_of, position_of = [0] * total, [0] * total
-    for g, members in enumerate(groups.members):
-      for p, i in enumerate(members):
-        group_of[i], position_of[i] = g, p
-    self._group = _lookup(flat, group_of)
-    self.position = _lookup(flat, position_of)  # in the group
-    self._members = [i for members in groups.members for i in members]
-    self.ids = [self._device_id(o) for o in range(groups.size)]
-
-  def position_at(self, offset: int) -> jax.Array:
-    """Group position of the peer ``offset`` positions on."""
-    size = self.groups.size
-    return lax.rem(self.position + offset, size)
-
-  def _device_id(self, offset: int) -> dict[str, jax.Array]:
-    size = self.groups.size
-    rest = _lookup(self._group * size + self.position_at(offset), self._members)
-    coords = []
-    for axis_size in reversed(self.groups.sizes):
-      coords.append(lax.rem(rest, axis_size))
-      rest = rest // axis_size
-    return dict(zip(self.groups.axes, reversed(coords), strict=True))
-
-
 def _valid(in_off, size, out_off, n: int, m: int):
   """Whether a slice lies inside ``operand`` (``n`` rows) and ``output``
   (``m`` rows)."""
@@ -255,36 +151,6 @@ def _valid(in_off, size, out_off, n: int, m: int):
     & (in_off <= n - size)
     & (out_off >= 0)
     & (out_off <= m - size)
-  )
-
-
-def _handshake(peers: _Peers) -> None:
-  """Every peer is inside the kernel before any remote DMA to it."""
-  d = peers.groups.size
-  if d == 1:
-    return
-  barrier = pltpu.get_barrier_semaphore()
-  for o in range(1, d):
-    pl.semaphore_signal(barrier, 1, device_id=peers.ids[o])
-  pl.semaphore_wait(barrier, d - 1)
-
-
-def _varying(config: Config, *operands) -> frozenset[Any]:
-  """The manual axes a launch's outputs vary over (``check_vma=True``)."""
-  varying = _common.varying_axes(*operands)
-  if varying:  # check_vma=True: every manual axis is tracked
-    varying |= frozenset(config.groups.axes)
-  return varying
-
-
-def _launch(config: Config, body, out_types, scratch_types, **kwargs):
-  return mpmd_map(
-    [(_common.single_core_mesh(), body)],
-    out_types=out_types,
-    scratch_types=scratch_types,
-    compiler_params=pltpu.CompilerParams(collective_id=_COLLECTIVE_ID),
-    interpret=config.interpret,
-    **kwargs,
   )
 
 
@@ -323,7 +189,7 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
   # A window with an invalid slice is read from row n: out of bounds.
   start = jnp.where(valid, start, n)
   travel = jnp.stack([out_off, shift]).reshape(2, d, k).transpose(1, 0, 2)
-  varying = _varying(config, operand, output, meta)
+  varying = peers_lib.varying(config.groups, operand, output, meta)
   out_types = (
     _common.out_type((d * units * window, *trailing), operand.dtype, varying),
     _common.out_type(travel.shape, jnp.int32, varying),
@@ -331,9 +197,9 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
 
   def body(operand, starts_hbm, travel, staging, arrived, starts, send, recv):
     pltpu.sync_copy(starts_hbm, starts)
-    peers = _Peers(groups)
+    peers = peers_lib.Peers(groups)
     me = peers.position
-    _handshake(peers)
+    peers_lib.handshake(peers)
 
     def unit(source, q):
       return staging.at[pl.ds((source * units + q) * window, window)]
@@ -375,8 +241,8 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
 
   itemsize = jnp.dtype(operand.dtype).itemsize
   row_bytes = math.prod(trailing) * itemsize
-  staging, arrived = _launch(
-    config,
+  staging, arrived = peers_lib.launch(
+    config.interpret,
     body,
     out_types,
     (
@@ -431,8 +297,8 @@ def _conditional_exchange(config: Config, operand, output, meta) -> jax.Array:
   def body(operand, output, meta_hbm, out, meta, send_sem, recv_sem):
     del output  # aliased to ``out``
     pltpu.sync_copy(meta_hbm, meta)
-    peers = _Peers(groups)
-    _handshake(peers)
+    peers = peers_lib.Peers(groups)
+    peers_lib.handshake(peers)
 
     def fields(i):
       in_off, size, out_off = (meta[f, i] for f in (_IN_OFF, _SEND, _OUT_OFF))
@@ -490,12 +356,12 @@ def _conditional_exchange(config: Config, operand, output, meta) -> jax.Array:
           def _(like=like):
             like.wait_send()
 
-  varying = _varying(config, operand, output, meta)
+  varying = peers_lib.varying(config.groups, operand, output, meta)
   if varying:
     output = _common.vary(output, varying)
   row_bytes = math.prod(output.shape[1:]) * jnp.dtype(output.dtype).itemsize
-  (out,) = _launch(
-    config,
+  (out,) = peers_lib.launch(
+    config.interpret,
     body,
     (_common.out_type(output.shape, output.dtype, varying),),
     (
@@ -521,50 +387,6 @@ def exchange(config: Config, operand, output, meta) -> jax.Array:
   if config.schedule == "window":
     return _window_exchange(config, operand, output, meta)
   return _conditional_exchange(config, operand, output, meta)
-
-
-def exchange_metadata(config: Config, values: jax.Array) -> jax.Array:
-  """``all_to_all`` of int32 ``values`` (rows, k * D) within the groups:
-  column block ``j`` of the result is column block ``me`` of device ``j``'s
-  ``values`` (``jax.lax.all_to_all(..., tiled=True)`` along the columns)."""
-  groups = config.groups
-  d = groups.size
-  rows, width = values.shape
-  k = width // d
-  # Blocks as leading rows so that each moves as one DMA.
-  blocks = values.reshape(rows, d, k).transpose(1, 0, 2)
-  varying = _varying(config, values)
-
-  def body(blocks_hbm, out, send_sem, recv_sem):
-    peers = _Peers(groups)
-    me = peers.position
-    pltpu.sync_copy(blocks_hbm.at[pl.ds(me, 1)], out.at[pl.ds(me, 1)])
-    _handshake(peers)
-    copies = [
-      pltpu.make_async_remote_copy(
-        blocks_hbm.at[pl.ds(peers.position_at(o), 1)],
-        out.at[pl.ds(me, 1)],
-        send_sem,
-        recv_sem,
-        device_id=peers.ids[o],
-      )
-      for o in range(1, d)
-    ]
-    for copy in copies:
-      copy.start()
-    for copy in copies:
-      copy.wait_recv()
-    for copy in copies:
-      copy.wait_send()
-
-  (out,) = _launch(
-    config,
-    body,
-    (_common.out_type(blocks.shape, jnp.int32, varying),),
-    (pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA),
-    name=f"{_FN}_metadata",
-  )(blocks)
-  return out.transpose(1, 0, 2).reshape(rows, width)
 
 
 def _written_rows(m: int, offsets: jax.Array, sizes: jax.Array) -> jax.Array:
@@ -599,7 +421,9 @@ def _ragged_bwd(static, meta, d_result):
   # one with the written rows zeroed (an empty slot writes nothing, even
   # where its offset is a non-empty slot's).
   config = static.config
-  received = exchange_metadata(config, meta[_IN_OFF : _OUT_OFF + 1])
+  received = peers_lib.exchange_metadata(
+    config.groups, meta[_IN_OFF : _OUT_OFF + 1], config.interpret
+  )
   recv_in_off, recv_out_off = received[0], received[_OUT_OFF]
   reverse = jnp.stack([recv_out_off, meta[_RECV], recv_in_off, meta[_SEND]])
   zeros = jnp.zeros((static.operand_rows, *d_result.shape[1:]), d_result.dtype)

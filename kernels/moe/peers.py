@@ -1,0 +1,214 @@
+"""A device's peers in an exchange along ``shard_map`` axes: the groups that
+exchange, each device's position in its group, its peers' mesh coordinates
+(for remote DMAs) and the barrier handshake before the first remote DMA.
+Shared by :mod:`ragged` and :mod:`fused`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mpmd.api import mpmd_map
+from mpmd.kernels import _common
+from mpmd.kernels.collective_matmul.ring import check_ring
+from mpmd.types import Interpret
+
+# The barrier semaphore handshake uses this collective id.
+COLLECTIVE_ID = 0
+
+
+class Groups(NamedTuple):
+  """The devices that exchange: ``members[g][p]`` is the flattened index
+  (along ``axes``) of position ``p`` of group ``g``."""
+
+  axes: tuple[str, ...]
+  sizes: tuple[int, ...]
+  members: tuple[tuple[int, ...], ...]
+
+  @property
+  def size(self) -> int:
+    """Devices per group (the ``D`` of ``k * D`` slices)."""
+    return len(self.members[0])
+
+
+def check_groups(fn: str, axis_name: Any, axis_index_groups: Any) -> Groups:
+  """The exchange's axes (inside ``shard_map``) and its device groups."""
+  ring = check_ring(fn, axis_name, None)
+  size = ring.size
+  if axis_index_groups is None:
+    return Groups(ring.axes, ring.sizes, (tuple(range(size)),))
+  try:
+    if isinstance(axis_index_groups, str):
+      raise TypeError
+    groups = tuple(
+      tuple(as_index(i) for i in group) for group in axis_index_groups
+    )
+  except TypeError:
+    raise TypeError(
+      f"{fn}: expected 'axis_index_groups' to be None or a sequence of "
+      f"sequences of ints, got {axis_index_groups!r}"
+    ) from None
+  flat = sorted(i for g in groups for i in g)
+  if not groups or flat != list(range(size)):
+    raise ValueError(
+      f"{fn}: expected 'axis_index_groups' to hold every index of "
+      f"range({size}) (the devices along {ring.axes!r}) exactly once, got "
+      f"{axis_index_groups!r}"
+    )
+  if len({len(g) for g in groups}) != 1:
+    raise ValueError(
+      f"{fn}: expected 'axis_index_groups' of equal sizes, got sizes "
+      f"{[len(g) for g in groups]}"
+    )
+  return Groups(ring.axes, ring.sizes, groups)
+
+
+def as_index(i: Any) -> int:
+  if isinstance(i, bool) or not isinstance(i, int | np.integer):
+    raise TypeError
+  return int(i)
+
+
+def lookup(index: jax.Array, table: Sequence[int]) -> jax.Array:
+  """``table[index]`` for a traced index and a static table (a kernel
+  captures no arrays): one select per entry, nothing for the identity.
+  Entries are built from ``index`` (``index * 0 + value``) so that under
+  ``shard_map(check_vma=True)`` they vary over the same axes: mixing in a
+  constant would insert a ``pvary``, which Mosaic cannot lower."""
+  if list(table) == list(range(len(table))):
+    return index
+  zero = index * 0
+  out = zero + table[0]
+  for i, value in enumerate(table[1:], 1):
+    out = jnp.where(index == i, zero + value, out)
+  return out
+
+
+class Peers:
+  """This device's place in its group and its peers' mesh coordinates,
+  computed from ``lax.axis_index`` and static tables (values the CPU
+  fallback knows for every device when it traces the kernel)."""
+
+  def __init__(self, groups: Groups):
+    self.groups = groups
+    flat = lax.axis_index(groups.axes[0])
+    for a, size in zip(groups.axes[1:], groups.sizes[1:], strict=True):
+      flat = flat * size + lax.axis_index(a)
+    total = math.prod(groups.sizes)
+    group_of, position_of = [0] * total, [0] * total
+    for g, members in enumerate(groups.members):
+      for p, i in enumerate(members):
+        group_of[i], position_of[i] = g, p
+    self._group = lookup(flat, group_of)
+    self.position = lookup(flat, position_of)  # in the group
+    self._members = [i for members in groups.members for i in members]
+    self.ids = [self._device_id(o) for o in range(groups.size)]
+
+  def position_at(self, offset: int) -> jax.Array:
+    """Group position of the peer ``offset`` positions on."""
+    size = self.groups.size
+    return lax.rem(self.position + offset, size)
+
+  def _device_id(self, offset: int) -> dict[str, jax.Array]:
+    size = self.groups.size
+    rest = lookup(self._group * size + self.position_at(offset), self._members)
+    coords = []
+    for axis_size in reversed(self.groups.sizes):
+      coords.append(lax.rem(rest, axis_size))
+      rest = rest // axis_size
+    return dict(zip(self.groups.axes, reversed(coords), strict=True))
+
+
+def handshake(peers: Peers) -> None:
+  """Every peer is inside the kernel before any remote DMA to it."""
+  d = peers.groups.size
+  if d == 1:
+    return
+  barrier = pltpu.get_barrier_semaphore()
+  for o in range(1, d):
+    pl.semaphore_signal(barrier, 1, device_id=peers.ids[o])
+  pl.semaphore_wait(barrier, d - 1)
+
+
+def varying(groups: Groups, *operands) -> frozenset[Any]:
+  """The manual axes a launch's outputs vary over (``check_vma=True``)."""
+  axes = _common.varying_axes(*operands)
+  if axes:  # check_vma=True: every manual axis is tracked
+    axes |= frozenset(groups.axes)
+  return axes
+
+
+def launch(
+  interpret: Interpret,
+  body,
+  out_types,
+  scratch_types,
+  *,
+  meshes=None,
+  **kwargs,
+):
+  """An ``mpmd_map`` launch of one exchange on each device: ``body`` on a
+  single TensorCore (or ``meshes``, ``[(mesh, fn), ...]``, with ``body``
+  None), with the barrier semaphore of :func:`handshake`."""
+  return mpmd_map(
+    meshes or [(_common.single_core_mesh(), body)],
+    out_types=out_types,
+    scratch_types=scratch_types,
+    compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID),
+    interpret=interpret,
+    **kwargs,
+  )
+
+
+def exchange_metadata(
+  groups: Groups, values: jax.Array, interpret: Interpret = None
+) -> jax.Array:
+  """``all_to_all`` of int32 ``values`` (rows, k * D) within the groups:
+  column block ``j`` of the result is column block ``me`` of device ``j``'s
+  ``values`` (``jax.lax.all_to_all(..., tiled=True)`` along the columns)."""
+  d = groups.size
+  rows, width = values.shape
+  k = width // d
+  # Blocks as leading rows so that each moves as one DMA.
+  blocks = values.reshape(rows, d, k).transpose(1, 0, 2)
+  axes = varying(groups, values)
+
+  def body(blocks_hbm, out, send_sem, recv_sem):
+    peers = Peers(groups)
+    me = peers.position
+    pltpu.sync_copy(blocks_hbm.at[pl.ds(me, 1)], out.at[pl.ds(me, 1)])
+    handshake(peers)
+    copies = [
+      pltpu.make_async_remote_copy(
+        blocks_hbm.at[pl.ds(peers.position_at(o), 1)],
+        out.at[pl.ds(me, 1)],
+        send_sem,
+        recv_sem,
+        device_id=peers.ids[o],
+      )
+      for o in range(1, d)
+    ]
+    for copy in copies:
+      copy.start()
+    for copy in copies:
+      copy.wait_recv()
+    for copy in copies:
+      copy.wait_send()
+
+  (out,) = launch(
+    interpret,
+    body,
+    (_common.out_type(blocks.shape, jnp.int32, axes),),
+    (pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA),
+    name="ragged_all_to_all_metadata",
+  )(blocks)
+  return out.transpose(1, 0, 2).reshape(rows, width)

@@ -1,0 +1,183 @@
+"""``mpmd.kernels.moe(..., fused=True)``: the one-launch dispatch + experts
++ combine kernel against the unfused layer and the dense reference; its
+schedules on the checking executor; its TPU lowering.
+
+Against the unfused layer the check is equality, bit for bit: both round
+each row's products and sums the same way at these shapes (XLA:CPU dots of
+so few columns round a row the same whatever rows surround it; at hidden
+512 the unfused layer's small tail windows of ``gmm`` and the fused
+kernel's 512-row tiles differ in the last bit, which the benchmark checks
+with a tolerance).
+
+Shapes are small and ``tile_rows`` small, so that slices span several
+tiles (the kernel's streaming) while each test takes seconds.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from moe_util import (
+  Problem,
+  assert_close,
+  dense_reference,
+  expected_drops,
+  tolerances,
+)
+from ragged_all_to_all_util import stacked_mesh
+
+import mpmd
+import mpmd.kernels
+
+SILU = jax.nn.silu
+
+
+def _both(p, **kwargs):
+  """The fused and the unfused layer's outputs on ``p``."""
+  args = p.placed()
+  fused = jax.jit(p.layer(fused=True, **kwargs))(*args)
+  kwargs.pop("tile_rows", None)
+  unfused = jax.jit(p.layer(fused=False, **kwargs))(*args)
+  return fused, unfused
+
+
+@pytest.mark.parametrize(
+  "devices,tokens,experts_local,top_k,dtype,routing,tile_rows",
+  [
+    (2, 5, 2, 2, jnp.float32, "random", None),
+    (2, 13, 2, 2, jnp.float32, "random", 8),  # several tiles per slice
+    (4, 7, 1, 2, jnp.float32, "skewed", 8),
+    (2, 6, 2, 2, jnp.float32, "one_expert", 8),  # idle experts, devices
+    (2, 6, 2, 1, jnp.float32, "own_device", None),  # nothing sent
+    (3, 6, 1, 2, jnp.float32, "ties", 8),  # an odd device count
+    (2, 7, 2, 1, jnp.bfloat16, "random", 8),
+    pytest.param(
+      2, 3, 4, 8, jnp.float32, "random", 8, marks=pytest.mark.slow
+    ),  # top-8: every expert
+    pytest.param(
+      4, 9, 2, 8, jnp.bfloat16, "random", 16, marks=pytest.mark.slow
+    ),
+    pytest.param(8, 5, 1, 2, jnp.float32, "random", 8, marks=pytest.mark.slow),
+    pytest.param(
+      8, 9, 2, 8, jnp.float32, "one_expert", 8, marks=pytest.mark.slow
+    ),
+  ],
+)
+def test_matches_unfused_and_reference(
+  rng, devices, tokens, experts_local, top_k, dtype, routing, tile_rows
+):
+  p = Problem(
+    rng,
+    devices=devices,
+    tokens=tokens,
+    hidden=16,
+    ffn=24,
+    experts_local=experts_local,
+    dtype=dtype,
+    routing=routing,
+  )
+  fused, unfused = _both(p, top_k=top_k, tile_rows=tile_rows)
+  assert fused.dtype == dtype and fused.shape == p.x.shape
+  np.testing.assert_array_equal(np.asarray(fused), np.asarray(unfused))
+  want = dense_reference(*p.args, top_k=top_k, activation=SILU)
+  assert_close(fused, want, dtype)
+
+
+@pytest.mark.parametrize(
+  "devices,capacity_factor,routing",
+  [
+    (2, 0.5, "random"),
+    (4, 0.75, "skewed"),
+    pytest.param(2, 1.0, "one_expert", marks=pytest.mark.slow),
+  ],
+)
+def test_capacity_drops_as_unfused(rng, devices, capacity_factor, routing):
+  p = Problem(
+    rng,
+    devices=devices,
+    tokens=11,
+    hidden=8,
+    ffn=12,
+    experts_local=2,
+    routing=routing,
+  )
+  kwargs = dict(top_k=2, capacity_factor=capacity_factor, return_dropped=True)
+  (fused, dropped), (unfused, unfused_dropped) = _both(p, tile_rows=8, **kwargs)
+  want_dropped = expected_drops(p.logits, 2, devices, capacity_factor)
+  assert want_dropped.any()
+  np.testing.assert_array_equal(np.asarray(dropped), want_dropped)
+  np.testing.assert_array_equal(np.asarray(unfused_dropped), want_dropped)
+  np.testing.assert_array_equal(np.asarray(fused), np.asarray(unfused))
+  want = dense_reference(
+    *p.args, top_k=2, activation=SILU, dropped=want_dropped
+  )
+  assert_close(fused, want, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grad(rng, dtype):
+  p = Problem(
+    rng, devices=2, tokens=5, hidden=8, ffn=16, experts_local=2, dtype=dtype
+  )
+  weights = jnp.asarray(rng.standard_normal(p.x.shape), jnp.float32)
+
+  def loss(fn):
+    return lambda *args: jnp.sum(fn(*args).astype(jnp.float32) * weights)
+
+  argnums = (0, 1, 2, 3)
+  grad = jax.jit(jax.grad(loss(p.layer(top_k=2, fused=True)), argnums))
+  got = grad(*p.placed())
+  reference = functools.partial(dense_reference, top_k=2, activation=SILU)
+  want = jax.grad(loss(reference), argnums)(*p.args)
+  for g, w in zip(got, want, strict=True):
+    scale = float(np.max(np.abs(np.asarray(w, np.float32)))) or 1.0
+    np.testing.assert_allclose(
+      np.asarray(g, np.float32) / scale,
+      np.asarray(w, np.float32) / scale,
+      **tolerances(dtype),
+    )
+
+
+def test_schedule_independent(rng):
+  # Several tiles per slice on 2 devices, 3 in flight per direction: the
+  # checking executor explores orders of sends, relays and returns.
+  p = Problem(rng, devices=2, tokens=11, hidden=8, ffn=8, experts_local=2)
+  layer = jax.jit(p.layer(top_k=2, fused=True, tile_rows=8))
+  report = mpmd.testing.assert_schedule_independent(
+    layer, *p.placed(), schedules=6
+  )
+  assert report.schedules_run == 6
+
+
+def _lowered(target: str) -> str:
+  mesh = stacked_mesh((4,), ("x",))
+  layer = jax.shard_map(
+    functools.partial(mpmd.kernels.moe, top_k=2, axis_name="x", fused=True),
+    mesh=mesh,
+    in_specs=P("x"),
+    out_specs=P("x"),
+  )
+  spec = NamedSharding(mesh, P("x"))
+  shapes = [
+    ((4 * 64, 256), jnp.bfloat16),
+    ((4 * 64, 8), jnp.float32),
+    ((4 * 2, 256, 512), jnp.bfloat16),
+    ((4 * 2, 512, 256), jnp.bfloat16),
+  ]
+  args = [jax.ShapeDtypeStruct(s, d, sharding=spec) for s, d in shapes]
+  with mpmd.tpu_target(target):
+    return jax.jit(layer).trace(*args).lower(lowering_platforms=("tpu",))
+
+
+@pytest.mark.parametrize("target", ["v5e", "v7x"])  # v7x: with SparseCores
+def test_lowers_for_tpu_as_one_kernel(target):
+  text = _lowered(target).as_text()
+  # Dispatch, experts and combine: one Mosaic kernel.
+  assert text.count("tpu_custom_call") == 1
+  assert "moe_fused" in text
+  assert re.search(r"has_communication\\22: true", text)
