@@ -425,7 +425,8 @@ def check_scratch_owners(scratch_avals, meshes) -> None:
         "launch of several meshes: per-program scratch names its mesh "
         "(`pltpu.VMEM @ mesh`, `pltpu.SemaphoreType.REGULAR @ mesh`); "
         "scratch shared by all programs is pltpu.HBM, and by a SparseCore's "
-        "subcores pltpu.VMEM_SHARED"
+        "subcores pltpu.VMEM_SHARED (upstream: MPMD map with more than one "
+        "mesh requires scratch_type to have a `core_type` specified)"
       )
 
 
@@ -463,7 +464,8 @@ def check_refs_passed_once(flat_args: Sequence[Any]) -> None:
       if id(x) in seen:
         raise NotImplementedError(
           "mpmd_map: cannot pass the same Ref into a mpmd_map more than "
-          f"once: inputs {seen[id(x)]} and {i} are one Ref"
+          f"once: inputs {seen[id(x)]} and {i} are one Ref (upstream: Cannot "
+          "pass the same ref into a mpmd map multiple times)"
         )
       seen[id(x)] = i
 
@@ -475,7 +477,8 @@ def check_consts_not_passed(consts: Sequence[Any], flat_args) -> None:
       raise NotImplementedError(
         "mpmd_map: a kernel closes over the Ref it is also passed as input "
         f"{passed[id(c)]}; closed-over Refs that alias a passed-in Ref are "
-        "not supported: use the Ref the kernel is passed"
+        "not supported: use the Ref the kernel is passed (upstream: "
+        "Closed-over ref aliases with a passed-in ref is not supported.)"
       )
 
 

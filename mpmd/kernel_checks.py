@@ -309,20 +309,33 @@ def _check_direct_access(top, eqn, outer, mesh, roles, kernel: str) -> None:
 
 
 def _check_collective_axes(axes, mesh, kernel: str) -> None:
+  """Each message ends with upstream's words for the same condition, which
+  upstream's tests match."""
   axes = tuple(axes or ())
   unknown = [a for a in axes if a not in mesh.shape]
   if unknown:
     raise ValueError(
       f"{kernel}: run_scoped(collective_axes={axes!r}) names {unknown}, "
-      f"which are not axes of the kernel's mesh {dict(mesh.shape)}"
+      f"which are not axes of the kernel's mesh {dict(mesh.shape)} "
+      f"(upstream: Collective axis `{unknown[0]}` not found among axes "
+      f"`{list(mesh.shape)}`)"
     )
   thread = getattr(mesh, "thread_name", None)
   if paths.is_gpu_mesh(mesh) and axes and axes != (thread,):
     # Mosaic GPU allocates collectively only across a block's warpgroups.
+    if set(axes) & set(getattr(mesh, "cluster_names", ())):
+      upstream = "Collective allocations along cluster axes are not supported."
+    elif thread not in axes:
+      upstream = (
+        "Scoped allocation must have the thread axis in its collective axes."
+      )
+    else:
+      upstream = None
     raise ValueError(
       f"{kernel}: run_scoped(collective_axes={axes!r}): expected no "
       f"collective axes or only the warpgroup axis ({thread!r},) of the "
       f"kernel's mesh {dict(mesh.shape)}"
+      + (f" (upstream: {upstream})" if upstream else "")
     )
 
 

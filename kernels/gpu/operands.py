@@ -177,7 +177,7 @@ def _make_operand(where: str, spec: Any, grid: tuple[GridEntry, ...]):
   in_smem = _in_smem(where, spec.memory_space)
   if spec.pipeline_mode is not None:
     raise NotImplementedError(
-      f"{where}: pipeline_mode is not supported; use max_concurrent_steps"
+      f"{where}: pipeline_mode= is not supported; use max_concurrent_steps"
     )
   if getattr(spec, "collective_axes", ()):
     raise NotImplementedError(

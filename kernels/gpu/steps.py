@@ -37,7 +37,8 @@ def check_grid(where: str, grid: Any) -> tuple[GridEntry, ...]:
     if isinstance(g, (int, np.integer)):
       if g <= 0:
         raise ValueError(
-          f"{where}: expected 'grid' of positive ints, got {tuple(grid)}"
+          f"{where}: expected 'grid' of positive ints, got {tuple(grid)} "
+          "(upstream: All elements in the grid must be strictly positive)"
         )
       checked.append(int(g))
       continue
