@@ -52,6 +52,7 @@ nb_execution_mode = "force"
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_execution_timeout = 600
+nb_execution_in_temp = True  # files a notebook writes stay out of docs/
 nb_output_stderr = "warn"  # with -W: anything on stderr fails the build
 nb_merge_streams = True
 
