@@ -184,9 +184,10 @@ def check_interpret(interpret: Any, meshes: Sequence[Any]) -> None:
 def check_lojax(aval: Any, what: str) -> None:
   """Operands we do not take, named: hijax types (upstream lowers them to
   their parts when the program is lowered, after our kernel checks and
-  CPU path choice, which read plain Refs; see the README) and Pallas fuser
-  dtypes (upstream's physicalize rule refuses them as operands too; inside
-  kernels, ``fusible_dtype.physicalize`` rewrites them)."""
+  CPU path choice, which read plain Refs; see
+  docs/tutorials/from_upstream.md) and Pallas fuser dtypes (upstream's
+  physicalize rule refuses them as operands too; inside kernels,
+  ``fusible_dtype.physicalize`` rewrites them)."""
   if getattr(aval, "is_high", False):
     raise NotImplementedError(
       f"mpmd_map: hijax types (jax.experimental.hijax.HiType) are not "
