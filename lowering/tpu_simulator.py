@@ -64,6 +64,9 @@ def _is_hbm(aval) -> bool:
   return space in (pallas_core.MemorySpace.ANY, tpu().core.MemorySpace.HBM)
 
 
+_READ_LOCK_S = 1.0
+
+
 def _watch_wait(semaphore, value, global_core_id, has_tasks, logging_info):
   """Records a simulated semaphore wait of our launches for the deadlock
   watchdog (None: not ours, it runs as JAX wrote it)."""
@@ -81,10 +84,20 @@ def _watch_wait(semaphore, value, global_core_id, has_tasks, logging_info):
       memory, watchdog.DeadlockError(message), device, core
     )
 
+  def what() -> str:
+    # Worded when the deadlock is reported: what reached it by then (read
+    # under the semaphore's lock where it is free, as a waiter leaves it).
+    locked = semaphore.cv.acquire(timeout=_READ_LOCK_S)
+    try:
+      holds = int(semaphore.count_by_core[global_core_id])
+    finally:
+      if locked:
+        semaphore.cv.release()
+    return f"on a {kind} for {value} (it holds {holds} now)"
+
   return watchdog.waiting(
     f"device {device} {watchdog.describe_program(core)}",
-    f"on a {kind} for {value} (it holds "
-    f"{int(semaphore.count_by_core[global_core_id])})",
+    what,
     where,
     abort,
   )

@@ -3,8 +3,18 @@
 The Pallas simulators wait on semaphores (TPU) and barriers (GPU) forever
 when nobody signals them. We record every wait (which program, on what,
 where in the kernel) and a watchdog thread aborts a launch in which a wait
-has lasted longer than the deadlock timeout, with an error naming every
-program of that launch that is still waiting.
+has lasted longer than the deadlock timeout *while nothing else of the
+launch moved* (no simulated operation of it completed in that time), with
+an error naming every program of that launch that is still waiting and
+what each waits for now.
+
+The default timeout (``DEFAULT_DEADLOCK_TIMEOUT_S``, 10 s) is short enough
+for a test loop and stays correct for slow launches: a program that waits
+while others work (every load, store, DMA and signal of the simulator is a
+completed operation) is not timed out, however long it waits. Only a
+launch in which some program waits and the others compute for longer than
+the timeout without one simulated operation (a long stretch of pure math)
+needs a longer one (``mpmd.deadlock_timeout``).
 
 The simulators keep one global state per process, so their launches take
 turns: a launch holds the simulator from its first device's entry until
@@ -25,7 +35,7 @@ from mpmd import _jax
 from mpmd._jax import callback, core, mlir
 from mpmd.lowering import errors
 
-DEFAULT_DEADLOCK_TIMEOUT_S = 60.0
+DEFAULT_DEADLOCK_TIMEOUT_S = 10.0
 _POLL_S = 0.05
 
 _timeout_s = DEFAULT_DEADLOCK_TIMEOUT_S
@@ -40,7 +50,8 @@ def set_deadlock_timeout(seconds: float) -> None:
   """Sets how long a simulated program may wait before the launch fails.
 
   Args:
-    seconds: a positive number (default 60).
+    seconds: a positive number (default 10): how long a program may wait
+      while no simulated operation of its launch completes.
 
   Example (a simulated program waiting longer raises
   ``mpmd.DeadlockError``)::
@@ -48,7 +59,7 @@ def set_deadlock_timeout(seconds: float) -> None:
     >>> mpmd.set_deadlock_timeout(5.0)
     >>> mpmd.get_deadlock_timeout()
     5.0
-    >>> mpmd.set_deadlock_timeout(60.0)  # back to the default
+    >>> mpmd.set_deadlock_timeout(10.0)  # back to the default
   """
   global _timeout_s
   if not seconds > 0:
@@ -64,7 +75,7 @@ def get_deadlock_timeout() -> float:
   Example::
 
     >>> mpmd.get_deadlock_timeout()  # the default
-    60.0
+    10.0
   """
   return _timeout_s
 
@@ -410,7 +421,9 @@ def get_races() -> Races:
 @dataclasses.dataclass
 class _Wait:
   who: str
-  what: str
+  # What it waits for, worded when the deadlock is reported (a count it
+  # holds is then the count that has reached it, not the one it began at).
+  what: Callable[[], str]
   where: str
   since: float
   abort: Callable[[str], None]
@@ -422,11 +435,19 @@ _watchdog: list[threading.Thread] = []
 
 
 @contextlib.contextmanager
-def waiting(who: str, what: str, where: str, abort: Callable[[str], None]):
-  """Records that the calling simulator thread waits, while it does."""
+def waiting(
+  who: str,
+  what: str | Callable[[], str],
+  where: str,
+  abort: Callable[[str], None],
+):
+  """Records that the calling simulator thread waits, while it does;
+  ``what`` (or ``what()``, called when a deadlock is reported) says on
+  what."""
   ident = threading.get_ident()
+  describe = what if callable(what) else (lambda: what)
   with _lock:
-    _waits[ident] = _Wait(who, what, where, time.monotonic(), abort)
+    _waits[ident] = _Wait(who, describe, where, time.monotonic(), abort)
     if not _watchdog:
       thread = threading.Thread(
         target=_watch, name="mpmd-deadlock-watchdog", daemon=True
@@ -440,10 +461,19 @@ def waiting(who: str, what: str, where: str, abort: Callable[[str], None]):
       _waits.pop(ident, None)
 
 
+def _last_progress() -> float | None:
+  """When a simulated operation of the running launch last completed."""
+  with _turn:
+    return _running[0].idle_since if _running else None
+
+
 def _watch() -> None:
   while True:
     time.sleep(_POLL_S)
     now = time.monotonic()
+    progress = _last_progress()
+    if progress is not None and now - progress <= _timeout_s:
+      continue  # the launch moves: whoever waits may still be woken
     with _lock:
       stuck = [w for w in _waits.values() if now - w.since > _timeout_s]
       if not stuck:
@@ -451,12 +481,13 @@ def _watch() -> None:
       waits = list(_waits.values())
       _waits.clear()
     lines = "\n".join(
-      f"  {w.who} waits {w.what}" + (f" at {w.where}" if w.where else "")
+      f"  {w.who} waits {w.what()}" + (f" at {w.where}" if w.where else "")
       for w in waits
     )
     message = (
       f"mpmd_map deadlock: a simulated program waited more than "
-      f"{_timeout_s:g} s and nothing can wake it. Still waiting:\n{lines}\n"
+      f"{_timeout_s:g} s while nothing else of its launch moved, and nothing "
+      f"can wake it. Still waiting:\n{lines}\n"
       "(set the limit with mpmd.set_deadlock_timeout)"
     )
     _fail_running(errors.remember(DeadlockError(message)))
