@@ -26,7 +26,7 @@ from mpmd._jax import (
   state_primitives,
 )
 from mpmd.lowering import jaxpr_util
-from mpmd.lowering.check import records
+from mpmd.lowering.check import records, scalars
 
 _custom = _jax.custom_derivatives()
 
@@ -135,8 +135,9 @@ def _shared(text: str) -> _Shared:
 
 
 class _Segment:
-  """A run of pure equations: run one by one, then, once segments of the
-  same text have run ``COMPILE_AFTER`` times, as one jitted function.
+  """A run of pure equations: integer scalar arithmetic in numpy
+  (``scalars``); else run one by one, then, once segments of the same text
+  have run ``COMPILE_AFTER`` times, as one jitted function.
 
   Inside the host callbacks of a multi-device program on jax 0.10 the
   process's CPU client has no thread left to run a computation (see
@@ -151,6 +152,7 @@ class _Segment:
     self.extended = any(
       _jax.is_extended(v.aval.dtype) for v in (*invars, *outvars)
     )
+    self.in_numpy = scalars.plan(eqns, invars, outvars)
 
     def fn(*values):
       env = dict(zip(invars, values, strict=True))
@@ -164,6 +166,11 @@ class _Segment:
     self.eager = fn
 
   def fn(self, own_client: bool, *values):
+    if self.in_numpy is not None:
+      try:
+        return self.in_numpy(*values)
+      except scalars.Fallback:
+        pass
     shared = _shared(self.text)
     if own_client and not self.extended:
       if shared.on_host is None:

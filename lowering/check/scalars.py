@@ -1,0 +1,125 @@
+"""Integer and boolean scalar arithmetic of a kernel, evaluated in numpy.
+
+Most pure segments of a kernel between two synchronisation points compute
+indices: a slot ``(step + 1) % 2``, a neighbour ``(me + 1) % n``, whether
+this is the last step. Dispatching each to XLA costs a millisecond; numpy
+does it in microseconds. Only operations whose numpy form gives exactly
+what XLA gives are here (integers wrap, division truncates); where XLA
+defines a result numpy would not (division by zero, ``INT_MIN / -1``),
+evaluation gives up (``Fallback``) and the segment runs in XLA.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mpmd._jax import core
+
+
+class Fallback(Exception):
+  """Operands whose result numpy does not compute as XLA does."""
+
+
+def _division(a, b, op):
+  x, y = int(a), int(b)  # exact: Python integers do not wrap
+  signed = np.issubdtype(a.dtype, np.signedinteger)
+  if y == 0 or (signed and y == -1 and x == np.iinfo(a.dtype).min):
+    raise Fallback  # XLA defines x / 0, x % 0 and INT_MIN / -1 its own way
+  quotient = abs(x) // abs(y)  # truncated towards zero, as C and XLA
+  if (x < 0) != (y < 0):
+    quotient = -quotient
+  return quotient if op == "div" else x - quotient * y
+
+
+def _select(params, which, *cases):
+  del params
+  return cases[int(which)]
+
+
+def _convert(params, x):
+  return x.astype(params["new_dtype"])
+
+
+_BINARY: dict[str, Callable[[Any, Any], Any]] = {
+  "add": np.add,
+  "sub": np.subtract,
+  "mul": np.multiply,
+  "max": np.maximum,
+  "min": np.minimum,
+  "and": np.bitwise_and,
+  "or": np.bitwise_or,
+  "xor": np.bitwise_xor,
+  "eq": np.equal,
+  "ne": np.not_equal,
+  "lt": np.less,
+  "le": np.less_equal,
+  "gt": np.greater,
+  "ge": np.greater_equal,
+}
+_UNARY: dict[str, Callable[[Any], Any]] = {
+  "neg": np.negative,
+  "sign": np.sign,
+  "not": np.invert,  # logical for bool, bitwise for integers, as lax.not
+  "abs": np.abs,
+}
+
+
+def _rule(eqn: core.JaxprEqn):
+  name = eqn.primitive.name
+  if name in _BINARY:
+    op = _BINARY[name]
+    return lambda a, b: op(a, b)
+  if name in _UNARY:
+    op = _UNARY[name]
+    return lambda a: op(a)
+  if name in ("div", "rem"):
+    return lambda a, b: _division(a, b, name)
+  if name == "select_n":
+    return lambda *xs: _select(eqn.params, *xs)
+  if name == "convert_element_type":
+    return lambda x: _convert(eqn.params, x)
+  return None
+
+
+def _exact(aval) -> bool:
+  """An integer or boolean scalar (one element: no layout to speak of)."""
+  dtype = getattr(aval, "dtype", None)
+  return (
+    getattr(aval, "shape", None) == ()
+    and dtype is not None
+    and (dtype == np.bool_ or np.issubdtype(dtype, np.integer))
+  )
+
+
+def plan(eqns, invars, outvars) -> Callable[..., list] | None:
+  """``eqns`` as a numpy function of ``invars``' values (a list of
+  ``outvars``' values out, that may raise ``Fallback``); None where some
+  equation or value is not integer / boolean scalar arithmetic."""
+  steps = []
+  for eqn in eqns:
+    rule = _rule(eqn)
+    avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+    if rule is None or not all(_exact(a) for a in avals):
+      return None
+    if len(eqn.outvars) != 1:
+      return None
+    steps.append((rule, eqn.invars, eqn.outvars[0]))
+
+  def read(env, v):
+    if isinstance(v, core.Literal):
+      return np.asarray(v.val, dtype=v.aval.dtype)
+    return env[v]
+
+  def run(*values):
+    env = {
+      v: np.asarray(x, dtype=v.aval.dtype)
+      for v, x in zip(invars, values, strict=True)
+    }
+    with np.errstate(over="ignore"):  # integers wrap, as in XLA
+      for rule, ins, out in steps:
+        result = rule(*[read(env, v) for v in ins])
+        env[out] = np.asarray(result, dtype=out.aval.dtype)
+    return [read(env, v) for v in outvars]
+
+  return run
