@@ -333,7 +333,12 @@ def _mpmd_map_discharge(in_avals, avals_out, *args, **params):
       return ()
 
     return retrace(
-      jaxpr, mesh, meshes, body, [*ins, *outs, *new_outs, *scratch]
+      jaxpr,
+      mesh,
+      meshes,
+      body,
+      [*ins, *outs, *new_outs, *scratch],
+      _discharged_names(jaxpr.debug_info, num_in, num_out, ref_ins),
     )
 
   new_jaxprs = tuple(rewrite(j, m) for j, m in zip(jaxprs, meshes, strict=True))
@@ -355,6 +360,19 @@ def _mpmd_map_discharge(in_avals, avals_out, *args, **params):
 
 
 _jax.register_discharge_rule(mpmd_map_p, _mpmd_map_discharge)
+
+
+def _discharged_names(info, num_in: int, num_out: int, ref_ins):
+  """The kernel's debug info for its discharged form: its own name, and
+  each new output named as the Ref input it carries (errors then name the
+  user's kernel and Refs, not this rule's ``body`` and ``refs[4]``). None
+  where the kernel's names are unknown."""
+  names = None if info is None else info.arg_names
+  if names is None or len(names) < num_in + num_out:
+    return None
+  new = tuple(names[i] for i in ref_ins)
+  names = (*names[: num_in + num_out], *new, *names[num_in + num_out :])
+  return info._replace(arg_names=names)
 
 
 # -- DCE ----------------------------------------------------------------------
