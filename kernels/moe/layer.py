@@ -43,6 +43,7 @@ from mpmd.kernels.collective_matmul.ring import check_ring
 from mpmd.kernels.grouped_matmul import gmm
 from mpmd.kernels.moe import fused as fused_lib
 from mpmd.kernels.moe import ragged
+from mpmd.types import Interpret
 
 _FN = "moe"
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -178,6 +179,7 @@ def moe(
   capacity_factor: float | None = None,
   return_dropped: bool = False,
   tile_rows: int | None = None,
+  interpret: Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """An expert-parallel mixture-of-experts layer (dropless by default).
 
@@ -228,6 +230,11 @@ def moe(
     tile_rows: with ``fused=True``, rows per tile moved and multiplied at
       once (a multiple of 8; default 128 on TPU, 512 on the CPU fallback,
       at most the rows one device can send another). Only with ``fused``.
+    interpret: passed to every ``mpmd_map`` launch of the layer: None runs
+      natively on TPU and on the CPU fallback elsewhere;
+      ``pltpu.InterpretParams(detect_races=True)`` runs them in Pallas'
+      TPU simulator, ``mpmd.CheckParams(schedule=...)`` on the checking
+      executor under a given schedule.
 
   Returns:
     (tokens, hidden) array of ``x``'s dtype; with ``return_dropped``, also
@@ -277,7 +284,9 @@ def moe(
   )
   tile_rows = _check_tile_rows(tile_rows, fused)
   groups = ragged.check_groups(_FN, axis_name, None)
-  static = _Static(groups, top_k, activation, capacity_factor, tile_rows)
+  static = _Static(
+    groups, top_k, activation, capacity_factor, tile_rows, interpret
+  )
   if fused:
     y, dropped = _fused_layer(static, x, router_logits, w_in, w_out)
   else:
@@ -295,6 +304,7 @@ class _Static(NamedTuple):
   activation: Callable[[jax.Array], jax.Array]
   capacity_factor: float | None
   tile_rows: int | None
+  interpret: Interpret
 
 
 class Routing(NamedTuple):
@@ -387,11 +397,10 @@ def _layer(static: _Static, fused: bool, x, router_logits, w_in, w_out):
       w_out,
       static.activation,
       tile_rows=static.tile_rows,
+      interpret=static.interpret,
     )
   else:
-    returned = _unfused_rows(
-      static.groups, routing, rows_sorted, w_in, w_out, static.activation
-    )
+    returned = _unfused_rows(static, routing, rows_sorted, w_in, w_out)
   tokens = x.shape[0]
   dropped = routing.dropped.reshape(tokens, static.top_k)
   return combine(returned, routing, x.dtype), dropped
@@ -420,9 +429,10 @@ def _fused_layer_bwd(static, residuals, cotangents):
 _fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd)
 
 
-def _unfused_rows(groups, routing: Routing, rows_sorted, w_in, w_out, act):
+def _unfused_rows(static: _Static, routing: Routing, rows_sorted, w_in, w_out):
   """Dispatch (ragged all-to-all), gmm, activation, gmm, combine exchange:
   (rows, H) results in this device's sorted order."""
+  groups, interpret = static.groups, static.interpret
   dtype = rows_sorted.dtype
   rows, hidden = rows_sorted.shape
   # routing.counts[j, t, el]: rows from device j to local expert el of
@@ -447,14 +457,25 @@ def _unfused_rows(groups, routing: Routing, rows_sorted, w_in, w_out, act):
     send_sizes,
     lax.dynamic_index_in_dim(landing, me, axis=0, keepdims=False),
     recv_sizes,
+    interpret=interpret,
   )
   h = gmm(
-    dispatched[by_expert], w_in, group_sizes, preferred_element_type=jnp.float32
+    dispatched[by_expert],
+    w_in,
+    group_sizes,
+    preferred_element_type=jnp.float32,
+    interpret=interpret,
   )
-  a = act(h).astype(dtype)
+  a = static.activation(h).astype(dtype)
   # f32 out, then cast: gmm's VJP with a bf16 output hands XLA:CPU (jax
   # 0.12) a bf16 x bf16 = f32 dot it cannot run ("DotThunk").
-  out = gmm(a, w_out, group_sizes, preferred_element_type=jnp.float32)
+  out = gmm(
+    a,
+    w_out,
+    group_sizes,
+    preferred_element_type=jnp.float32,
+    interpret=interpret,
+  )
   out = out.astype(dtype)
   return ragged.checked_call(
     groups,
@@ -464,6 +485,7 @@ def _unfused_rows(groups, routing: Routing, rows_sorted, w_in, w_out, act):
     recv_sizes,
     lax.dynamic_index_in_dim(sender_offsets, me, axis=1, keepdims=False),
     send_sizes,
+    interpret=interpret,
   )
 
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from moe_util import (
@@ -152,6 +153,22 @@ def test_schedule_independent(rng):
     layer, *p.placed(), schedules=6
   )
   assert report.schedules_run == 6
+
+
+@pytest.mark.parametrize(
+  "devices", [2, pytest.param(4, marks=pytest.mark.slow)]
+)
+def test_tpu_simulator_finds_no_race(rng, devices):
+  # Pallas' threaded TPU simulator, its race detector on (it reports the
+  # race when the compute program does not wait for a tile to land).
+  p = Problem(rng, devices=devices, tokens=11, hidden=8, ffn=8, experts_local=2)
+  simulated = pltpu.InterpretParams(detect_races=True)
+  layer = p.layer(top_k=2, fused=True, tile_rows=8, interpret=simulated)
+  with mpmd.race_policy("record"):
+    got = jax.block_until_ready(jax.jit(layer)(*p.placed()))
+    assert not mpmd.get_races().races_found
+  want = jax.jit(p.layer(top_k=2))(*p.placed())
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def _lowered(target: str) -> str:
