@@ -20,7 +20,7 @@ simulators' race policy is a parameter: ``_jax.race_params``).
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import jax
@@ -77,7 +77,7 @@ _tpu_answer: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
 @contextlib.contextmanager
 def tpu_queries_answered(
   answer: Callable[[], tuple[str, int] | None],
-) -> Iterator[None]:
+) -> Generator[None, None, None]:
   """Inside: Pallas' TPU queries get ``answer()``'s ``(device kind, cores)``
   (``None``: ask the hardware as usual)."""
   _install_tpu_queries()

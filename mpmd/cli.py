@@ -108,6 +108,8 @@ def _load_demo_file(name: str) -> registry.Demo:
   if not path.is_file():
     raise SystemExit(f"mpmd lower: no such file {name}")
   spec = importlib.util.spec_from_file_location(path.stem, path)
+  if spec is None or spec.loader is None:
+    raise SystemExit(f"mpmd lower: {name} is not a Python file")
   module = importlib.util.module_from_spec(spec)
   try:
     spec.loader.exec_module(module)
@@ -196,6 +198,8 @@ def _bench(args) -> int:
   if str(root) not in sys.path:
     sys.path.insert(0, str(root))
   spec = importlib.util.spec_from_file_location(f"bench_{args.name}", path)
+  # A path ending in .py always has a spec and a loader.
+  assert spec is not None and spec.loader is not None, path
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.main(args.rest) or 0

@@ -176,8 +176,8 @@ _DEMO_RING = 4
 def _reference_matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   # On the gathered global operands, in f32 (sharded contracting dimensions
   # would make jnp.dot ask for an output sharding).
-  lhs, rhs = (np.asarray(x, np.float32) for x in (lhs, rhs))
-  return jnp.asarray(np.matmul(lhs, rhs))
+  lhs32, rhs32 = (np.asarray(x, np.float32) for x in (lhs, rhs))
+  return jnp.asarray(np.matmul(lhs32, rhs32))
 
 
 def _collective_demo(kernel, lhs_shape, rhs_shape, rhs_spec, out_spec) -> Demo:

@@ -9,7 +9,7 @@ the public multi-mesh entry (``pl.core_map`` is deprecated from jax 0.12).
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from mpmd import _jax
 from mpmd.api import mpmd_map
@@ -193,7 +193,7 @@ def _renamed(name: str, value, old_name: str, old_value, default):
   return default if old_value is _NOT_GIVEN else old_value
 
 
-def _is_sequence(value) -> bool:
+def _is_sequence(value: object) -> TypeGuard[Sequence[Any]]:
   return isinstance(value, Sequence) and not isinstance(value, str)
 
 

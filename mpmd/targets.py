@@ -8,7 +8,7 @@ while we trace or lower a kernel (``answering``): elsewhere JAX is asked.
 """
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import NamedTuple
 
 import jax
@@ -82,7 +82,7 @@ def tpu_target(
 
 
 @contextlib.contextmanager
-def _in_target(name: str) -> Iterator[TpuTarget]:
+def _in_target(name: str) -> Generator[TpuTarget, None, None]:
   with _target(name), answering():
     yield TPU_TARGETS[name]
 
