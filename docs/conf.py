@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # device count in its first cell (jax.config.update("jax_num_cpu_devices"),
 # before JAX starts its backends).
 os.environ["JAX_PLATFORMS"] = "cpu"
+# The kernels forward the C++ side's stderr too, and a notebook's stderr
+# fails the build (below). XLA's C++ log lines (a "slow compile" alarm on a
+# busy machine) are not the page's: failures reach Python as exceptions.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("PYTHONWARNINGS", "default")
 
 import mpmd  # noqa: E402
