@@ -195,7 +195,7 @@ class Machine:
       ref, transforms, self.describe(ctx, eqn.primitive.name, ctx.where)
     )
 
-  def resolve(self, ref, transforms, describe: str) -> View:
+  def resolve(self, ref, transforms, describe: memory.Text) -> View:
     if isinstance(ref, records.RefOperand):
       ref, transforms = ref.ref, (*ref.transforms, *transforms)
     if not isinstance(ref, View):
@@ -368,7 +368,7 @@ class Machine:
     return view.on(other)
 
 
-class Describe:
+class Describe(memory.Deferred):
   """``device 1 {'x': 1} mesh 0 program {'core': 0}: load at k.py:12``,
   formatted only when a message needs it (accesses are many, errors few)."""
 
@@ -381,9 +381,6 @@ class Describe:
   def __str__(self):
     who = self.machine.name(self.device, self.program)
     return f"{who}: {self.op} at {self.where}"
-
-  def __format__(self, spec):
-    return format(str(self), spec)
 
 
 def _private(aval) -> bool:

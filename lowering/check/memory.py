@@ -10,6 +10,7 @@ land -> wait orders them.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -59,19 +60,30 @@ class Aranges:
     return self.cache[shape]
 
 
-class Lazy:
-  """Text made only when a message needs it."""
+class Deferred:
+  """Text for a message, made only when one needs it (``str()`` makes it):
+  accesses are many, errors few."""
+
+  __slots__ = ()
+
+  def __format__(self, spec: str) -> str:
+    return format(str(self), spec)
+
+
+# What names an operation in a message: text, or text made on demand.
+Text = str | Deferred
+
+
+class Lazy(Deferred):
+  """Text made by ``fn()`` only when a message needs it."""
 
   __slots__ = ("fn",)
 
-  def __init__(self, fn):
+  def __init__(self, fn: Callable[[], object]):
     self.fn = fn
 
   def __str__(self):
     return str(self.fn())
-
-  def __format__(self, spec):
-    return format(str(self), spec)
 
 
 class Buffer:
@@ -149,7 +161,7 @@ def check_access(
   time: int,
   clock: Clock,
   write: bool,
-  describe: str,
+  describe: Text,
   mask: np.ndarray | None = None,
   describe_comp=None,
 ) -> None:
@@ -213,7 +225,7 @@ def _ids(where) -> np.ndarray:
   return where
 
 
-def check_initialized(view: View, describe: str, mask=None) -> None:
+def check_initialized(view: View, describe: Text, mask=None) -> None:
   b = view.buffer
   init = b.init[view.ids]
   if mask is not None:
@@ -227,10 +239,10 @@ def check_initialized(view: View, describe: str, mask=None) -> None:
     )
 
 
-def index_view(view: View, indexer, describe: str) -> View:
+def index_view(view: View, indexer, describe: Text) -> View:
   """``view`` narrowed by an ``NDIndexer``; out-of-bounds windows raise
   ``OutOfBoundsError`` (hardware faults; JAX would clamp)."""
-  index = []
+  index: list[slice | int | np.ndarray] = []
   for dim, (idx, size) in enumerate(
     zip(indexer.indices, view.shape, strict=True)
   ):

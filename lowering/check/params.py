@@ -69,9 +69,11 @@ class CheckParams:
         "mpmd.CheckParams: expected 'schedule' to be a schedule string or "
         f"an int seed, got {self.schedule!r}"
       )
-    if isinstance(self.schedule, int):
-      object.__setattr__(self, "schedule", f"random:{self.schedule}")
-    schedule_lib.parse(self.schedule)
+    schedule = self.schedule
+    if isinstance(schedule, int):
+      schedule = f"random:{schedule}"
+      object.__setattr__(self, "schedule", schedule)
+    schedule_lib.parse(schedule)
 
   def owner(self) -> "Owner":
     return _owners(self)
@@ -105,8 +107,9 @@ class Owner:
     return ("params", self.params)
 
   def begin_launch(self) -> Run:
-    spec = schedule_lib.parse(self.params.schedule)
     text = self.params.schedule
+    assert isinstance(text, str)  # __post_init__ made a seed a string
+    spec = schedule_lib.parse(text)
     with self.lock:
       call = self.calls
       self.calls += 1

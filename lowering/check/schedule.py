@@ -134,7 +134,7 @@ def default_choice(options: list[Option], current: int | None) -> Option:
 class Strategy:
   """The default schedule: no preemption."""
 
-  def choose(self, step: int, options: list[Option], default: Option):
+  def choose(self, step: int, options: list[Option], default: Option) -> Option:
     del step, options
     return default
 
@@ -150,7 +150,7 @@ class Fixed(Strategy):
     self.picks = picks
 
   def choose(self, step, options, default):
-    pick = self.picks.get(step)
+    pick = self.picks.get(step, default)
     return pick if pick in options else default
 
 

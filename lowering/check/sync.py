@@ -31,8 +31,13 @@ class _Program:
     self.views: dict[str, View] = {}
     self.polled = False  # its last operation read a semaphore
 
+  def next_sync(self) -> interp.Sync:
+    """The operation a started program that has not exited waits at."""
+    assert self.pending is not None, (self.device, self.program)
+    return self.pending
 
-def _element(view: View, describe: str) -> int:
+
+def _element(view: View, describe: memory.Text) -> int:
   if view.ids.size != 1:
     raise ValueError(
       f"{describe}: a semaphore operation needs one semaphore, got a view "
@@ -124,7 +129,7 @@ def _describe(m, p, op: str, where: str):
 def _enabled(m, p: _Program) -> bool:
   if not p.started:
     return True
-  op = p.pending.op
+  op = p.next_sync().op
   if isinstance(op, records.DmaWait):
     return _count(_sem_view(m, p, op.sem)) >= _wait_bytes(m, p, op)
   if isinstance(op, records.SemWait):
@@ -153,7 +158,7 @@ def _advance(m, p: _Program) -> None:
   """Performs ``p``'s pending operation and runs it to its next one."""
   result = None
   if p.started:
-    result = _perform(m, p, p.pending)
+    result = _perform(m, p, p.next_sync())
   p.started = True
   p.views.clear()
   p.polled = isinstance(p.pending and p.pending.op, records.SemRead)
