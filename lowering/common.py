@@ -46,7 +46,7 @@ def grid_mapping(
   itself (``mpmd_map`` has no automatic pipelining).
   """
   num_in, num_out = len(in_avals), len(out_avals)
-  scratch = [v.aval for v in jaxpr.invars[num_in + num_out :]]
+  scratch = _scratch_refs(jaxpr, num_in + num_out)
   grid_spec = pallas_core.GridSpec(
     grid=tuple(mesh.shape.items()),
     in_specs=tuple(_block_spec(a, mesh) for a in in_avals),
@@ -103,6 +103,18 @@ def plain_avals(avals: Sequence[Any]) -> list[Any]:
   return plain
 
 
+def _scratch_refs(
+  jaxpr: core.Jaxpr, num_operands: int
+) -> list[state.AbstractRef]:
+  """The avals of a kernel's scratch: its inputs after the operands."""
+  refs = []
+  for v in jaxpr.invars[num_operands:]:
+    if not isinstance(v.aval, state.AbstractRef):
+      raise TypeError(f"mpmd_map: expected kernel scratch Refs, got {v.aval}")
+    refs.append(v.aval)
+  return refs
+
+
 def scoped_scratch(
   jaxpr: core.Jaxpr,
   num_operands: int,
@@ -118,7 +130,7 @@ def scoped_scratch(
   new jaxpr takes the operands and then the others. Returns it and the
   indices (among the scratch) of those kept as kernel scratch.
   """
-  scratch = [v.aval for v in jaxpr.invars[num_operands:]]
+  scratch = _scratch_refs(jaxpr, num_operands)
   scoped = [i for i, a in enumerate(scratch) if which(a)]
   kept = [i for i in range(len(scratch)) if i not in scoped]
   if not scoped:

@@ -23,6 +23,7 @@ from mpmd.lowering import (
 
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   jaxprs, meshes = params["jaxprs"], params["meshes"]
+  path: paths.Path = params["cpu_path"]
   paths.check_simulable(jaxprs)
   # A DMA or signal to the one program of a mesh that runs nothing here
   # (its memory holds an operand) lands on that operand: the caller's own.
@@ -32,7 +33,6 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   callbacks.install()  # our callbacks' errors reach the caller typed
   num_operands = len(in_nodes) + len(params["out_avals"])
   paths.check_semaphore_operands(jaxprs, meshes, num_operands)
-  path = params["cpu_path"]
   if params["debug"]:
     print(f"mpmd_map: CPU fallback takes the {path.kind} path: {path.reason}")
   if path.kind in (paths.TPU_SIMULATOR, paths.GPU_SIMULATOR):

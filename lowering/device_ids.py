@@ -46,7 +46,7 @@ class Known:
   def value(self, a: Any) -> np.ndarray | None:
     """``a``'s value on every device (a Var or Literal), if known."""
     if isinstance(a, core.Literal):
-      if np.ndim(a.val) != 0:
+      if np.ndim(a.val) != 0 or not isinstance(a.aval, core.ShapedArray):
         return None
       return np.full(self.count, a.val, np.dtype(a.aval.dtype))
     return self._values.get(a)
@@ -105,8 +105,9 @@ class Known:
       return [index]
     if eqn.effects:
       return None
-    inputs = [self.value(a) for a in eqn.invars]
-    if any(x is None for x in inputs):
+    values = [self.value(a) for a in eqn.invars]
+    inputs = [x for x in values if x is not None]
+    if len(inputs) != len(values):
       return None
     if eqn.primitive.name in ("pjit", "jit", "closed_call"):
       param = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
@@ -114,8 +115,9 @@ class Known:
       if j.constvars or consts:
         return None
       self._scan(j, dict(zip(j.invars, inputs, strict=True)))
-      outs = [self.value(v) for v in j.outvars]
-      return None if any(x is None for x in outs) else outs
+      values = [self.value(v) for v in j.outvars]
+      outs = [x for x in values if x is not None]
+      return outs if len(outs) == len(values) else None
     if jaxpr_util.sub_jaxprs(eqn.params):
       return None
 

@@ -147,6 +147,7 @@ def _fast_programs(num_in: int, params):
   num_out = len(params["out_avals"])
   programs, labels, num_checks, sparsecores = [], [], 0, []
   found: list[list[static.Access]] = []  # per program: statically known
+  names: list[str] = []  # the operands' (every kernel has the same)
   # Meshes by position, never `meshes.index(mesh)`: upstream meshes compare
   # with `==`, which is elementwise (and ambiguous) for a multi-core
   # TensorCoreMesh on jax 0.10.2, and a mesh may appear twice.

@@ -204,15 +204,16 @@ def axis_index_rule(
     if eqn.primitive is lax_parallel.axis_index_p:
       names = _axis_names(eqn.params["axis_name"])
       values = [value_of(n) for n in names]
-      if all(v is None for v in values):
+      known = [v for v in values if v is not None]
+      if not known:
         return None
-      if any(v is None for v in values):
+      if len(known) != len(values):
         raise NotImplementedError(
           f"mpmd_map: axis_index over {names} mixes kernel-mesh axes with "
           "device-mesh axes; ask for each separately"
         )
-      index = values[0]
-      for name, v in zip(names[1:], values[1:], strict=True):
+      index = known[0]
+      for name, v in zip(names[1:], known[1:], strict=True):
         index = index * sizes[name] + v
       return [index]
     if eqn.primitive is pallas_primitives.program_id_p:
@@ -243,13 +244,14 @@ def map_avals(jaxpr: core.Jaxpr, fn: Callable[[Any], Any]) -> core.Jaxpr:
   jaxprs included (structural: nothing is re-traced or re-checked)."""
   env: dict[core.Var, core.Var] = {}
 
-  def var(v):
-    if isinstance(v, core.Literal):
-      return v
+  def var(v: core.Var) -> core.Var:
     if v not in env:
       cls = core.DropVar if isinstance(v, core.DropVar) else core.Var
       env[v] = cls(fn(v.aval))
     return env[v]
+
+  def atom(a: core.Atom) -> core.Atom:
+    return a if isinstance(a, core.Literal) else var(a)
 
   def sub(j):
     if _jax.is_closed(j):
@@ -268,7 +270,7 @@ def map_avals(jaxpr: core.Jaxpr, fn: Callable[[Any], Any]) -> core.Jaxpr:
   for eqn in jaxpr.eqns:
     eqns.append(
       eqn.replace(
-        invars=[var(v) for v in eqn.invars],
+        invars=[atom(a) for a in eqn.invars],
         outvars=[var(v) for v in eqn.outvars],
         params={k: _map_jaxprs(v, sub) for k, v in eqn.params.items()},
         effects={effect(e) for e in eqn.effects},
@@ -278,7 +280,7 @@ def map_avals(jaxpr: core.Jaxpr, fn: Callable[[Any], Any]) -> core.Jaxpr:
     jaxpr,
     constvars=constvars,
     invars=invars,
-    outvars=[var(v) for v in jaxpr.outvars],
+    outvars=[atom(a) for a in jaxpr.outvars],
     eqns=eqns,
     effects={effect(e) for e in jaxpr.effects},
   )

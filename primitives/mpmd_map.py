@@ -176,7 +176,7 @@ def _mpmd_map_impl(*args, **params):
 def _kernel_effects(in_avals, jaxprs, meshes) -> set[core.Effect]:
   """The effects of the kernels that are visible outside the launch."""
   mesh_axes = set(axis_env(meshes))
-  effs = set()
+  effs: set[core.Effect] = set()
   for mesh, jaxpr in zip(meshes, jaxprs, strict=True):
     for eff in jaxpr.effects:
       if mesh.discharges_effect(
@@ -251,8 +251,14 @@ def _outside_type(aval):
 # -- typecheck ----------------------------------------------------------------
 
 
-def _kernel_operand_aval(aval):
-  return aval.inner_aval if isinstance(aval, state.AbstractRef) else aval
+def _kernel_operand_aval(aval: core.AbstractValue) -> core.ShapedArray:
+  """The array a kernel operand holds: a Ref's, or the value's own."""
+  inner = aval.inner_aval if isinstance(aval, state.AbstractRef) else aval
+  if not isinstance(inner, core.ShapedArray):
+    raise core.JaxprTypeError(
+      f"mpmd_map: expected kernel operands of arrays, got {inner}"
+    )
+  return inner
 
 
 def _mpmd_map_typecheck(ctx_factory, *in_atoms, **params):
