@@ -1,11 +1,14 @@
 """The expert-parallel MoE layer on the CPU fallback vs plain-JAX layers.
 
-For each shape, in one run, the forward pass of three dropless
+For each shape, in one run, the forward pass of four dropless
 expert-parallel layers (top-k routing, each expert's MLP on its device,
 weighted sum), all inside ``shard_map``:
 
   ours      ``mpmd.kernels.moe``: ragged_all_to_all dispatch, gmm, reverse
             exchange
+  fused     ``mpmd.kernels.moe(..., fused=True)``: one two-mesh launch that
+            streams token tiles to the experts' devices, runs their MLP
+            tile by tile as they land and streams the results back
   padded    XLA all_to_all of per-device buckets padded to the most rows a
             device can send another (tokens x top_k: dropless), rows sorted
             by expert on arrival, ``jax.lax.ragged_dot``, all_to_all back
@@ -17,11 +20,14 @@ and, for scale, a layer that is not dropless:
   capacity  GShard-style buckets of 1.25x the rows a uniform routing sends
             each expert, dense batched matmuls, rows past capacity dropped
 
-printed as ours / each (median of each round's ratio, the rounds
-interleaved; in brackets the lowest and highest round). The dropless
-outputs are checked against each other first. XLA:CPU's ``ragged_dot``
-is slow (about 5x ``gmm``, see grouped_matmul's bench), which weighs on
-the padded and gathered layers.
+printed as ours / each and fused / each (median of each round's ratio,
+the rounds interleaved; in brackets the lowest and highest round), and
+fused / ours (fused at the small shape only, unless --fused-large: on CPU
+it runs on the checking executor, which tracks every element it touches,
+several GB at the large shape). The dropless outputs are checked against
+each other first.
+XLA:CPU's ``ragged_dot`` is slow (about 5x ``gmm``, see grouped_matmul's
+bench), which weighs on the padded and gathered layers.
 
   mpmd bench moe            # the issue's small shape and a larger one
   mpmd bench moe --quick    # the small shape only (2 CPU cores)
@@ -30,7 +36,8 @@ Small: 4 devices, 8 experts, 2,048 tokens (512 per device), hidden 512, ffn
 1,024, top-2, f32. Large: 8 devices, 16 experts, 4,096 tokens, same layer.
 Each shape ends with an analytical TPU v5e estimate per chip: the
 exchanges' bytes over ICI against the grouped matmuls' time, unfused
-(one after the other) and at best overlapped (what ``fused=True`` is for).
+(one after the other) and at best overlapped, and what the fused kernel's
+tiled schedule costs (``fused_estimate``).
   python benchmarks/moe.py --quick
 """
 
@@ -155,7 +162,7 @@ def gathered_layer(x, logits, w_in, w_out, *, top_k, devices):
   return lax.psum_scatter(y, "x", tiled=True)
 
 
-def _case(shape, rounds):
+def _case(shape, rounds, fused: bool):
   devices, experts, tokens, hidden, ffn, top_k = shape
   mesh = jax.make_mesh((devices,), ("x",), devices=jax.devices()[:devices])
   rng = np.random.default_rng(0)
@@ -170,12 +177,16 @@ def _case(shape, rounds):
   ]
   layers = {
     "ours": functools.partial(mpmd.kernels.moe, axis_name="x"),
+    "fused": functools.partial(mpmd.kernels.moe, axis_name="x", fused=True),
     "padded": functools.partial(padded_layer, devices=devices),
     "gathered": functools.partial(gathered_layer, devices=devices),
     "capacity": functools.partial(
       capacity_layer, devices=devices, factor=CAPACITY_FACTOR
     ),
   }
+  mine = ("ours", "fused") if fused else ("ours",)
+  if not fused:
+    del layers["fused"]
   fns = {
     name: jax.jit(
       jax.shard_map(
@@ -189,19 +200,22 @@ def _case(shape, rounds):
     for name, layer in layers.items()
   }
   outs = {name: np.asarray(fn(*args)) for name, fn in fns.items()}
-  for name in ("padded", "gathered"):
+  for name in ("fused", "padded", "gathered")[0 if fused else 1 :]:
     np.testing.assert_allclose(outs["ours"], outs[name], rtol=1e-4, atol=1e-4)
   times = time_rounds(
     {n: functools.partial(f, *args) for n, f in fns.items()}, rounds
   )
+  pairs = [
+    (ours, name) for ours in mine for name in ("padded", "gathered", "capacity")
+  ] + ([("fused", "ours")] if fused else [])
   return {
-    name: (
-      paired_ratio(times["ours"], times[name]),
-      ratio_spread(times["ours"], times[name]),
+    (ours, name): (
+      paired_ratio(times[ours], times[name]),
+      ratio_spread(times[ours], times[name]),
       statistics.median(times[name]),
     )
-    for name in ("padded", "gathered", "capacity")
-  }, statistics.median(times["ours"])
+    for ours, name in pairs
+  }, {ours: statistics.median(times[ours]) for ours in mine}
 
 
 # TPU v5e (one TensorCore per chip), public figures, as in the collective
@@ -238,10 +252,50 @@ def tpu_estimate(shape) -> str:
   )
 
 
+# The fused kernel's tile on TPU (``fused._TILE_ROWS["tpu"]``).
+TPU_TILE_ROWS = 128
+
+
+def fused_estimate(shape) -> str:
+  """What the fused schedule overlaps on one chip, and its overheads.
+
+  The dispatch program's sends of tile i + 1 overlap the compute program's
+  MLP of tile i, and the return of tile i the MLP of tile i + 1: the
+  exchanges hide behind the matmuls except for one tile each way (the
+  first tile in, the last result out). The compute program multiplies a
+  tile by every local expert whose rows it holds: per source slot at most
+  El - 1 tiles straddle two experts and are computed once more.
+  """
+  devices, experts, tokens, hidden, ffn, top_k = shape
+  experts_local = experts // devices
+  rows = tokens // devices * top_k
+  remote = rows * (devices - 1) / devices
+  t_wire = 2 * remote * hidden * BF16_BYTES / TPU_ICI_BYTES_PER_S
+  flops_per_row = 2 * 2 * hidden * ffn
+  extra = devices * (experts_local - 1) * TPU_TILE_ROWS * flops_per_row
+  t_mxu = (rows * flops_per_row + extra) / TPU_BF16_FLOPS
+  tile = TPU_TILE_ROWS * hidden * BF16_BYTES / TPU_ICI_BYTES_PER_S
+  tile_mxu = TPU_TILE_ROWS * flops_per_row / TPU_BF16_FLOPS
+  fused = max(t_wire, t_mxu) + 2 * tile + tile_mxu
+  weights = 2 * experts_local * hidden * ffn * BF16_BYTES
+  return (
+    f"  fused (tiles of {TPU_TILE_ROWS} rows): about {fused * 1e6:.0f} us "
+    f"per chip = max(exchanges, matmuls incl. {extra / 1e9:.2f} GFLOP on "
+    f"tiles straddling two experts) + one tile in, one out, one tile's "
+    f"MLP; the compute program holds {weights / 2**20:.1f} MiB of weights "
+    "in VMEM"
+  )
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="mpmd bench moe", description=__doc__)
   parser.add_argument("--quick", action="store_true", help="small shape only")
   parser.add_argument("--rounds", type=int, default=9)
+  parser.add_argument(
+    "--fused-large",
+    action="store_true",
+    help="also time fused=True at the large shape (several GB of memory)",
+  )
   args = parser.parse_args(argv)
   shapes = [SMALL] if args.quick else [SMALL, LARGE]
   print(
@@ -250,17 +304,25 @@ def main(argv=None) -> int:
   )
   for shape in shapes:
     devices, experts, tokens, hidden, ffn, top_k = shape
-    ratios, ours = _case(shape, args.rounds)
+    fused = shape == SMALL or args.fused_large
+    ratios, ours = _case(shape, args.rounds, fused)
     print(
       f"D={devices} E={experts} tokens={tokens} hidden={hidden} ffn={ffn} "
-      f"top-{top_k}: ours {ours * 1e3:.1f} ms"
+      f"top-{top_k}: ours {ours['ours'] * 1e3:.1f} ms"
+      + (f", fused {ours['fused'] * 1e3:.1f} ms" if fused else "")
     )
-    for name, (ratio, (low, high), theirs) in ratios.items():
+    if not fused:
       print(
-        f"  ours / {name:<8} {ratio:5.2f} [{low:.2f}-{high:.2f}] "
+        "  fused: not timed at this shape (on CPU it runs on the checking "
+        "executor, which tracks every element: several GB; --fused-large)"
+      )
+    for (mine, name), (ratio, (low, high), theirs) in ratios.items():
+      print(
+        f"  {mine:<5} / {name:<8} {ratio:5.2f} [{low:.2f}-{high:.2f}] "
         f"({theirs * 1e3:.1f} ms)"
       )
     print(tpu_estimate(shape))
+    print(fused_estimate(shape))
   return 0
 
 
