@@ -18,6 +18,11 @@ import numpy as np
 
 from mpmd import meshes
 
+# A remote DMA's or signal's ``device_id``: its mesh coordinate along each
+# axis (the type Pallas takes on every supported jax: 0.10's is a dict, not
+# a Mapping, so its value type must match exactly).
+DeviceCoords = dict[str | tuple[str, ...], int | jax.Array]
+
 
 def dtype_names(dtypes: Iterable[Any]) -> str:
   """``"float32, bfloat16 or float16"``: dtypes for a message."""
@@ -61,7 +66,9 @@ def check_array(
     )
 
 
-def check_dtype(fn: str, arg: str, x: Any, allowed: Collection[Any]) -> Any:
+def check_dtype(
+  fn: str, arg: str, x: Any, allowed: Collection[Any]
+) -> np.dtype:
   """``x``'s dtype is one of ``allowed``; returns it."""
   dtype = jnp.dtype(x.dtype)
   if dtype not in {jnp.dtype(d) for d in allowed}:
@@ -72,7 +79,9 @@ def check_dtype(fn: str, arg: str, x: Any, allowed: Collection[Any]) -> Any:
   return dtype
 
 
-def as_dtype(fn: str, arg: str, value: Any, allowed: Collection[Any]) -> Any:
+def as_dtype(
+  fn: str, arg: str, value: Any, allowed: Collection[Any]
+) -> np.dtype:
   """``value`` names one of the ``allowed`` dtypes; returns it."""
   try:
     dtype = jnp.dtype(value)

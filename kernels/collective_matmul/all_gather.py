@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -34,7 +35,7 @@ class AgConfig(NamedTuple):
   ring: Ring
   bidirectional: bool
   buffering: int
-  out_dtype: Any
+  out_dtype: np.dtype
   block_sizes: BlockSizes
   interpret: Interpret
   schedule: str  # "ring" or "direct" (see direct.py)

@@ -52,10 +52,21 @@ def _direct(schedule: str, ring) -> bool:
   return schedule == "direct" and ring.size > 1
 
 
-def _ag_call(config: AgConfig, lhs, rhs, *, return_gathered: bool):
+def _ag_call(
+  config: AgConfig, lhs, rhs, *, return_gathered: bool
+) -> tuple[jax.Array, jax.Array | None]:
   if _direct(config.schedule, config.ring):
     return ag_direct_call(config, lhs, rhs, return_gathered=return_gathered)
   return ag_kernel_call(config, lhs, rhs, return_gathered=return_gathered)
+
+
+def _ag_call_gathered(
+  config: AgConfig, lhs, rhs
+) -> tuple[jax.Array, jax.Array]:
+  """``_ag_call``'s output and the gathered ``lhs``."""
+  out, gathered = _ag_call(config, lhs, rhs, return_gathered=True)
+  assert gathered is not None  # asked for
+  return out, gathered
 
 
 def _rs_call(config: RsConfig, lhs, rhs):
@@ -71,7 +82,7 @@ def _ag_matmul(config: AgConfig, lhs: jax.Array, rhs: jax.Array):
 
 
 def _ag_matmul_fwd(config, lhs, rhs):
-  out, gathered = _ag_call(config, lhs, rhs, return_gathered=True)
+  out, gathered = _ag_call_gathered(config, lhs, rhs)
   return out, (gathered, rhs)
 
 
@@ -244,14 +255,14 @@ def _rs_matmul_bwd(config, residuals, d_out):
   precision = dot_precision(dtype)
   if config.scatter_dimension == 0:
     # d_rhs^T = all_gather(d_out^T, axis=1) @ lhs; d_lhs = d_Z @ rhs^T.
-    d_rhs_t, d_z_t = _ag_call(ag_config, d_out.T, lhs, return_gathered=True)
+    d_rhs_t, d_z_t = _ag_call_gathered(ag_config, d_out.T, lhs)
     d_rhs = d_rhs_t.T
     d_lhs = jnp.dot(
       d_z_t.T, rhs.T, preferred_element_type=jnp.float32, precision=precision
     )
   else:
     # d_lhs = all_gather(d_out, axis=1) @ rhs^T; d_rhs = lhs^T @ d_Z.
-    d_lhs, d_z = _ag_call(ag_config, d_out, rhs.T, return_gathered=True)
+    d_lhs, d_z = _ag_call_gathered(ag_config, d_out, rhs.T)
     d_rhs = jnp.dot(
       lhs.T, d_z, preferred_element_type=jnp.float32, precision=precision
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from mpmd import targets
 from mpmd.kernels import _common
@@ -40,7 +41,9 @@ class BlockSizes(NamedTuple):
   block_m: int | None = None
 
 
-def check_operands(fn_name: str, lhs: Any, rhs: Any, out_dtype: Any):
+def check_operands(
+  fn_name: str, lhs: Any, rhs: Any, out_dtype: Any
+) -> np.dtype:
   """Checks ``lhs``/``rhs`` (2-D, float32 or bfloat16, one dtype) and returns
   the output dtype ``preferred_element_type`` names."""
   for arg_name, x in (("lhs", lhs), ("rhs", rhs)):

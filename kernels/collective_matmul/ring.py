@@ -14,6 +14,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mpmd.kernels._common import DeviceCoords
+
 
 class Ring(NamedTuple):
   """A validated ring: mesh axes, their sizes, and the visiting order."""
@@ -111,7 +113,7 @@ class RingCoords:
     for position, device in enumerate(ring.order):
       inverse[device] = position
     self._position = _lookup(flat, inverse)  # this device's, on the ring
-    self._ids: dict[int, dict[str, jax.Array]] = {}
+    self._ids: dict[int, DeviceCoords] = {}
 
   def device_at(self, offset: int | jax.Array) -> jax.Array:
     """Flattened axis index of the device ``offset`` positions away."""
@@ -119,7 +121,7 @@ class RingCoords:
     position = lax.rem(self._position + offset % ring.size, ring.size)
     return _lookup(position, ring.order)
 
-  def device_id(self, offset: int) -> dict[str, jax.Array]:
+  def device_id(self, offset: int) -> DeviceCoords:
     """Mesh coordinates (along the ring's axes) for a remote DMA/signal.
 
     Computed once per offset, so the first call must be at the kernel's
@@ -132,9 +134,9 @@ class RingCoords:
       for size in reversed(self.ring.sizes):
         coords.append(lax.rem(rest, size))
         rest = rest // size
-      self._ids[column] = dict(
-        zip(self.ring.axes, reversed(coords), strict=True)
-      )
+      self._ids[column] = {
+        a: c for a, c in zip(self.ring.axes, reversed(coords), strict=True)
+      }
     return self._ids[column]
 
 

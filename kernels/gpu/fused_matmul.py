@@ -17,7 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mpmd.kernels.gpu import matmul as matmul_lib
+# By name: the package's `matmul` is the function, which shadows the module.
+from mpmd.kernels.gpu.matmul import MULTI_MESH_DEFAULT, build, check_config
 from mpmd.types import Interpret
 
 # Constants of the tanh approximation of GELU (jax.nn.gelu(approximate=True)),
@@ -51,7 +52,7 @@ def fused_matmul(
   num_compute_wgs: int = 2,
   out_dtype: Any = None,
   interpret: Interpret = None,
-  multi_mesh: bool = matmul_lib.MULTI_MESH_DEFAULT,
+  multi_mesh: bool = MULTI_MESH_DEFAULT,
 ) -> jax.Array:
   """``activation(a @ b + c)`` with the epilogue fused into the matmul.
 
@@ -81,7 +82,7 @@ def fused_matmul(
       f"fused_matmul: expected 'activation' None or one of "
       f"{sorted(ACTIVATIONS)}, got {activation!r}"
     )
-  config = matmul_lib.check_config(
+  config = check_config(
     "fused_matmul",
     a,
     b,
@@ -99,7 +100,7 @@ def fused_matmul(
   def epilogue(acc: jax.Array, c_val: jax.Array | None) -> jax.Array:
     return act(acc if c_val is None else acc + c_val)
 
-  call = matmul_lib.build(
+  call = build(
     config,
     epilogue=epilogue,
     has_c=c is not None,

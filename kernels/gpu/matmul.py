@@ -24,6 +24,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from mpmd.kernels._common import (
@@ -77,8 +78,8 @@ class _Config:
   max_concurrent_steps: int
   warp_specialized: bool
   num_compute_wgs: int
-  in_dtype: Any
-  out_dtype: Any
+  in_dtype: np.dtype
+  out_dtype: np.dtype
   # Manual mesh axes the operands vary over (inside a shard_map).
   varying: frozenset[Any] = frozenset()
 
@@ -93,7 +94,9 @@ class _Config:
     return self.k // self.block_k
 
 
-def _check_operands(fn: str, a: Any, b: Any, c: Any, out_dtype: Any):
+def _check_operands(
+  fn: str, a: Any, b: Any, c: Any, out_dtype: Any
+) -> tuple[np.dtype, np.dtype]:
   """(a's dtype, the output dtype); raises on bad operands."""
   check_array(fn, "a", a, rank=2, shape_doc="(m, k)")
   check_array(fn, "b", b, rank=2, shape_doc="(k, n)")

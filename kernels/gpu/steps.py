@@ -13,6 +13,7 @@ import jax.experimental.pallas as pl
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from typing_extensions import TypeIs
 
 # A grid entry: a static size or a traced int32 scalar.
 GridEntry = int | jax.Array
@@ -27,7 +28,7 @@ def check_grid(where: str, grid: Any) -> tuple[GridEntry, ...]:
       f"{where}: expected 'grid' as a tuple of ints or int32 scalars, got "
       f"{type(grid).__name__}"
     )
-  checked = []
+  checked: list[GridEntry] = []
   for g in grid:
     if isinstance(g, bool):
       raise TypeError(
@@ -56,7 +57,7 @@ def check_grid(where: str, grid: Any) -> tuple[GridEntry, ...]:
   return tuple(checked)
 
 
-def is_static(value: Any) -> bool:
+def is_static(value: Any) -> TypeIs[int]:
   return isinstance(value, int)
 
 

@@ -76,7 +76,8 @@ class _KernelRefs(NamedTuple):
 class GmmConfig(NamedTuple):
   """Static parameters of one gmm call (hashable: a custom_vjp closure key)."""
 
-  tiling: Tiling
+  # None: the CPU window schedule (``windows.py``), which runs no tiles.
+  tiling: Tiling | None
   preferred_element_type: jnp.dtype
   transpose_rhs: bool
   interpret: Interpret
@@ -94,6 +95,7 @@ def gmm_call(
   m, k = lhs.shape
   num_local = rhs.shape[0]
   n = rhs.shape[1] if cfg.transpose_rhs else rhs.shape[2]
+  assert cfg.tiling is not None  # else the window schedule runs
   tm, tk, tn = cfg.tiling
   out_dtype = cfg.preferred_element_type
   in_dtype = input_dtype(lhs, rhs)
@@ -168,7 +170,7 @@ def gmm_call(
 
         @pl.when(jnp.logical_and(k_i == 0, needs_init))
         def _init_out():
-          if has_existing:
+          if existing_b is not None:
             out_b[...] = existing_b[...]
           else:
             out_b[...] = jnp.zeros_like(out_b)
@@ -269,7 +271,7 @@ def _swap_last(idx):
 
 
 class TgmmConfig(NamedTuple):
-  tiling: Tiling
+  tiling: Tiling | None  # as GmmConfig's
   preferred_element_type: jnp.dtype
   num_actual_groups: int
   interpret: Interpret
@@ -286,6 +288,7 @@ def tgmm_call(
 ) -> jax.Array:
   k, m = lhs.shape
   n = rhs.shape[1]
+  assert cfg.tiling is not None  # else the window schedule runs
   tm, tk, tn = cfg.tiling
   num_local = cfg.num_actual_groups
   out_dtype = cfg.preferred_element_type
@@ -365,7 +368,7 @@ def tgmm_call(
         @pl.when(r.meta[layout.last + v] == 1)
         def _store():
           total = acc[...]
-          if has_existing:
+          if existing_b is not None:
             total += existing_b[...].astype(jnp.float32)
           out_b[...] = total.astype(out_dtype)
 

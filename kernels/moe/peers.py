@@ -118,14 +118,16 @@ class Peers:
     size = self.groups.size
     return lax.rem(self.position + offset, size)
 
-  def _device_id(self, offset: int) -> dict[str, jax.Array]:
+  def _device_id(self, offset: int) -> _common.DeviceCoords:
     size = self.groups.size
     rest = lookup(self._group * size + self.position_at(offset), self._members)
     coords = []
     for axis_size in reversed(self.groups.sizes):
       coords.append(lax.rem(rest, axis_size))
       rest = rest // axis_size
-    return dict(zip(self.groups.axes, reversed(coords), strict=True))
+    return {
+      a: c for a, c in zip(self.groups.axes, reversed(coords), strict=True)
+    }
 
 
 def handshake(peers: Peers) -> None:
