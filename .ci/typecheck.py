@@ -5,13 +5,15 @@ The source tree is not importable as `mpmd`: pyproject.toml's
 `mpmd.kernels` to kernels/ and so on. This script builds that layout in a
 temporary directory out of symlinks (one per file or folder, nothing copied),
 then runs `pyrefly check` over it with the configuration in pyproject.toml's
-[tool.pyrefly]. Errors are reported against the repository's own paths.
+[tool.pyrefly] and the known errors of .ci/pyrefly-baseline.json. Errors are
+reported against the repository's own paths.
 
   python .ci/typecheck.py            # the interpreter running it is the one
                                      # whose jax pyrefly reads
-  python .ci/typecheck.py --any      # also count `Any` in annotations
+  python .ci/typecheck.py --any      # also count the library's uses of `Any`
 
-Exits with pyrefly's status: non-zero when there is an error.
+Other arguments go to `pyrefly check`. Exits with pyrefly's status: non-zero
+when there is an error that the baseline does not list.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Errors not fixed yet, each in a module under rework: pyrefly lets these
+# through (matched by file, kind, column and message, not line) and fails on
+# any other. `--update-baseline` rewrites it from a run (run it under each
+# supported jax and keep the union); fixing one makes its entry stale.
+BASELINE = ROOT / ".ci" / "pyrefly-baseline.json"
 
 
 def package_dirs() -> dict[str, Path]:
@@ -124,11 +131,15 @@ def main() -> int:
       sys.executable,
       "--search-path",
       str(tree),
-      *map(str, tops),
+      "--baseline",
+      str(BASELINE),
+      "--relative-to=",  # absolute paths, which _unshadow maps back
+      *(top.name for top in tops),
       *pyrefly_args,
     ]
+    # Paths in the baseline are relative to the tree: mpmd/lowering/x.py.
     result = subprocess.run(
-      command, cwd=ROOT, capture_output=True, text=True, check=False
+      command, cwd=tree, capture_output=True, text=True, check=False
     )
   # Paths as the repository has them, not as the temporary tree does.
   prefix = str(tree) + os.sep
