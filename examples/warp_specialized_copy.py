@@ -60,6 +60,9 @@ def transform(x_ref, o_ref, ring, loaded, consumed):
     plgpu.barrier_wait(loaded.at[slot])
     rows = pl.ds(step * BLOCK_ROWS, BLOCK_ROWS)
     o_ref[rows, cols] = ring[slot, :, cols] * 2.0 + 1.0
+    # The next TMA copy into the slot writes through the async proxy: only
+    # this fence orders the reads above before it.
+    plgpu.commit_smem()
     plgpu.barrier_arrive(consumed.at[slot])
 
 

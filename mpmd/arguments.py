@@ -160,12 +160,6 @@ def check_interpret(interpret: Any, meshes: Sequence[Any]) -> None:
   from mpmd.lowering.check.params import CheckParams
 
   if isinstance(interpret, CheckParams):
-    if gpu:
-      raise NotImplementedError(
-        "mpmd_map: interpret=mpmd.CheckParams on GPU meshes: the checking "
-        "executor runs TPU meshes only so far; pass interpret=None (the "
-        "Mosaic GPU simulator)"
-      )
     return
   if isinstance(interpret, gpu_params if gpu else tpu_params):
     return
