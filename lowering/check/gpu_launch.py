@@ -26,7 +26,7 @@ def plan_of(params, device_axes, *, kernel, labels) -> gpu_machine.GpuPlan:
   name = gpu_rules.unsupported(jaxpr)
   if name is not None:
     raise NotImplementedError(
-      f"mpmd checker: the Mosaic GPU operation {name!r} is not supported "
+      f"mpmd checker: the Mosaic GPU operation {name} is not supported "
       "by the checking executor; run the launch with interpret=None (the "
       "Mosaic GPU simulator)"
     )

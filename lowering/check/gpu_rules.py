@@ -177,6 +177,12 @@ def _nothing(ctx, eqn, invals):
   yield
 
 
+def _same(ctx, eqn, invals):
+  # layout_cast: a register layout for the compiler; the values are equal.
+  return [invals[0]]
+  yield
+
+
 _tpu_run_scoped = interp._RULES[pallas_primitives.run_scoped_p]  # noqa: SLF001
 
 
@@ -209,6 +215,7 @@ def rules() -> dict[Any, Any]:
     g.wgmma_wait_p: _wgmma_wait,
     g.wgmma_accumulator_deref_p: _deref,
     g.set_max_registers_p: _nothing,
+    _jax.gpu().core.layout_cast_p: _same,
     pallas_primitives.run_scoped_p: _run_scoped,
   }
 
@@ -220,13 +227,15 @@ def install() -> None:
 
 
 def unsupported(jaxpr) -> str | None:
-  """The first operation of a GPU kernel the executor cannot run."""
+  """The first operation of a GPU kernel the executor cannot run, named."""
   table = interp._RULES  # noqa: SLF001
   for eqn in jaxpr_util.iter_eqns(jaxpr):
     if eqn.primitive in table:
       continue
+    if _jax.warp_map_parts(eqn, eqn.invars) is not None:
+      return "a warp map (over a plgpu.WarpMesh)"
     if eqn.effects or any(
       isinstance(v.aval, state.AbstractRef) for v in eqn.invars
     ):
-      return eqn.primitive.name
+      return repr(eqn.primitive.name)
   return None
