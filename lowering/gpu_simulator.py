@@ -12,12 +12,16 @@ from typing import Any
 from mpmd import _jax, _patches
 from mpmd._jax import core, gpu, mlir, pallas_core, source_info_util
 from mpmd.lowering import (
+  bounds,
   callbacks,
   common,
+  errors,
   host_programs,
+  jaxpr_util,
   warps,
   watchdog,
 )
+from mpmd.primitives import mpmd_map as prim
 
 
 @contextlib.contextmanager
@@ -32,17 +36,13 @@ def _watched(barrier, device, program, logging_info):
 
   raise_here = watchdog.raise_in_thread(threading.get_ident(), notify)
 
-  def abort(message):
-    _aborted.set()
-    raise_here(message)
-
   with (
     watchdog.reraise_with_message(),
     watchdog.waiting(
       f"device {device} {watchdog.describe_program(program)}",
       f"on a barrier (phase {barrier.phase})",
       where,
-      abort,
+      raise_here,
     ),
   ):
     yield
@@ -56,13 +56,35 @@ def _watch_wait(barrier, device, program, logging_info):
   return _watched(barrier, device, program, logging_info)
 
 
-_aborted = threading.Event()
+def _reset() -> None:
+  # Each launch starts from a fresh simulator: a failed one leaves its state
+  # behind, and jax 0.10.2's numbers buffers on from the last launch's
+  # (out-of-bounds reports name operands by the numbers of this launch).
+  gpu().simulator_callbacks.reset_gpu_interpret_mode_state()
 
 
-def _reset_if_failed() -> None:
-  if _aborted.is_set():
-    gpu().simulator_callbacks.reset_gpu_interpret_mode_state()
-    _aborted.clear()
+def _runnable(jaxpr: core.Jaxpr, mesh) -> core.Jaxpr:
+  """``jaxpr`` in terms this jax's simulator runs (itself where it runs it
+  all): jax 0.10.2's has no rule for warp maps (run one warp after another,
+  :mod:`mpmd.lowering.warps`) nor for ``plgpu.layout_cast``, which changes
+  no value (0.12's simulator skips it too)."""
+  layout_cast = gpu().core.layout_cast_p
+  casts = not _jax.GPU_SIMULATOR_RUNS_LAYOUT_CASTS and any(
+    eqn.primitive is layout_cast for eqn in jaxpr_util.iter_eqns(jaxpr)
+  )
+  maps = not _jax.GPU_SIMULATOR_RUNS_WARP_MAPS and warps.has_warp_map(jaxpr)
+  if not (casts or maps):
+    return jaxpr
+
+  def rule(eqn, invals):
+    if casts and eqn.primitive is layout_cast:
+      return [invals[0]]
+    return warps.sequential_rule(eqn, invals) if maps else None
+
+  def body(*refs):
+    return jaxpr_util.eval_with_rule(jaxpr, (), refs, rule)
+
+  return prim.retrace(jaxpr, mesh, (mesh,), body)
 
 
 def _is_barrier(aval) -> bool:
@@ -84,13 +106,16 @@ def lower(
   host_programs.install()
   callbacks.install()
   num_operands = len(in_nodes) + len(params["out_avals"])
-  jaxpr = warps.sequential(jaxpr, mesh)
+  jaxpr = _runnable(jaxpr, mesh)
   # Barriers as kernel scratch fail in the simulator (docs/design.md,
   # trap 6); the rest
   # stays kernel scratch, which the simulator allocates at its logical
   # shape, given its layout transforms.
   jaxpr, kept = common.scoped_scratch(
     jaxpr, num_operands, mesh, params["meshes"], _is_barrier
+  )
+  describe = _out_of_bounds_in_user_terms(
+    params, len(in_nodes), jaxpr.invars, kept
   )
   transforms = tuple(params["scratch_transforms"][i] for i in kept)
   pallas_params = common.pallas_params(mesh, jaxpr, ctx, params)
@@ -112,11 +137,85 @@ def lower(
     in_nodes,
     ranges=ranges,
     run=run,
-    reset=_reset_if_failed,
+    reset=_reset,
     original_failure=lambda: None,  # this simulator keeps none
     races_found=_jax.gpu_simulator_races_found,
     detect_races=interpret.detect_races,
     races_are_errors=races_are_errors,
     orders="barriers",
     simulator_effects=pallas_core.get_interpret_effects(interpret),
+    describe=describe,
   )
+
+
+def _operand_labels(params, num_in: int) -> list[str]:
+  """``'x_ref' (input 0, f32[256])`` for each operand and scratch of the
+  launch; where meshes name one differently, their names together."""
+  num_out = len(params["out_avals"])
+  per_mesh = [
+    bounds.operand_names(j, num_in, num_out) for j in _user_jaxprs(params)
+  ]
+  labels = []
+  for names in zip(*per_mesh, strict=True):
+    # "'x' (input 0, f32[256])": the same role and type in every mesh.
+    named = [n.partition(" (") for n in names if not n.startswith("(")]
+    if not named:
+      labels.append(names[0])
+      continue
+    refs = " / ".join(dict.fromkeys(n for n, _, _ in named))
+    labels.append(f"{refs} ({named[0][2]}")
+  return labels
+
+
+def _user_jaxprs(params):
+  """The launch's kernels as traced, one per mesh (not merged)."""
+  return params.get("user_jaxprs", params["jaxprs"])
+
+
+def _kernel_name(params) -> str:
+  if params.get("name"):
+    return params["name"]
+  return " + ".join(
+    str(j.debug_info.func_src_info) for j in _user_jaxprs(params)
+  )
+
+
+def _out_of_bounds_in_user_terms(params, num_in: int, invars, kept):
+  """The launch's ``describe`` for the watchdog: the simulator's
+  out-of-bounds report, naming the operand (its Ref's name, role and type)
+  and the kernel instead of the simulator's buffer key."""
+  labels = _operand_labels(params, num_in)
+  num_out = len(params["out_avals"])
+  num_operands = num_in + num_out
+  aliased = set(dict(params["input_output_aliases"]).values())
+  # The simulator's order of allocation (see GPU_SIMULATOR_FIRST_BUFFER_ID).
+  order = labels[:num_in]
+  order += [labels[num_in + j] for j in range(num_out) if j not in aliased]
+  kernel_operands = [*range(num_operands), *(num_operands + i for i in kept)]
+  order += [
+    labels[k]
+    for k, v in zip(kernel_operands, invars, strict=True)
+    if not _jax.gpu_is_gmem(v.aval)
+  ]
+  scoped = [i for i in range(len(labels) - num_operands) if i not in kept]
+  order += [labels[num_operands + i] for i in scoped]
+  first = _jax.GPU_SIMULATOR_FIRST_BUFFER_ID
+  by_id = {first + n: label for n, label in enumerate(order)}
+  kernel = _kernel_name(params)
+
+  def describe(error):
+    found = _jax.gpu_simulator_out_of_bounds(error)
+    if found is None:
+      return None
+    buffer_id, report = found
+    label = by_id.get(
+      buffer_id,
+      "a buffer the kernel allocated as it ran (pl.run_scoped scratch, "
+      f"a barrier; the simulator's buffer {buffer_id})",
+    )
+    return errors.OutOfBoundsError(
+      "mpmd_map: a simulated access out of bounds (hardware faults) in "
+      f"kernel {kernel}: {report.replace('{key}', label)}"
+    )
+
+  return describe

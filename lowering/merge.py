@@ -350,7 +350,14 @@ def _tpu_layout(meshes) -> Layout:
 
 
 def _strip_params(params, merged_mesh, jaxpr):
-  return dict(params, meshes=(merged_mesh,), jaxprs=(jaxpr,))
+  # ``user_jaxprs``: the kernels as traced, one per mesh, which name the
+  # operands in messages (the merged kernel has mesh 0's names).
+  return dict(
+    params,
+    meshes=(merged_mesh,),
+    jaxprs=(jaxpr,),
+    user_jaxprs=params.get("user_jaxprs", params["jaxprs"]),
+  )
 
 
 def merge_for_tpu(params):

@@ -19,12 +19,11 @@ import numpy as np
 from mpmd import _jax, warp_map
 from mpmd._jax import core, lax_parallel, pallas_core
 from mpmd.lowering import jaxpr_util
-from mpmd.primitives import mpmd_map as prim
 
 NUM_WARPS = 4  # per warpgroup (Pallas' WarpMesh has the same)
 
 
-def _has_warp_map(jaxpr: core.Jaxpr) -> bool:
+def has_warp_map(jaxpr: core.Jaxpr) -> bool:
   return any(
     _jax.warp_map_parts(eqn, eqn.invars) is not None
     for eqn in jaxpr_util.iter_eqns(jaxpr)
@@ -73,7 +72,8 @@ def _warp_rule(axis_name: Any, warp: int):
   return rule
 
 
-def _sequential_rule(eqn, invals):
+def sequential_rule(eqn, invals):
+  """A ``jaxpr_util`` rule: a warp map runs its warps one after another."""
   parts = _jax.warp_map_parts(eqn, invals)
   if parts is None:
     return None
@@ -94,16 +94,3 @@ def _sequential_rule(eqn, invals):
       body, consts, args, _warp_rule(mesh.axis_name, warp)
     )
   return []
-
-
-def sequential(jaxpr: core.Jaxpr, mesh: Any) -> core.Jaxpr:
-  """``jaxpr`` (a kernel over GPU ``mesh``) with each warp map unrolled into
-  its warps, one after another, where the simulator runs no warp maps;
-  ``jaxpr`` itself otherwise, or where it has none."""
-  if _jax.GPU_SIMULATOR_RUNS_WARP_MAPS or not _has_warp_map(jaxpr):
-    return jaxpr
-
-  def body(*refs):
-    return jaxpr_util.eval_with_rule(jaxpr, (), refs, _sequential_rule)
-
-  return prim.retrace(jaxpr, mesh, (mesh,), body)

@@ -126,12 +126,21 @@ class MeshRange:
 
 
 _launches: dict[int, tuple[MeshRange, ...]] = {}
+# A simulator's failure -> the launch's error in the user's terms (or None:
+# the generic wording), for launches that say more than the simulator can.
+Describe = Callable[[BaseException], errors.LaunchError | None]
+_describers: dict[int, Describe] = {}
 
 
-def register_launch(ranges: tuple[MeshRange, ...]) -> int:
-  """Remembers a launch's meshes; returns a key for ``enter``."""
+def register_launch(
+  ranges: tuple[MeshRange, ...], describe: Describe | None = None
+) -> int:
+  """Remembers a launch's meshes (and how to word its simulator's
+  failures); returns a key for ``enter``."""
   key = len(_launches) + 1
   _launches[key] = ranges
+  if describe is not None:
+    _describers[key] = describe
   return key
 
 
@@ -246,7 +255,7 @@ def failed(error: BaseException) -> errors.LaunchError:
     if launch.failure is None:
       original = launch.original_failure()
       if original is not None or not _follows_another_failure(error):
-        launch.failure = _as_launch_error(original or error)
+        launch.failure = _as_launch_error(original or error, launch.key)
     # A device that only saw another device's failure (the simulator's
     # barrier broken, or its "computation failed" check) waits for that
     # device's report: the simulator may have cleared its record of it.
@@ -258,7 +267,7 @@ def failed(error: BaseException) -> errors.LaunchError:
       _REPORTS_S,
     )
     if launch.failure is None:
-      launch.failure = _as_launch_error(error)
+      launch.failure = _as_launch_error(error, launch.key)
     _last_failure[:] = [launch.failure]
     _turn.notify_all()
     return launch.failure
@@ -271,9 +280,15 @@ def _follows_another_failure(error: BaseException) -> bool:
   )
 
 
-def _as_launch_error(error: BaseException) -> errors.LaunchError:
+def _as_launch_error(
+  error: BaseException, key: int | None = None
+) -> errors.LaunchError:
   if isinstance(error, errors.LaunchError):
     return error
+  describe = _describers.get(key)
+  described = None if describe is None else describe(error)
+  if described is not None:
+    return described
   if isinstance(error, IndexError):  # the simulators' out-of-bounds reports
     return errors.OutOfBoundsError(
       f"mpmd_map: a simulated access out of bounds (hardware faults): {error}"
@@ -540,6 +555,7 @@ def lower_supervised(
   races_are_errors,
   orders,
   simulator_effects,
+  describe: Describe | None = None,
 ):
   """Lowers a simulator ``run`` between two ordered bookkeeping callbacks.
 
@@ -548,9 +564,10 @@ def lower_supervised(
   ``detect_races`` (for ``get_races``, and as a ``RaceError`` when
   ``races_are_errors`` and the race policy is "raise"), and leaving the
   simulator to the next launch. A device thread that fails in between
-  leaves through ``failed``.
+  leaves through ``failed``; ``describe`` (if given) words its failure in
+  the user's terms where it can (``register_launch``).
   """
-  key = register_launch(ranges)
+  key = register_launch(ranges, describe)
 
   def finish():
     failure = None

@@ -9,6 +9,7 @@ instead of deep inside a lowering.
 
 import dataclasses
 import functools
+import re
 import types
 from typing import Any
 
@@ -530,6 +531,9 @@ def is_warp_mesh(mesh: Any) -> bool:
 # 0.12's Mosaic GPU simulator runs each warp of a warp map as a thread of its
 # own; 0.10.2's runs none (it raises "Higher-order primitive core_map").
 GPU_SIMULATOR_RUNS_WARP_MAPS = JAX_VERSION >= (0, 12)
+# 0.12's skips plgpu.layout_cast (values keep their logical layout there);
+# 0.10.2's has no rule for it ("MLIR translation rule ... not found").
+GPU_SIMULATOR_RUNS_LAYOUT_CASTS = JAX_VERSION >= (0, 12)
 
 
 def bind_warp_map(mesh: Any, fn) -> None:
@@ -612,3 +616,44 @@ def compile_on_host(fn, avals):
     ]
 
   return run
+
+
+# -- the Mosaic GPU simulator's buffers, in the user's terms -----------------
+
+# The Mosaic GPU simulator numbers each launch's buffers from this id on, in
+# the order it allocates them: the inputs, the outputs not aliased to an
+# input, the kernel's other operands outside GMEM, then what the kernel
+# allocates as it runs (scoped scratch, barriers).
+GPU_SIMULATOR_FIRST_BUFFER_ID = 100
+
+
+def gpu_is_gmem(aval) -> bool:
+  """Whether the Mosaic GPU simulator keeps a kernel operand of ``aval`` in
+  the GMEM buffer of the launch's input or output (else its own buffer)."""
+  space = getattr(aval, "memory_space", None)
+  return gpu().simulator_callbacks.is_gmem_memory_space(space)
+
+
+def gpu_simulator_out_of_bounds(error: BaseException) -> tuple[int, str] | None:
+  """``(buffer id, report)`` if ``error`` is the Mosaic GPU simulator's
+  report of an out-of-bounds access, else None.
+
+  The simulator raises a plain IndexError (0.12: a ValueError for an
+  element-wise swap) whose only record of the buffer is the allocation key
+  in its text, ``HostAllocationKey(..., buffer_id=N)``: that text is the
+  one route to it. ``report`` is the text with the key cut out (``{key}``
+  where it was), for the caller to name the buffer there.
+  """
+  if not isinstance(error, (IndexError, ValueError)):
+    return None
+  text = str(error)
+  if not text.startswith("Out-of-bounds"):
+    return None
+  found = _GPU_ALLOCATION_KEY.search(text)
+  if found is None:
+    return None
+  report = text[: found.start()] + "{key}" + text[found.end() :]
+  return int(found.group(1)), report
+
+
+_GPU_ALLOCATION_KEY = re.compile(r"HostAllocationKey\([^()]*buffer_id=(\d+)\)")
