@@ -182,6 +182,8 @@ def check_access(
     low, high = c.min(), c.max()
     if low == high and low in (NOBODY, comp):
       continue  # nobody else, or only this accessor: no race
+    if low == high and times[where].max() <= clock.get(int(low), 0):
+      continue  # one other accessor, all of whose accesses happened before
     others = (c != NOBODY) & (c != comp)
     if not others.any():
       continue
