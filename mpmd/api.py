@@ -10,13 +10,13 @@ from mpmd import warp_map
 from mpmd._jax import (
   FrozenDict,
   api_util,
-  config,
   core,
   lu,
   pe,
   state,
   state_types,
   tree_util,
+  util,
 )
 from mpmd.arguments import (
   as_out_type,
@@ -349,30 +349,38 @@ class _KernelSpec(NamedTuple):
   name: str | None
 
 
+class _Traced:
+  """A launch's traced kernels, once traced without constants to carry."""
+
+  __slots__ = ("value",)
+
+  def __init__(self):
+    self.value: tuple[tuple[core.Jaxpr, ...], list[Any]] | None = None
+
+
 # Traced kernels by (kernels, operand types): the same kernel functions on
 # the same shapes give the same jaxprs, hence one compilation (jit's cache
-# and the primitive's impl cache key on them). Kernels that close over values
-# are not cached: what they capture may be a tracer of an enclosing trace.
-_TRACED: dict[Any, tuple[tuple[core.Jaxpr, ...], list[Any]]] = {}
-
-
-_MAX_TRACED = 512
+# and the primitive's impl cache key on them). Tracing depends on the
+# context too (the axis env inside shard_map or not, the abstract mesh, the
+# TPU target): JAX's trace context is in the key. A JAX cache, so that
+# jax.clear_caches() lets go of the user's kernel functions.
+@util.cache(max_size=512, trace_context_in_key=True)
+def _traced(spec: "_KernelSpec", flat_in_avals, in_tree) -> _Traced:
+  return _Traced()
 
 
 def _trace(spec: _KernelSpec, flat_in_avals, in_tree, views):
   if any(v is not None for v in views):
     # A view's indices may be tracers of the enclosing trace: not cached.
     return _trace_uncached(spec, flat_in_avals, in_tree, views)
-  # Tracing depends on the context too: the axis env (inside shard_map or
-  # not), the abstract mesh, the TPU target (all in JAX's trace context).
-  key = (spec, flat_in_avals, in_tree, config.trace_context())
-  if (hit := _TRACED.get(key)) is not None:
-    return hit
+  slot = _traced(spec, tuple(flat_in_avals), in_tree)
+  if slot.value is not None:
+    return slot.value
   jaxprs, consts = _trace_uncached(spec, flat_in_avals, in_tree, views)
+  # Kernels that close over values are not kept: what they capture may be
+  # a tracer of an enclosing trace.
   if not consts:
-    if len(_TRACED) >= _MAX_TRACED:
-      _TRACED.pop(next(iter(_TRACED)))
-    _TRACED[key] = (jaxprs, consts)
+    slot.value = (jaxprs, consts)
   return jaxprs, consts
 
 
