@@ -10,11 +10,13 @@ can go on: a deadlock, reported at once).
 
 import dataclasses
 import math
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 
 from mpmd import _jax
+from mpmd._jax import core
 from mpmd.lowering import errors, paths
 from mpmd.lowering.check import memory, records, schedule
 from mpmd.lowering.check.memory import Buffer, View
@@ -24,12 +26,12 @@ from mpmd.lowering.check.memory import Buffer, View
 class Plan:
   """What the executor needs of a launch, fixed when it is lowered."""
 
-  jaxpr: Any  # the merged kernel: inputs, outputs, scratch
+  jaxpr: core.Jaxpr  # the merged kernel: inputs, outputs, scratch
   num_in: int
   out_avals: tuple[Any, ...]
   aliases: dict[int, int]  # output -> the input it aliases
-  device_axes: tuple[tuple[Any, int], ...]  # the shard_map's, in order
-  super_axis: Any  # the merged kernel's program axis
+  device_axes: tuple[tuple[Hashable, int], ...]  # the shard_map's, in order
+  super_axis: Hashable  # the merged kernel's program axis
   program_names: tuple[str, ...]  # per program: its mesh and coordinates
   kernel: str
   labels: tuple[str, ...]  # per kernel operand
@@ -43,7 +45,7 @@ class Plan:
   def num_programs(self) -> int:
     return len(self.program_names)
 
-  def device_coords(self, device: int) -> dict[Any, int]:
+  def device_coords(self, device: int) -> dict[Hashable, int]:
     sizes = [s for _, s in self.device_axes]
     if not sizes:
       return {}
@@ -103,7 +105,7 @@ class Machine:
     self.lanes: dict[int, int] = {}
     n = plan.num_devices * plan.num_programs
     self.clocks: list[memory.Clock] = [{p: 1} for p in range(n)]
-    self.memory: dict[tuple[int, int], dict[Any, Buffer]] = {}
+    self.memory: dict[tuple[int, int], dict[memory.Key, Buffer]] = {}
     self.semaphores: list[Buffer] = []
     self.aranges = memory.Aranges()
 
@@ -130,7 +132,7 @@ class Machine:
     plan = self.plan
     avals = [v.aval for v in plan.jaxpr.invars]
     for d in range(plan.num_devices):
-      shared: dict[Any, Buffer] = {}
+      shared: dict[memory.Key, Buffer] = {}
       for k, aval in enumerate(avals[: plan.num_in + len(plan.out_avals)]):
         if not hasattr(aval, "inner_aval"):
           continue  # a scalar value (closed over by a kernel): no memory
@@ -153,8 +155,8 @@ class Machine:
       scratch = avals[plan.num_in + len(plan.out_avals) :]
       base = plan.num_in + len(plan.out_avals)
       for j, aval in enumerate(scratch):
-        if _private(aval):
-          continue
+        if _private(aval) or not hasattr(aval, "inner_aval"):
+          continue  # private: each program gets its own copy, below
         key = ("operand", base + j)
         inner = aval.inner_aval
         shared[key] = Buffer(

@@ -10,8 +10,7 @@ land -> wait orders them.
 """
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
@@ -73,6 +72,10 @@ class Deferred:
 # What names an operation in a message: text, or text made on demand.
 Text = str | Deferred
 
+# Which buffer of a program's memory: ("operand", k), ("barrier",),
+# ("scoped", ...): the programs that share a buffer share its key.
+Key = tuple[Hashable, ...]
+
 
 class Lazy(Deferred):
   """Text made by ``fn()`` only when a message needs it."""
@@ -91,8 +94,8 @@ class Buffer:
 
   def __init__(
     self,
-    label: Any,
-    key: Any,
+    label: Text,
+    key: Key,
     shape,
     dtype,
     ids,
@@ -118,7 +121,7 @@ class Buffer:
     self.ids = ids(shape)
     self.init = np.full(size, data is not None or semaphore)
     # comp -> a description of its latest access (for race reports).
-    self.who: dict[int, Any] = {}
+    self.who: dict[int, Text] = {}
     if semaphore:  # no data accesses: signals and waits order themselves
       return
     self.w_comp = np.full(size, NOBODY, np.int64)

@@ -113,7 +113,8 @@ class Owner:
     with self.lock:
       call = self.calls
       self.calls += 1
-    if self.params.per_call and spec.kind in ("random", "pct"):
+    seeded = (schedule_lib.Kind.RANDOM, schedule_lib.Kind.PCT)
+    if self.params.per_call and spec.kind in seeded:
       seed = schedule_lib.mix(spec.seed, call) % 2**31
       text = f"{text.partition(':')[0]}:{seed}"
       spec = schedule_lib.parse(text)

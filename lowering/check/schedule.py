@@ -23,6 +23,7 @@ Schedule strings:
 """
 
 import dataclasses
+import enum
 import hashlib
 
 import numpy as np
@@ -34,12 +35,21 @@ Option = tuple[str, int]
 DEFAULT_STEPS = 100
 
 
+class Kind(enum.Enum):
+  """The strategy a schedule string names."""
+
+  DEFAULT = "default"  # no preemption
+  STEPS = "steps"  # explicit preemptions (a shrunk schedule)
+  RANDOM = "random"  # a random walk
+  PCT = "pct"  # probabilistic concurrency testing, of some depth
+
+
 def parse(schedule: str) -> "Spec":
   """Checks a schedule string (see the module docstring)."""
   if not isinstance(schedule, str):
     raise TypeError(f"mpmd: expected a schedule string, got {schedule!r}")
   if schedule == "default":
-    return Spec("default")
+    return Spec(Kind.DEFAULT)
   kind, _, rest = schedule.partition(":")
   if kind == "steps":
     picks: dict[int, dict[int, Option]] = {}
@@ -55,7 +65,7 @@ def parse(schedule: str) -> "Spec":
           f"mpmd: bad schedule item {item!r} in {schedule!r}; expected "
           "LAUNCH/STEP:pPROGRAM or LAUNCH/STEP:dDMA"
         ) from None
-    return Spec("steps", picks=picks)
+    return Spec(Kind.STEPS, picks=picks)
   if kind == "random" or kind.startswith("pct"):
     depth = 0
     if kind.startswith("pct"):
@@ -75,7 +85,7 @@ def parse(schedule: str) -> "Spec":
         "'random:7' or 'pct3:7:400'"
       ) from None
     return Spec(
-      "pct" if depth else "random", seed=seed, depth=depth, steps=steps
+      Kind.PCT if depth else Kind.RANDOM, seed=seed, depth=depth, steps=steps
     )
   raise ValueError(
     f"mpmd: unknown schedule {schedule!r}; expected 'default', "
@@ -87,7 +97,7 @@ def parse(schedule: str) -> "Spec":
 class Spec:
   """A parsed schedule string."""
 
-  kind: str
+  kind: Kind
   seed: int = 0
   depth: int = 0
   steps: int = 0
@@ -97,12 +107,12 @@ class Spec:
 
   def strategy(self, launch: int) -> "Strategy":
     """The strategy for the ``launch``-th launch of a run."""
-    if self.kind == "default":
+    if self.kind is Kind.DEFAULT:
       return Strategy()
-    if self.kind == "steps":
+    if self.kind is Kind.STEPS:
       return Fixed(self.picks.get(launch, {}))
     rng = np.random.default_rng(mix(self.seed, launch))
-    if self.kind == "random":
+    if self.kind is Kind.RANDOM:
       return RandomWalk(rng)
     return Pct(rng, self.depth, self.steps)
 
