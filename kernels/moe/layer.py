@@ -202,8 +202,9 @@ def moe(
   compute (see ``mpmd/kernels/moe/fused.py``). Same routing, same
   capacity drops, the same products summed in the same order: on the CPU
   fallback the same numbers, bit for bit where XLA:CPU's dot rounds a row
-  the same whatever rows surround it (within a few float32 ulps where it
-  does not: the unfused ``gmm`` runs small tail windows). Its gradient is
+  the same whatever rows surround it, within a few float32 ulps where it
+  does not (the fused kernel multiplies tiles of ``tile_rows`` rows, the
+  unfused ``gmm`` windows of each expert's rows). Its gradient is
   the unfused layer's (a custom VJP that recomputes the layer unfused: the
   fused kernel keeps no intermediates).
 

@@ -2,15 +2,15 @@
 + combine kernel against the unfused layer and the dense reference; its
 schedules on the checking executor; its TPU lowering.
 
-Against the unfused layer the check is equality, bit for bit: both round
-each row's products and sums the same way at these shapes (XLA:CPU dots of
-so few columns round a row the same whatever rows surround it; at hidden
-512 the unfused layer's small tail windows of ``gmm`` and the fused
-kernel's 512-row tiles differ in the last bit, which the benchmark checks
-with a tolerance).
-
-Shapes are small and ``tile_rows`` small, so that slices span several
-tiles (the kernel's streaming) while each test takes seconds.
+Against the unfused layer: the same products summed in the same order,
+but XLA:CPU's dot may round a row differently with a different number of
+rows around it (an 8-row dot and a 128-row dot of the same rows differ in
+the last bit; the fused kernel multiplies tiles of ``tile_rows``, the
+unfused ``gmm`` windows of a group's rows): so equal up to a few float32
+ulps of O(1) values (observed: 3.6e-7 at most, 8 devices, top-8), and in
+bfloat16 up to one bfloat16 ulp where such a difference crosses a rounding
+boundary of the output; bit for bit at most shapes, which the example
+checks.
 """
 
 import functools
@@ -36,6 +36,17 @@ import mpmd
 import mpmd.kernels
 
 SILU = jax.nn.silu
+
+
+def assert_same(fused, unfused, dtype):
+  """Fused against unfused: a few f32 ulps; one bf16 ulp (module doc)."""
+  tight = jnp.dtype(dtype) == jnp.float32
+  np.testing.assert_allclose(
+    np.asarray(fused, np.float32),
+    np.asarray(unfused, np.float32),
+    rtol=1e-6 if tight else 1e-2,
+    atol=2e-6 if tight else 1e-2,
+  )
 
 
 def _both(p, **kwargs):
@@ -84,7 +95,7 @@ def test_matches_unfused_and_reference(
   )
   fused, unfused = _both(p, top_k=top_k, tile_rows=tile_rows)
   assert fused.dtype == dtype and fused.shape == p.x.shape
-  np.testing.assert_array_equal(np.asarray(fused), np.asarray(unfused))
+  assert_same(fused, unfused, dtype)
   want = dense_reference(*p.args, top_k=top_k, activation=SILU)
   assert_close(fused, want, dtype)
 
@@ -113,7 +124,7 @@ def test_capacity_drops_as_unfused(rng, devices, capacity_factor, routing):
   assert want_dropped.any()
   np.testing.assert_array_equal(np.asarray(dropped), want_dropped)
   np.testing.assert_array_equal(np.asarray(unfused_dropped), want_dropped)
-  np.testing.assert_array_equal(np.asarray(fused), np.asarray(unfused))
+  assert_same(fused, unfused, jnp.float32)
   want = dense_reference(
     *p.args, top_k=2, activation=SILU, dropped=want_dropped
   )
@@ -168,7 +179,7 @@ def test_tpu_simulator_finds_no_race(rng, devices):
     got = jax.block_until_ready(jax.jit(layer)(*p.placed()))
     assert not mpmd.get_races().races_found
   want = jax.jit(p.layer(top_k=2))(*p.placed())
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert_same(got, want, jnp.float32)
 
 
 def _lowered(target: str) -> str:
