@@ -28,7 +28,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mpmd import _jax
+from mpmd import _jax, _pallas_ops
 from mpmd._jax import pallas_core
 
 
@@ -140,10 +140,8 @@ def dma_operands(eqn: Any, operands: Sequence[Any]) -> tuple[Any, Any]:
   """(receive semaphore, device_id) of a ``dma_start`` / ``dma_wait``
   among ``operands`` (its variables or values): the semaphore whose owner
   is the target, as for a signal (upstream's ``dest_mesh``)."""
-  _, _, sem, send_sem, device_id = eqn.params["tree"].unflatten(operands)
-  if eqn.primitive.name == "dma_wait" and _jax.dma_wait_is_send(eqn.params):
-    sem = send_sem  # wait_send swapped them
-  return _underlying(sem), device_id
+  dma = _pallas_ops.DmaOperands.of(eqn, operands)
+  return _underlying(dma.dst_sem), dma.device_id
 
 
 def _underlying(sem: Any) -> Any:

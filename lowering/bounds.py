@@ -29,8 +29,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import checkify
 
-from mpmd import _jax
+from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, state_types, tree_util
+from mpmd._pallas_ops import Sync
 from mpmd.lowering import errors, jaxpr_util, watchdog
 from mpmd.lowering.ranges import CALLS, dma_sides, parts, ref_indexers
 
@@ -110,7 +111,7 @@ def _trace_nested(jaxpr: core.Jaxpr, refs: Refs, bound: dict) -> None:
           if isinstance(v.aval, state_types.AbstractRef)
           and _same_type(v.aval, x.aval)
         ]
-      if eqn.primitive.name == "run_scoped":
+      if _pallas_ops.kind(eqn) is Sync.RUN_SCOPED:
         for k, v in enumerate(sub.invars):
           refs.names[v] = f"pl.run_scoped allocation {k}"
           refs.scoped.add(v)
@@ -140,7 +141,7 @@ def _held_operands(eqn: core.JaxprEqn, sub: core.Jaxpr) -> list | None:
   ``sub``) pairs: closed-over values, branch operands, loop constants, call
   arguments (loop carries change); None for an unknown layout."""
   name, params, operands = eqn.primitive.name, eqn.params, eqn.invars
-  if name == "run_scoped":
+  if _pallas_ops.kind(eqn) is Sync.RUN_SCOPED:
     return list(zip(sub.constvars, operands, strict=True))
   if name == "cond":
     return list(zip(sub.invars, operands[1:], strict=True))
@@ -273,7 +274,7 @@ def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
   """
   refs = trace_refs(jaxpr, names)
   for eqn in jaxpr_util.iter_eqns(jaxpr):
-    if eqn.primitive.name != "dma_start":
+    if _pallas_ops.kind(eqn) is not Sync.DMA_START:
       continue
     for role, static_ref, _ in dma_sides(eqn, None):
       root, windows = _windows(static_ref, None, refs)

@@ -24,8 +24,8 @@ is refused on CPU (:func:`check_addressable`).
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mpmd import _jax
-from mpmd._jax import pallas_core, pallas_primitives, tree_util
+from mpmd import _pallas_ops
+from mpmd._jax import pallas_core, pallas_primitives
 from mpmd.lowering import addressing, jaxpr_util
 
 
@@ -105,11 +105,10 @@ def check_addressable(meshes, jaxprs) -> None:
 
 
 def _device_id(eqn, operands) -> Any:
-  name = eqn.primitive.name
-  if name in ("dma_start", "dma_wait"):
-    return addressing.dma_operands(eqn, operands)[1]
-  if name == "semaphore_signal":
-    return eqn.params["args_tree"].unflatten(operands)[3]
+  if _pallas_ops.is_dma(eqn):
+    return _pallas_ops.DmaOperands.of(eqn, operands).device_id
+  if _pallas_ops.kind(eqn) is _pallas_ops.Sync.SIGNAL:
+    return _pallas_ops.SignalOperands.of(eqn, operands).device_id
   return None
 
 
@@ -132,15 +131,11 @@ def localize(meshes, jaxprs) -> tuple[Any, ...]:
     if not named:
       return None
     if eqn.primitive is pallas_primitives.semaphore_signal_p:
-      ref, transforms, inc, _, core_index = eqn.params["args_tree"].unflatten(
-        invals
-      )
-      flat, tree = tree_util.tree_flatten(
-        [ref, transforms, inc, rest, core_index]
-      )
+      signal = _pallas_ops.SignalOperands.of(eqn, invals)
+      flat, tree = signal._replace(device_id=rest).flatten()
       return jaxpr_util.bind_rewritten(eqn, flat, rule, args_tree=tree)
-    *refs, _ = eqn.params["tree"].unflatten(invals)
-    flat, tree = _jax.dma_flatten(*refs, rest)
+    dma = _pallas_ops.DmaOperands.of(eqn, invals)
+    flat, tree = dma._replace(device_id=rest).flatten()
     return jaxpr_util.bind_rewritten(eqn, flat, rule, tree=tree)
 
   out = []

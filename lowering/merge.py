@@ -29,15 +29,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd import _jax
+from mpmd import _jax, _pallas_ops
 from mpmd._jax import (
   core,
   gpu,
   pallas_core,
   pallas_primitives,
   state,
-  tree_util,
 )
+from mpmd._pallas_ops import Sync
 from mpmd.lowering import addressing, jaxpr_util, paths, watchdog
 from mpmd.primitives import mpmd_map as prim
 
@@ -134,7 +134,7 @@ def _dma_to_program(layout: Layout, i: int, eqn, invals, target, rule):
   """Names the target program along the merged kernel's core axis in
   ``device_id``: the TPU simulator (jax >= 0.11) and Mosaic take a core
   axis there, and land the DMA (and its receive signal) on that core."""
-  *refs, _ = eqn.params["tree"].unflatten(invals)
+  dma = _pallas_ops.DmaOperands.of(eqn, invals)
   rest = target.device_id
   if rest is not None and not isinstance(rest, dict):
     raise NotImplementedError(
@@ -144,7 +144,7 @@ def _dma_to_program(layout: Layout, i: int, eqn, invals, target, rule):
       "program"
     )
   device_id = {**(rest or {}), SUPER_AXIS: _program_of(layout, i, target)}
-  flat, tree = _jax.dma_flatten(*refs, device_id)
+  flat, tree = dma._replace(device_id=device_id).flatten()
   return jaxpr_util.bind_rewritten(eqn, flat, rule, tree=tree)
 
 
@@ -157,10 +157,11 @@ def _rule(layout: Layout, i: int, platform: str):
   )
 
   def rule(eqn, invals):
+    kind = _pallas_ops.kind(eqn)
     if eqn.primitive is pallas_primitives.semaphore_signal_p:
-      tree = eqn.params["args_tree"]
-      ref, transforms, inc, device_id, core_index = tree.unflatten(invals)
-      sem_var = tree.unflatten(eqn.invars)[0]
+      signal = _pallas_ops.SignalOperands.of(eqn, invals)
+      device_id, core_index = signal.device_id, signal.core_index
+      sem_var = _pallas_ops.SignalOperands.of(eqn).sem
       what = "mpmd_map: semaphore_signal(device_id=...)"
       target = addressing.resolve(
         layout.meshes, i, sem_var.aval, device_id, what
@@ -184,16 +185,12 @@ def _rule(layout: Layout, i: int, platform: str):
           "mpmd_map: GPU programs synchronise through barriers; "
           "semaphore_signal to another mesh's program is TPU-only"
         )
-      flat, new_tree = tree_util.tree_flatten(
-        [ref, transforms, inc, target.device_id, _program_of(layout, i, target)]
-      )
-      pallas_primitives.semaphore_signal_p.bind(
-        *flat,
-        args_tree=new_tree,
-        device_id_type=eqn.params["device_id_type"],
-      )
+      signal._replace(
+        device_id=target.device_id,
+        core_index=_program_of(layout, i, target),
+      ).bind(eqn)
       return []
-    if eqn.primitive is pallas_primitives.run_scoped_p:
+    if kind is Sync.RUN_SCOPED:
       axes = eqn.params["collective_axes"]
       mine = [a for a in axes if a in layout.local_axes[i]]
       if mine and len(layout.meshes) > 1:
@@ -207,7 +204,7 @@ def _rule(layout: Layout, i: int, platform: str):
         return jaxpr_util.bind_rewritten(
           eqn, invals, rule, collective_axes=renamed
         )
-    if eqn.primitive.name in ("dma_start", "dma_wait"):
+    if kind in (Sync.DMA_START, Sync.DMA_WAIT):
       target = dma_target(layout, i, eqn, invals)
       if target is not None:
         return _dma_to_program(layout, i, eqn, invals, target, rule)
@@ -423,7 +420,7 @@ def dma_to_program(layout: Layout, jaxprs) -> tuple[int, Any] | None:
   launch, None if there is none."""
   for i, jaxpr in enumerate(jaxprs):
     for eqn in jaxpr_util.iter_eqns(jaxpr):
-      if eqn.primitive.name in ("dma_start", "dma_wait") and (
+      if _pallas_ops.is_dma(eqn) and (
         dma_target(layout, i, eqn, eqn.invars) is not None
       ):
         return i, eqn

@@ -16,6 +16,7 @@
 """
 
 import dataclasses
+import enum
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -23,18 +24,29 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mpmd import _jax
+from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, pallas_primitives, sharding_impls
+from mpmd._pallas_ops import Sync
 from mpmd.lowering import addressing, jaxpr_util
 
-FAST = "fast"
-LOCKSTEP = "lockstep"
-TPU_SIMULATOR = "tpu-simulator"
-GPU_SIMULATOR = "gpu-simulator"
-CHECK = "check"
+
+class Kind(enum.StrEnum):
+  """The ways the CPU fallback runs a launch (the module docstring says
+  each); a ``str``, so messages and ``kind == "fast"`` read as before."""
+
+  FAST = "fast"
+  LOCKSTEP = "lockstep"
+  TPU_SIMULATOR = "tpu-simulator"
+  GPU_SIMULATOR = "gpu-simulator"
+  CHECK = "check"
 
 
-KINDS = (FAST, LOCKSTEP, TPU_SIMULATOR, GPU_SIMULATOR, CHECK)
+FAST = Kind.FAST
+LOCKSTEP = Kind.LOCKSTEP
+TPU_SIMULATOR = Kind.TPU_SIMULATOR
+GPU_SIMULATOR = Kind.GPU_SIMULATOR
+CHECK = Kind.CHECK
+KINDS = tuple(Kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +55,7 @@ class Path:
   traced (:func:`choose`), and carried as the ``cpu_path`` param of
   ``mpmd_map_p``; its effects and the CPU lowering follow from it."""
 
-  kind: str
+  kind: Kind
   reason: str
   # The simulator's settings (None on the fast and lockstep paths).
   params: Any = None
@@ -115,7 +127,7 @@ def is_gpu_mesh(mesh: Any) -> bool:
 
 # SparseCore primitives that synchronise subcores, which neither the HLO
 # interpreter nor the TPU simulator implements.
-_UNSIMULATED = ("barrier", "sc_fetch_and_add")
+_UNSIMULATED = (Sync.SUBCORE_BARRIER, Sync.FETCH_AND_ADD)
 
 
 def sync_reason(
@@ -124,8 +136,8 @@ def sync_reason(
   """Why programs of these kernels may wait on each other (None if never)."""
   for i, jaxpr in enumerate(jaxprs):
     for eqn in jaxpr_util.iter_eqns(jaxpr):
-      name = eqn.primitive.name
-      if name in ("dma_start", "dma_wait"):
+      name, kind = eqn.primitive.name, _pallas_ops.kind(eqn)
+      if kind in (Sync.DMA_START, Sync.DMA_WAIT):
         sem, device_id = addressing.dma_operands(eqn, eqn.invars)
         if device_id is not None:
           return f"it issues a remote DMA ({name} with a device_id)"
@@ -134,11 +146,10 @@ def sync_reason(
           i,
         ):
           return f"it issues a DMA ({name}) to another mesh's program"
-      elif name == "semaphore_signal":
-        sem, *_, device_id, core_index = eqn.params["args_tree"].unflatten(
-          eqn.invars
-        )
-        if device_id is not None or core_index is not None:
+      elif kind is Sync.SIGNAL:
+        signal = _pallas_ops.SignalOperands.of(eqn)
+        sem = signal.sem
+        if signal.device_id is not None or signal.core_index is not None:
           return "it signals a semaphore of another program"
         # With no device_id, a semaphore another mesh owns is that mesh's
         # program's at the caller's own indices of the axes they share.
@@ -147,7 +158,7 @@ def sync_reason(
           i,
         ):
           return "it signals a semaphore of another mesh's program"
-      elif name == "get_barrier_semaphore":
+      elif kind is Sync.BARRIER_SEMAPHORE:
         return "it uses the cross-device barrier semaphore"
   return None
 
@@ -156,7 +167,7 @@ def check_simulable(jaxprs: Sequence[core.Jaxpr]) -> None:
   """Raises for kernels that no CPU path can run (they still lower)."""
   for jaxpr in jaxprs:
     for eqn in jaxpr_util.iter_eqns(jaxpr):
-      if eqn.primitive.name in _UNSIMULATED:
+      if _pallas_ops.kind(eqn) in _UNSIMULATED:
         raise NotImplementedError(
           f"mpmd_map: the CPU fallback cannot run {eqn.primitive.name!r} "
           "(SparseCore synchronisation across subcores): no simulator on "
@@ -347,17 +358,6 @@ def manual_axes(axis_context: Any) -> tuple[Any, ...]:
   )
 
 
-def _remote_target(eqn) -> Any:
-  """The device_id of a remote DMA start / signal (None if local)."""
-  name = eqn.primitive.name
-  if name == "dma_start":
-    return eqn.params["tree"].unflatten(eqn.invars)[-1]
-  if name == "semaphore_signal":
-    *_, device_id, _ = eqn.params["args_tree"].unflatten(eqn.invars)
-    return device_id
-  return None
-
-
 def exchange_axes(jaxpr: core.Jaxpr, axes: tuple[Any, ...]) -> tuple[Any, ...]:
   """The mesh axes the kernel's remote operations name, in mesh order.
 
@@ -366,7 +366,7 @@ def exchange_axes(jaxpr: core.Jaxpr, axes: tuple[Any, ...]) -> tuple[Any, ...]:
   """
   named = set()
   for eqn in jaxpr_util.iter_eqns(jaxpr):
-    target = _remote_target(eqn)
+    target = _pallas_ops.remote_target(eqn)
     if isinstance(target, dict):
       named |= set(target)
     elif target is not None:
@@ -391,20 +391,19 @@ def lockstep_why_not(
 
   def walk(jaxpr, enclosing, scoped_semaphores):
     for eqn in jaxpr.eqns:
-      name = eqn.primitive.name
-      if name == "get_barrier_semaphore" and enclosing:
+      name, kind = eqn.primitive.name, _pallas_ops.kind(eqn)
+      if kind is Sync.BARRIER_SEMAPHORE and enclosing:
         return f"it takes the barrier semaphore inside {enclosing[-1]}"
-      if name == "semaphore_read" and "while" in enclosing:
+      if kind is Sync.SEMAPHORE_READ and "while" in enclosing:
         return "it reads a semaphore inside a while loop (it may spin)"
-      if name == "semaphore_signal":
-        *_, core_index = eqn.params["args_tree"].unflatten(eqn.invars)
-        if core_index is not None:
+      if kind is Sync.SIGNAL:
+        if _pallas_ops.SignalOperands.of(eqn).core_index is not None:
           return "it signals another core's semaphore"
-      target = _remote_target(eqn)
+      target = _pallas_ops.remote_target(eqn)
       if target is not None:
         if eqn.params["device_id_type"] is not _MESH:
           return f"a remote {name} names its device by a LOGICAL id"
-        if name == "dma_start" and eqn.params["add"]:
+        if kind is Sync.DMA_START and _pallas_ops.DmaOperands.of(eqn).add:
           return "it issues an accumulating remote DMA"
         divergent = [e for e in enclosing if e in _DIVERGENT]
         if divergent:
@@ -424,7 +423,7 @@ def lockstep_why_not(
         elif len(axes) != 1:
           return f"a remote {name} names its device by a flat id"
       scoped = scoped_semaphores or (
-        name == "run_scoped"
+        kind is Sync.RUN_SCOPED
         and any(is_semaphore(v.aval) for v in eqn.params["jaxpr"].invars)
       )
       for sub in jaxpr_util.sub_jaxprs(eqn.params):

@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from mpmd import _jax
+from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, state_types
+from mpmd._pallas_ops import Sync
 from mpmd.lowering import jaxpr_util
 
 
@@ -31,10 +32,15 @@ def parts(index: Any) -> tuple[Any, Any, int, bool]:
 
 
 def dma_sides(eqn: core.JaxprEqn, invals: Sequence[Any] | None):
-  """(role, source or destination operand, its traced value or None)."""
-  tree = eqn.params["tree"]
-  static = tree.unflatten(eqn.invars)[:2]
-  traced = [None, None] if invals is None else tree.unflatten(invals)[:2]
+  """(role, source or destination operand, its traced value or None) of a
+  ``dma_start``."""
+  dma = _pallas_ops.DmaOperands.of(eqn)
+  static = [dma.src, dma.dst]
+  if invals is None:
+    traced = [None, None]
+  else:
+    values = _pallas_ops.DmaOperands.of(eqn, invals)
+    traced = [values.src, values.dst]
   return zip(("source", "destination"), static, traced, strict=True)
 
 
@@ -172,12 +178,12 @@ class _Prover:
       self.scan(eqn)
     elif name == "while":
       self.while_loop(eqn)
-    elif name == "run_scoped":
+    elif _pallas_ops.kind(eqn) is Sync.RUN_SCOPED:
       [scope] = jaxpr_util.sub_jaxprs(params)
       self.bind(scope.constvars, eqn.invars)
       self.walk(scope)
       self.scoped_waits(scope)
-    elif name == "dma_start":
+    elif _pallas_ops.kind(eqn) is Sync.DMA_START:
       sides = dma_sides(eqn, None)
       self.verdict(eqn, all(self.window_in_bounds(r) for _, r, _ in sides))
     else:
@@ -318,25 +324,35 @@ class _Prover:
 def _semaphore_op(eqn: core.JaxprEqn, range_of) -> tuple | None:
   """(semaphore, amount, is a wait, decrements) of a local signal or wait on
   a whole semaphore by a static amount; None for anything else."""
-  name = eqn.primitive.name
-  if name in ("dma_start", "dma_wait"):
-    tree = eqn.params["tree"]
-    _, _, sem, _, device_id = tree.unflatten(eqn.invars)
-    _, dst, *_ = tree.unflatten([v.aval for v in eqn.invars])
-    if device_id is not None and name == "dma_start":
+  kind = _pallas_ops.kind(eqn)
+  if kind in (Sync.DMA_START, Sync.DMA_WAIT):
+    dma = _pallas_ops.DmaOperands.of(eqn)
+    if dma.device_id is not None and kind is Sync.DMA_START:
       return None  # it signals the receiver's semaphore
-    amount = math.prod(dst.shape) * np.dtype(dst.dtype).itemsize
-    wait, decrement = name == "dma_wait", True
-  elif name == "semaphore_signal":
-    sem, transforms, inc, device_id, core_index = eqn.params[
-      "args_tree"
-    ].unflatten(eqn.invars)
-    if transforms or device_id is not None or core_index is not None:
+    # What the semaphore counts: the destination's bytes (a wait of the
+    # send side: the source's).
+    wait = kind is Sync.DMA_WAIT
+    by_avals = _pallas_ops.DmaOperands.of(eqn, [v.aval for v in eqn.invars])
+    if wait:
+      _, sem = dma.awaited
+      counted, _ = by_avals.awaited
+    else:
+      sem, counted = dma.dst_sem, by_avals.dst
+    amount = math.prod(counted.shape) * np.dtype(counted.dtype).itemsize
+    decrement = True
+  elif kind is Sync.SIGNAL:
+    op = _pallas_ops.SignalOperands.of(eqn)
+    sem, transforms, inc = op.sem, op.transforms, op.inc
+    if transforms or op.device_id is not None or op.core_index is not None:
       return None
     amount, wait, decrement = range_of(inc), False, True
-  elif name == "semaphore_wait":
-    sem, transforms, value, decrement = eqn.params["args_tree"].unflatten(
-      eqn.invars
+  elif kind is Sync.SEMAPHORE_WAIT:
+    op = _pallas_ops.SemaphoreWaitOperands.of(eqn)
+    sem, transforms, value, decrement = (
+      op.sem,
+      op.transforms,
+      op.value,
+      op.decrement,
     )
     if isinstance(decrement, core.Literal):
       decrement = decrement.val

@@ -2,7 +2,7 @@
 
 import jax
 
-from mpmd import _jax
+from mpmd import _jax, _pallas_ops
 from mpmd._jax import mlir, pallas_core, tpu
 from mpmd.lowering import addressing, cpu, external, jaxpr_util, merge
 from mpmd.primitives import mpmd_map as prim
@@ -20,9 +20,9 @@ def _check_subcore_signals(meshes, jaxprs) -> None:
     if mesh.core_type != scalar:
       continue
     for eqn in jaxpr_util.iter_eqns(jaxpr):
-      if eqn.primitive.name != "semaphore_signal":
+      if _pallas_ops.kind(eqn) is not _pallas_ops.Sync.SIGNAL:
         continue
-      sem = eqn.params["args_tree"].unflatten(eqn.invars)[0]
+      sem = _pallas_ops.SignalOperands.of(eqn).sem
       space = getattr(sem.aval, "memory_space", None)
       if (
         isinstance(space, pallas_core.CoreMemorySpace)

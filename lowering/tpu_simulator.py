@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from mpmd import _jax, _patches
+from mpmd import _jax, _pallas_ops, _patches
 from mpmd._jax import (
   core,
   mlir,
@@ -23,7 +23,6 @@ from mpmd._jax import (
   pallas_primitives,
   source_info_util,
   tpu,
-  tree_util,
   util,
 )
 from mpmd.lowering import (
@@ -43,18 +42,11 @@ def _signal_own_core(core_axis):
   def rule(eqn, invals):
     if eqn.primitive is not pallas_primitives.semaphore_signal_p:
       return None
-    ref, transforms, inc, device_id, core_index = eqn.params[
-      "args_tree"
-    ].unflatten(invals)
-    if device_id is not None or core_index is not None:
+    signal = _pallas_ops.SignalOperands.of(eqn, invals)
+    if signal.device_id is not None or signal.core_index is not None:
       return None
     core_index = jax.lax.axis_index(core_axis)
-    flat, tree = tree_util.tree_flatten(
-      [ref, transforms, inc, device_id, core_index]
-    )
-    return pallas_primitives.semaphore_signal_p.bind(
-      *flat, args_tree=tree, device_id_type=eqn.params["device_id_type"]
-    )
+    return signal._replace(core_index=core_index).bind(eqn)
 
   return rule
 

@@ -362,20 +362,18 @@ def ref_indexings(traceback) -> list[tuple[Any, tuple[Any, ...]]]:
   return found[::-1]
 
 
-def dma_wait_is_send(params) -> bool:
-  """A ``dma_wait`` equation awaits the send side (``wait_send`` /
-  ``wait_read``), whose operands come swapped: source first, the send
-  semaphore where the receive one was. 0.12 says so by ``is_wait_send``;
-  0.10 by ``insert_dummy_device`` (set only by ``wait_send``)."""
-  if "is_wait_send" in params:
-    return bool(params["is_wait_send"])
-  return bool(params.get("insert_dummy_device", False))
-
-
 def dma_flatten(src, dst, sem, send_sem, device_id):
   """(flat operands, tree) of a DMA equation, flattened the way Pallas
   flattens them (0.12 uses its tracing registry, not the default one)."""
   return tpu().primitives._dma_flatten(src, dst, sem, send_sem, device_id)
+
+
+@functools.cache
+def sparsecore_primitives():
+  """Pallas' SparseCore primitives (its subcore barrier, fetch-and-add)."""
+  from jax._src.pallas.mosaic import sc_primitives
+
+  return sc_primitives
 
 
 # -- Mosaic GPU differences ---------------------------------------------------

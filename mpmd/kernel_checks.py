@@ -11,12 +11,12 @@ from typing import Any, NamedTuple
 import jax
 from jax.experimental import pallas as pl
 
-from mpmd import _jax
+from mpmd import _jax, _pallas_ops
 from mpmd._jax import (
   core,
   pallas_core,
-  tree_util,
 )
+from mpmd._pallas_ops import Sync
 from mpmd.arguments import short
 from mpmd.lowering import addressing, bounds, errors, jaxpr_util, paths
 from mpmd.primitives import mpmd_map as prim
@@ -228,9 +228,9 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
   mesh = where.meshes[where.caller]
   axis_sizes, roles, kernel = where.axis_sizes, where.roles, where.kernel
   for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name in ("dma_start", "dma_wait"):
-      if name == "dma_start":
+    name, kind = eqn.primitive.name, _pallas_ops.kind(eqn)
+    if kind in (Sync.DMA_START, Sync.DMA_WAIT):
+      if kind is Sync.DMA_START:
         _check_dma(top, eqn, outer, roles, kernel)
       sem, device_id = addressing.dma_operands(eqn, eqn.invars)
       what = f"{kernel}: a DMA ({name})"
@@ -239,15 +239,16 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
         where.meshes, where.caller, sem.aval, device_id, what
       )
       _check_sparsecore_dma(target, device_id, where, what)
-    elif name == "semaphore_signal":
-      tree = eqn.params["args_tree"]
-      sem, *_, device_id, core_index = tree.unflatten(eqn.invars)
+    elif kind is Sync.SIGNAL:
+      signal = _pallas_ops.SignalOperands.of(eqn)
+      sem, device_id = signal.sem, signal.device_id
+      core_index = signal.core_index
       what = f"{kernel}: semaphore_signal"
       _check_device_id(device_id, axis_sizes, what)
       if device_id is None:
         _check_core_index(core_index, mesh, what)
       addressing.resolve(where.meshes, where.caller, sem.aval, device_id, what)
-    elif name == "run_scoped":
+    elif kind is Sync.RUN_SCOPED:
       _check_collective_axes(eqn.params.get("collective_axes"), mesh, kernel)
     elif name in _REF_ACCESS and not paths.is_gpu_mesh(mesh):
       _check_direct_access(top, eqn, outer, mesh, roles, kernel)
@@ -256,7 +257,7 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
       for v, x in _operands_of(eqn, sub):
         if isinstance(x, core.Var) and v.aval == x.aval:
           inner[v] = outer.get(x, x)
-      if name == "run_scoped":
+      if kind is Sync.RUN_SCOPED:
         for k, v in enumerate(sub.invars):
           inner[v] = f"pl.run_scoped allocation {k}"
       _check_eqns(top, sub, inner, where)
@@ -355,8 +356,8 @@ def _operands_of(eqn, sub: core.Jaxpr):
 
 
 def _check_dma(top, eqn, outer, roles: Roles, kernel: str) -> None:
-  avals = [v.aval for v in eqn.invars]
-  src, dst, *_ = eqn.params["tree"].unflatten(avals)
+  by_avals = _pallas_ops.DmaOperands.of(eqn, [v.aval for v in eqn.invars])
+  src, dst = by_avals.src, by_avals.dst
   try:
     # The windows' shapes follow from the static slice sizes.
     src_type, dst_type = (src.shape, src.dtype), (dst.shape, dst.dtype)
@@ -364,9 +365,10 @@ def _check_dma(top, eqn, outer, roles: Roles, kernel: str) -> None:
     return
   if src_type == dst_type:
     return
-  src_var, dst_var = eqn.invars[0], eqn.invars[_num_leaves(src)]
+  dma = _pallas_ops.DmaOperands.of(eqn)
+  src_var, dst_var = (_pallas_ops.split_ref(r)[0] for r in (dma.src, dma.dst))
+  src_ref, dst_ref = src_var.aval, dst_var.aval
   src_var, dst_var = outer.get(src_var, src_var), outer.get(dst_var, dst_var)
-  src_ref, dst_ref = avals[0], avals[_num_leaves(src)]
   raise ValueError(
     f"{kernel}: a DMA copies from "
     f"{roles.describe(top, src_var, src_ref)} into "
@@ -374,10 +376,6 @@ def _check_dma(top, eqn, outer, roles: Roles, kernel: str) -> None:
     f"dtype on both sides, got {_type_str(*src_type)} and "
     f"{_type_str(*dst_type)}"
   )
-
-
-def _num_leaves(tree: Any) -> int:
-  return len(tree_util.tree_leaves(tree))
 
 
 def _type_str(shape, dtype) -> str:

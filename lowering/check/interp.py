@@ -493,7 +493,7 @@ def _custom_call(ctx, eqn, invals):
 
 
 def _rules() -> dict[Any, Any]:
-  tpu = records.tpu_primitives()
+  tpu = _jax.tpu().primitives
   rules = {p: _sync for p in records.record_types()}
   rules.update(
     {

@@ -1,28 +1,17 @@
-"""Pallas' synchronisation equations, read into named records.
+"""The checking executor's synchronisation operations, as records.
 
-Pallas packs a DMA's or a semaphore operation's operands into a pytree whose
-layout is private (and has moved between JAX versions). This module is the
-one place that unpacks them: each record's ``of(eqn, values)`` takes an
-equation and its operand values (or its variables, for a static look) and
-names the parts. Primitives are matched by object.
+Each record's ``of(eqn, values)`` takes an equation and its operand values
+(or its variables, for a static look) and names the parts the executor
+needs, each Ref with all the views taken of it (``RefOperand``). Pallas'
+operand layouts are read by ``mpmd._pallas_ops`` only.
 """
 
 import dataclasses
 from typing import Any
 
-from mpmd import _jax
-from mpmd._jax import core, pallas_primitives, state_types
-
-
-def tpu_primitives():
-  return _jax.tpu().primitives
-
-
-def split_ref(ref: Any) -> tuple[Any, tuple[Any, ...]]:
-  """(base Ref, its transforms) of a Ref or a transformed view of one."""
-  if isinstance(ref, state_types.TransformedRef):
-    return ref.ref, tuple(ref.transforms)
-  return ref, ()
+from mpmd import _pallas_ops
+from mpmd._jax import core
+from mpmd._pallas_ops import Sync, split_ref
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +43,15 @@ class DmaStart:
 
   @classmethod
   def of(cls, eqn: core.JaxprEqn, values) -> "DmaStart":
-    src, dst, recv, send, device_id = eqn.params["tree"].unflatten(values)
+    dma = _pallas_ops.DmaOperands.of(eqn, values)
     return cls(
-      RefOperand.of(src),
-      RefOperand.of(dst),
-      None if recv is None else RefOperand.of(recv),
-      None if send is None else RefOperand.of(send),
-      device_id,
-      eqn.params["device_id_type"],
-      bool(eqn.params.get("add", False)),
+      RefOperand.of(dma.src),
+      RefOperand.of(dma.dst),
+      None if dma.dst_sem is None else RefOperand.of(dma.dst_sem),
+      None if dma.src_sem is None else RefOperand.of(dma.src_sem),
+      dma.device_id,
+      dma.device_id_type,
+      dma.add,
     )
 
 
@@ -77,11 +66,9 @@ class DmaWait:
 
   @classmethod
   def of(cls, eqn: core.JaxprEqn, values) -> "DmaWait":
-    src, dst, sem, _, _ = eqn.params["tree"].unflatten(values)
-    # wait_send / wait_read: the operands come swapped, the awaited
-    # semaphore in the receive slot and the source in the destination's.
-    is_send = _jax.dma_wait_is_send(eqn.params)
-    return cls(RefOperand.of(sem), RefOperand.of(dst), is_send)
+    dma = _pallas_ops.DmaOperands.of(eqn, values)
+    ref, sem = dma.awaited
+    return cls(RefOperand.of(sem), RefOperand.of(ref), dma.waits_send)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,14 +84,13 @@ class Signal:
 
   @classmethod
   def of(cls, eqn: core.JaxprEqn, values) -> "Signal":
-    tree = eqn.params["args_tree"]
-    ref, transforms, inc, device_id, core_index = tree.unflatten(values)
+    op = _pallas_ops.SignalOperands.of(eqn, values)
     return cls(
-      RefOperand.of(ref, transforms),
-      inc,
-      device_id,
-      eqn.params["device_id_type"],
-      core_index,
+      RefOperand.of(op.sem, op.transforms),
+      op.inc,
+      op.device_id,
+      op.device_id_type,
+      op.core_index,
     )
 
 
@@ -119,10 +105,10 @@ class SemWait:
 
   @classmethod
   def of(cls, eqn: core.JaxprEqn, values) -> "SemWait":
-    parts = eqn.params["args_tree"].unflatten(values)
-    ref, transforms, value = parts[:3]
-    decrement = bool(parts[3]) if len(parts) > 3 else True
-    return cls(RefOperand.of(ref, transforms), value, decrement)
+    op = _pallas_ops.SemaphoreWaitOperands.of(eqn, values)
+    return cls(
+      RefOperand.of(op.sem, op.transforms), op.value, bool(op.decrement)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,17 +119,17 @@ class SemRead:
 
   @classmethod
   def of(cls, eqn: core.JaxprEqn, values) -> "SemRead":
-    ref, transforms = eqn.params["args_tree"].unflatten(values)
-    return cls(RefOperand.of(ref, transforms))
+    op = _pallas_ops.SemaphoreReadOperands.of(eqn, values)
+    return cls(RefOperand.of(op.sem, op.transforms))
 
 
 def record_types() -> dict[Any, type]:
   """Synchronisation primitive -> the record that reads its equations."""
-  tpu = tpu_primitives()
-  return {
-    tpu.dma_start_p: DmaStart,
-    tpu.dma_wait_p: DmaWait,
-    pallas_primitives.semaphore_signal_p: Signal,
-    pallas_primitives.semaphore_wait_p: SemWait,
-    pallas_primitives.semaphore_read_p: SemRead,
+  records = {
+    Sync.DMA_START: DmaStart,
+    Sync.DMA_WAIT: DmaWait,
+    Sync.SIGNAL: Signal,
+    Sync.SEMAPHORE_WAIT: SemWait,
+    Sync.SEMAPHORE_READ: SemRead,
   }
+  return {_pallas_ops.primitive(k): r for k, r in records.items()}

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mpmd import _jax
+from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, lax_control_flow, pjit, state, state_primitives
 from mpmd.lowering import errors
 from mpmd.lowering.check import interp, memory, records
@@ -75,7 +75,7 @@ def _walk(jaxpr, env, program, axis_values, found) -> None:
       state_primitives.addupdate_p,
     ):
       _state_access(eqn, ins, program, found)
-    elif prim is records.tpu_primitives().dma_start_p:
+    elif _pallas_ops.kind(prim) is _pallas_ops.Sync.DMA_START:
       _dma_access(eqn, ins, program, found)
     elif prim is _jax.pallas_primitives.run_scoped_p:
       body = eqn.params["jaxpr"]
