@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mpmd import _jax
+from mpmd import _jax, _pallas_ops
 from mpmd._jax import (
   callback,
   core,
@@ -50,6 +50,7 @@ from mpmd._jax import (
   state_types,
   tree_util,
 )
+from mpmd._pallas_ops import Sync
 from mpmd.lowering import (
   bounds,
   common,
@@ -61,18 +62,16 @@ from mpmd.lowering import (
   watchdog,
   words,
 )
-from mpmd.lowering.exchange import (
-  Devices,
-  Exchanges,
+from mpmd.lowering.counts import (
   is_count,
   ref_bytes,
-  remote_copy,
-  remote_signal,
   signal,
   wait,
   widen,
   with_transforms,
 )
+from mpmd.lowering.devices import Devices
+from mpmd.lowering.exchange import Exchanges, remote_copy, remote_signal
 from mpmd.primitives import mpmd_map as prim
 
 
@@ -103,86 +102,87 @@ def sync_rule(
       outs = first(eqn, invals)
       if outs is not None:
         return outs
-    name = eqn.primitive.name
+    kind = _pallas_ops.kind(eqn)
     # A wait touches only its semaphore, and may wait for the exchange
     # (``Exchanges.wait``) rather than force it.
-    if exchanges is not None and name not in ("dma_wait", "semaphore_wait"):
+    if exchanges is not None and kind not in _WAITS:
       exchanges.flush_if_touched(eqn, invals)
-    if name == "get_barrier_semaphore":
+    if kind is Sync.BARRIER_SEMAPHORE:
       return list(barrier)
-    if name == "dma_start":
+    if kind is Sync.DMA_START:
       checks.dma(eqn, invals)
-      src, dst, dst_sem, src_sem, device_id = eqn.params["tree"].unflatten(
-        invals
-      )
-      if device_id is not None:
-        names = eqn.params["tree"].unflatten(eqn.invars)[4]
-        remote_copy(
-          exchanges,
-          src,
-          dst,
-          dst_sem,
-          src_sem,
-          device_id,
-          exchanges.devices.static_shift(names),
-        )
-        return []
-      data = state_primitives.ref_get(src, None)
-      if eqn.params["add"]:
-        data = data + state_primitives.ref_get(dst, None)
-      state_primitives.ref_set(dst, None, data)
-      if dst_sem is not None:
-        signal(dst_sem, ref_bytes(dst))
-      if src_sem is not None:
-        # The data has left: its send semaphore counts, as in Pallas'
-        # discharge rule (a DMA to an external mesh's one program runs as a
-        # local one).
-        signal(src_sem, ref_bytes(src))
+      _dma_start(eqn, invals, exchanges)
       return []
-    if name == "dma_wait":
-      # wait_send binds this with source and destination swapped, so the
-      # semaphore and the buffer it counts are always the 2nd and 3rd.
-      _, dst, dst_sem, _, _ = eqn.params["tree"].unflatten(invals)
-      sem = eqn.params["tree"].unflatten(eqn.invars)[2]
+    if kind is Sync.DMA_WAIT:
+      buffer, sem = _pallas_ops.DmaOperands.of(eqn, invals).awaited
+      operand = _pallas_ops.DmaOperands.of(eqn).awaited[1]
       run_wait(
-        dst_sem,
-        lambda: checks.wait(eqn, sem, wait(dst_sem, ref_bytes(dst))),
+        sem, lambda: checks.wait(eqn, operand, wait(sem, ref_bytes(buffer)))
       )
       return []
-    if name == "semaphore_signal":
-      sem, transforms, inc, device_id, _ = eqn.params["args_tree"].unflatten(
-        invals
-      )
-      if device_id is not None:
-        names = eqn.params["args_tree"].unflatten(eqn.invars)[3]
-        shift = exchanges.devices.static_shift(names)
-        remote_signal(exchanges, sem, transforms, inc, device_id, shift)
-      else:
-        signal(with_transforms(sem, transforms), inc)
+    if kind is Sync.SIGNAL:
+      _signal(eqn, invals, exchanges)
       return []
-    if name == "semaphore_wait":
-      sem, transforms, value, decrement = eqn.params["args_tree"].unflatten(
-        invals
-      )
-      operand = eqn.params["args_tree"].unflatten(eqn.invars)[0]
+    if kind is Sync.SEMAPHORE_WAIT:
+      waits = _pallas_ops.SemaphoreWaitOperands.of(eqn, invals)
+      operand = _pallas_ops.SemaphoreWaitOperands.of(eqn).sem
 
       def take():
-        ok = wait(with_transforms(sem, transforms), value, decrement)
-        checks.wait(eqn, operand, ok)
+        sem = with_transforms(waits.sem, waits.transforms)
+        checks.wait(eqn, operand, wait(sem, waits.value, waits.decrement))
 
-      run_wait(sem, take)
+      run_wait(waits.sem, take)
       return []
-    if name == "semaphore_read":
-      sem, transforms = eqn.params["args_tree"].unflatten(invals)
-      value = state_primitives.ref_get(with_transforms(sem, transforms), None)
+    if kind is Sync.SEMAPHORE_READ:
+      reads = _pallas_ops.SemaphoreReadOperands.of(eqn, invals)
+      value = state_primitives.ref_get(
+        with_transforms(reads.sem, reads.transforms), None
+      )
       return [value.astype(eqn.outvars[0].aval.dtype)]
-    if name == "run_scoped":
+    if kind is Sync.RUN_SCOPED:
       return _inline_scope(eqn, invals, rule)
     return None
 
   if exchanges is not None:
     rule.frame = exchanges.frame
   return rule
+
+
+# The waits: they touch only their semaphore.
+_WAITS = (Sync.DMA_WAIT, Sync.SEMAPHORE_WAIT)
+
+
+def _dma_start(eqn, invals, exchanges: Exchanges | None) -> None:
+  """A DMA: remote ones leave in the next exchange; local ones land now."""
+  dma = _pallas_ops.DmaOperands.of(eqn, invals)
+  if dma.device_id is not None:
+    assert exchanges is not None, "a remote DMA off the lockstep path"
+    names = _pallas_ops.DmaOperands.of(eqn).device_id
+    remote_copy(exchanges, dma, exchanges.devices.static_shift(names))
+    return
+  data = state_primitives.ref_get(dma.src, None)
+  if dma.add:
+    data = data + state_primitives.ref_get(dma.dst, None)
+  state_primitives.ref_set(dma.dst, None, data)
+  if dma.dst_sem is not None:
+    signal(dma.dst_sem, ref_bytes(dma.dst))
+  if dma.src_sem is not None:
+    # The data has left: its send semaphore counts, as in Pallas' discharge
+    # rule (a DMA to an external mesh's one program runs as a local one).
+    signal(dma.src_sem, ref_bytes(dma.src))
+
+
+def _signal(eqn, invals, exchanges: Exchanges | None) -> None:
+  """A signal: remote ones leave in the next exchange; local ones count
+  now."""
+  op = _pallas_ops.SignalOperands.of(eqn, invals)
+  if op.device_id is None:
+    signal(with_transforms(op.sem, op.transforms), op.inc)
+    return
+  assert exchanges is not None, "a remote signal off the lockstep path"
+  names = _pallas_ops.SignalOperands.of(eqn).device_id
+  shift = exchanges.devices.static_shift(names)
+  remote_signal(exchanges, op, shift)
 
 
 def _inline_scope(eqn, invals, rule) -> list[Any]:
@@ -221,7 +221,7 @@ def _inline_scope(eqn, invals, rule) -> list[Any]:
 
 def _barrier_avals(jaxpr: core.Jaxpr) -> list[Any]:
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "get_barrier_semaphore":
+    if _pallas_ops.kind(eqn) is Sync.BARRIER_SEMAPHORE:
       return [eqn.outvars[0].aval]
   return []
 
@@ -376,9 +376,7 @@ def _run(
       jnp.where(
         jnp.any(final[k] < 0),
         SHORT,
-        jnp.where(
-          (k >= num_in + num_out) & jnp.any(final[k] > 0), LEFTOVER, 0
-        ),
+        jnp.where((k >= num_in + num_out) & jnp.any(final[k] > 0), LEFTOVER, 0),
       )
       for k in semaphores
     ]

@@ -261,83 +261,6 @@ def test_remote_operations_in_a_row_travel_in_one_exchange(exchange):
     assert collectives == ["collective-permute"] * 2
 
 
-def _ancestors(hlo: str, name: str) -> list[str]:
-  """The lines of the entry computation that ``name`` depends on, each
-  followed by the text of the computation it calls (a fusion's)."""
-  computations = dict(
-    re.findall(r"^(?:ENTRY )?%?([\w.-]+) [^\n]*\{\n(.*?)^\}", hlo, re.S | re.M)
-  )
-  entry = hlo.split("\nENTRY ", 1)[1].split("\n}", 1)[0]
-  lines = dict(re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = (.*)$", entry, re.M))
-  seen, todo = set(), [name]
-  while todo:
-    for operand in re.findall(r"%([\w.-]+)", lines.get(todo.pop(), "")):
-      if operand in lines and operand not in seen:
-        seen.add(operand)
-        todo.append(operand)
-  found = []
-  for n in seen:
-    called = re.findall(r"calls=%?([\w.-]+)", lines[n])
-    found.append(lines[n] + "".join(computations.get(c, "") for c in called))
-  return found
-
-
-def test_an_exchange_waits_for_the_data_it_shifts():
-  """A DMA whose data moves by ring shift, to a device read at run time:
-  the exchange's all_gather (its target) also waits for the data, computed
-  whole. XLA would otherwise run it as soon as the target is known, and a
-  device waiting in it for the others holds one of XLA's threads (one per
-  device), which the devices still computing need."""
-  n = 4
-  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
-  rows = (256, 512)  # 512 KiB: shifted, not gathered (exchange._GATHER_BYTES)
-
-  def kernel(table_hbm, x_hbm, o_hbm, table, buf, send, recv):
-    pltpu.sync_copy(table_hbm, table)
-    pltpu.sync_copy(x_hbm, buf)
-    buf[...] = jnp.exp(buf[...])
-    right = table[jax.lax.axis_index("x")]
-    copy = pltpu.make_async_remote_copy(
-      buf, o_hbm, send, recv, device_id={"x": right}
-    )
-    copy.start()
-    copy.wait()
-
-  def per_device(table, x):
-    return mpmd.mpmd_map(
-      [(CORE, kernel)],
-      jax.ShapeDtypeStruct(rows, jnp.float32),
-      scratch_types=[
-        pltpu.SMEM((n,), jnp.int32),
-        pltpu.VMEM(rows, jnp.float32),
-        pltpu.SemaphoreType.DMA,
-        pltpu.SemaphoreType.DMA,
-      ],
-    )(table, x)
-
-  fn = jax.jit(
-    jax.shard_map(
-      per_device,
-      mesh=mesh,
-      in_specs=(P(), P("x")),
-      out_specs=P("x"),
-      check_vma=False,
-    )
-  )
-  table = jnp.roll(jnp.arange(n, dtype=jnp.int32), -1)
-  x = _rows(mesh, P("x"), rows) / float(n * np.prod(rows))
-  expected = np.roll(np.exp(np.asarray(x)).reshape(n, *rows), 1, axis=0)
-  np.testing.assert_allclose(fn(table, x), expected.reshape(x.shape), rtol=1e-6)
-  hlo = fn.lower(table, x).compile().as_text()
-  entry = hlo.split("\nENTRY ", 1)[1]
-  [gather] = re.findall(r"%?([\w.-]+) = \S+ all-gather\(", entry)
-  whole = f"f32[{rows[0]},{rows[1]}]"
-  assert any(
-    line.split(" ", 1)[0].startswith(whole) and "exponential" in line
-    for line in _ancestors(hlo, gather)
-  )
-
-
 @pytest.mark.parametrize("form", ["dict", "flat"])
 def test_every_device_sends_to_device_zero(form, exchange):
   """Several senders into one device, each at its own offset."""
@@ -471,9 +394,10 @@ def test_a_failed_launch_leaves_no_device_in_a_collective(exchange):
   traced (the data lands with no exchange of targets): every device is
   named, and the next launch runs. A device whose report raises stops
   there, so the counts it reads wait for the collective that carries the
-  data (``exchange._arrival``; without it, jax 0.10.2 ran the report first
-  in test_semaphores_across_launches' deadlock test, and the other device
-  waited in the collective until XLA aborted the process)."""
+  data (``xla_cpu.arrival``, checked in test_xla_cpu; without it, jax
+  0.10.2 ran the report first in test_semaphores_across_launches' deadlock
+  test, and the other device waited in the collective until XLA aborted
+  the process)."""
   n = 4
 
   def kernel(x_hbm, o_hbm, send, recv):

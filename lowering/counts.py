@@ -1,0 +1,66 @@
+"""Semaphores on the CPU fallback's compiled paths (fast and lockstep): int32
+counts that a wait which finds too little poisons (sets far below zero, so
+that no later signal lifts it), for the launch to report at its end."""
+
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from mpmd._jax import pallas_core, state_primitives, state_types, tpu
+
+# Far below any count a kernel reaches, and far from wrapping around.
+_POISON = -(1 << 30)
+
+
+def signal(sem: Any, inc: Any) -> None:
+  """Adds ``inc`` to a semaphore, unless it is poisoned (negative)."""
+  before = state_primitives.ref_get(sem, None)
+  inc = jnp.asarray(inc, jnp.int32)
+  state_primitives.ref_set(
+    sem, None, jnp.where(before < 0, before, before + inc)
+  )
+
+
+def wait(sem: Any, value: Any, decrement: bool = True) -> Any:
+  """Takes ``value`` from a semaphore, or poisons it if it holds less;
+  returns whether it held enough."""
+  before = state_primitives.ref_get(sem, None)
+  value = jnp.asarray(value, jnp.int32)
+  after = before - value if decrement else before
+  state_primitives.ref_set(sem, None, jnp.where(before < value, _POISON, after))
+  return jnp.all(before >= value)
+
+
+def ref_bytes(ref: Any) -> int:
+  """What a DMA of ``ref``'s shape adds to its semaphores (bytes, as on
+  hardware and in the simulator)."""
+  return math.prod(ref.shape) * np.dtype(ref.dtype).itemsize
+
+
+def widen(aval: Any) -> Any:
+  """Semaphore counts as int32 (Pallas' interpreters use int16)."""
+  if (
+    is_count(aval)
+    and aval.inner_aval.dtype == pallas_core.SEMAPHORE_INTERPRET_DTYPE
+  ):
+    return aval.update(inner_aval=aval.inner_aval.update(dtype=jnp.int32))
+  return aval
+
+
+def is_count(aval: Any) -> bool:
+  """A Ref in semaphore memory (of physical integer counts)."""
+  if not isinstance(aval, state_types.AbstractRef):
+    return False
+  space = aval.memory_space
+  # Scratch placed on one mesh's cores (`SEMAPHORE @ mesh`) wraps the space.
+  if isinstance(space, pallas_core.CoreMemorySpace):
+    space = space.memory_space
+  return space == tpu().core.MemorySpace.SEMAPHORE
+
+
+def with_transforms(ref: Any, transforms: Any) -> Any:
+  if not transforms:
+    return ref
+  return state_types.TransformedRef(ref, tuple(transforms))
