@@ -118,7 +118,7 @@ def _trace_nested(jaxpr: core.Jaxpr, refs: Refs, bound: dict) -> None:
       for v, x in held:
         # What ``v`` holds: a literal's value, else the operand variable.
         literal = isinstance(x, core.Literal)
-        source = ("literal", repr(x.val)) if literal else ("var", id(x))
+        source = ("literal", repr(x.val)) if literal else ("var", x)
         if bound.setdefault(v, source) != source:
           refs.literals[v] = _VARIES
           other = None if literal else refs.names.get(x)
@@ -314,7 +314,7 @@ class Checks:
     self,
     kernel: str,
     refs: Refs,
-    proven: set[int],
+    proven: set[core.JaxprEqn],
     path: str,
     where: Callable[[list[Any]], str],
   ):
@@ -338,7 +338,7 @@ class Checks:
   def dma(self, eqn: core.JaxprEqn, invals: Sequence[Any]) -> None:
     """Checks the windows of a ``dma_start`` that may leave their buffers
     (static ones in bounds cost nothing)."""
-    if id(eqn) in self.proven:
+    if eqn in self.proven:
       return
     for role, static_ref, ref in dma_sides(eqn, invals):
       root, windows = _windows(static_ref, ref, self.refs)
@@ -376,7 +376,7 @@ class Checks:
     """Reports a wait on a ``pl.run_scoped`` semaphore that found it short
     (``sem``: the semaphore operand of the waiting equation)."""
     root, _ = ref_indexers(sem)
-    if root not in self.refs.scoped or id(eqn) in self.proven:
+    if root not in self.refs.scoped or eqn in self.proven:
       return
     args: list[Any] = []
     message = (

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from mpmd import _jax, _patches
-from mpmd._jax import callback, core, lax_control_flow, pjit
+from mpmd._jax import callback, core, lax_control_flow, pjit, util
 from mpmd.lowering import jaxpr_util, watchdog
 
 # XLA:CPU's limit is 32 per device. The launch's own computation holds one
@@ -136,20 +136,12 @@ def _host(x):
   return x if isinstance(x, np.generic) else np.asarray(x)
 
 
-_calls_back_cache: dict[int, tuple[core.Jaxpr, bool]] = {}
-
-
+# Per jaxpr, held weakly, in a cache that jax.clear_caches() empties.
+@util.weakref_lru_cache
 def _jaxpr_calls_back(jaxpr: core.Jaxpr) -> bool:
-  hit = _calls_back_cache.get(id(jaxpr))
-  if hit is not None and hit[0] is jaxpr:
-    return hit[1]
-  found = any(
+  return any(
     e.primitive is callback.io_callback_p for e in jaxpr_util.iter_eqns(jaxpr)
   )
-  if len(_calls_back_cache) > 4096:
-    _calls_back_cache.clear()
-  _calls_back_cache[id(jaxpr)] = (jaxpr, found)
-  return found
 
 
 def _calls_back(eqn: core.JaxprEqn) -> bool:

@@ -110,22 +110,22 @@ _INT32 = (-(2**31), 2**31 - 1)
 class _Prover:
   """Finds the ``dma_start``s whose windows stay in bounds and the waits on
   ``pl.run_scoped`` semaphores that are satisfied, whatever the program and
-  the values the kernel reads (``proven``, by equation id)."""
+  the values the kernel reads (``proven``; equations hash by identity)."""
 
   def __init__(self, axis_sizes: dict[Any, int]):
     self.axis_sizes = axis_sizes
     self.ranges: dict[core.Var, Range] = {}
     # A jaxpr may be called from several places (a jitted helper): what it
     # does must hold for every call.
-    self.held: set[int] = set()
-    self.failed: set[int] = set()
+    self.held: set[core.JaxprEqn] = set()
+    self.failed: set[core.JaxprEqn] = set()
 
   @property
-  def proven(self) -> set[int]:
+  def proven(self) -> set[core.JaxprEqn]:
     return self.held - self.failed
 
   def verdict(self, eqn: core.JaxprEqn, holds: bool) -> None:
-    (self.held if holds else self.failed).add(id(eqn))
+    (self.held if holds else self.failed).add(eqn)
 
   def set(self, v: core.Var, r: Range | None) -> None:
     if r is None:
@@ -388,8 +388,8 @@ def _step(body: core.Jaxpr, carry: core.Var, out: Any) -> int | None:
   return int(other.val)
 
 
-def prove(jaxpr: core.Jaxpr, axis_sizes: dict[Any, int]) -> set[int]:
-  """Ids of the equations of ``jaxpr`` (nested ones too) whose run-time
+def prove(jaxpr: core.Jaxpr, axis_sizes: dict[Any, int]) -> set[core.JaxprEqn]:
+  """The equations of ``jaxpr`` (nested ones too) whose run-time
   check cannot fail: ``dma_start``s in bounds, satisfied scoped waits.
 
   ``axis_sizes``: the kernel mesh's axes, in order (``program_id`` counts

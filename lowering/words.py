@@ -187,8 +187,8 @@ class _Forms:
       elif subs is not None:
         # Each operand and result of the op is a slot, that the nested
         # jaxprs' inputs and outputs (and a loop's carry) tie to.
-        ins = [_Slot(id(eqn), "in", i) for i in range(len(eqn.invars))]
-        outs = [_Slot(id(eqn), "out", j) for j in range(len(eqn.outvars))]
+        ins = [_Slot(eqn, "in", i) for i in range(len(eqn.invars))]
+        outs = [_Slot(eqn, "out", j) for j in range(len(eqn.outvars))]
         for v, slot in zip(eqn.invars, ins, strict=True):
           self._tie(v, slot)
         for v, slot in zip(eqn.outvars, outs, strict=True):
@@ -285,9 +285,9 @@ class _Forms:
 
 class _Slot(NamedTuple):
   """An operand or result of a loop, branch or call (a node of the
-  classes, by identity of its equation)."""
+  classes; equations hash by identity)."""
 
-  eqn_id: int
+  eqn: core.JaxprEqn
   side: str
   index: int
 

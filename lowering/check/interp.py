@@ -80,15 +80,14 @@ class Context:
 def _needs_interpretation(jaxpr: core.Jaxpr, memo: dict) -> bool:
   """Whether equations of ``jaxpr`` touch Refs, synchronise or ask for axis
   indices (else JAX can run the whole equation that holds it)."""
-  key = id(jaxpr)
-  if key in memo:
-    return memo[key][1]
+  if jaxpr in memo:  # jaxprs hash by identity; the memo keeps them alive
+    return memo[jaxpr]
   needs = False
   for eqn in jaxpr.eqns:
     if _eqn_needs(eqn, memo):
       needs = True
       break
-  memo[key] = (jaxpr, needs)  # keeps the jaxpr alive with its id
+  memo[jaxpr] = needs
   return needs
 
 
@@ -224,9 +223,9 @@ def bind_eqn(eqn, invals) -> list:
 def _steps(jaxpr: core.Jaxpr, memo: dict) -> list[Any]:
   """``jaxpr`` as steps: equations to interpret (with their source line)
   and compiled segments of the pure equations between them."""
-  key = ("steps", id(jaxpr))
+  key = ("steps", jaxpr)
   if key in memo:
-    return memo[key][1]
+    return memo[key]
   last_use: dict[Any, int] = {}
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:
@@ -265,7 +264,7 @@ def _steps(jaxpr: core.Jaxpr, memo: dict) -> list[Any]:
     flush()
     steps.append((eqn, where(eqn)))
   flush()
-  memo[key] = (jaxpr, steps)  # keeps the jaxpr alive with its id
+  memo[key] = steps
   return steps
 
 

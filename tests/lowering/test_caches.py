@@ -1,0 +1,26 @@
+"""The lowering's caches are JAX's: jax.clear_caches() empties them, and
+they hold no jaxpr alive."""
+
+import gc
+import weakref
+
+import jax
+
+from mpmd.lowering import host_programs
+
+
+def test_the_callback_cache_is_jaxs():
+  jaxpr = jax.make_jaxpr(lambda x: x + 1.0)(1.0).jaxpr
+  assert host_programs._jaxpr_calls_back(jaxpr) is False
+  assert host_programs._jaxpr_calls_back.cache_info().currsize >= 1
+  jax.clear_caches()
+  assert host_programs._jaxpr_calls_back.cache_info().currsize == 0
+
+
+def test_the_callback_cache_holds_no_jaxpr_alive():
+  jaxpr = jax.make_jaxpr(lambda x: x * 2.0)(1.0).jaxpr
+  host_programs._jaxpr_calls_back(jaxpr)
+  held = weakref.ref(jaxpr)
+  del jaxpr
+  gc.collect()
+  assert held() is None
