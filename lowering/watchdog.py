@@ -285,7 +285,7 @@ def _as_launch_error(
 ) -> errors.LaunchError:
   if isinstance(error, errors.LaunchError):
     return error
-  describe = _describers.get(key)
+  describe = None if key is None else _describers.get(key)
   described = None if describe is None else describe(error)
   if described is not None:
     return described

@@ -133,7 +133,11 @@ def _differs(outputs, reference, text: str, against: str):
   return None
 
 
-def _signature(kind: str, error: BaseException):
+# A failure's kind and the places (file.py:line) its message names.
+Signature = tuple[str, tuple[str, ...]]
+
+
+def _signature(kind: str, error: BaseException) -> Signature:
   places = sorted(set(re.findall(r"[\w./-]+\.py:\d+", str(error))))
   return kind, tuple(places)
 
@@ -254,7 +258,7 @@ def explore(
   """
   session = params_lib.Session()
   reference = None
-  found: dict[Any, Failure] = {}
+  found: dict[Signature, Failure] = {}
   run = 0
   steps = schedule_lib.DEFAULT_STEPS
   for run in range(schedules):

@@ -9,15 +9,18 @@ microsecond of the trace): it orders events, it is not hardware time.
 """
 
 import json
-from typing import Any
 
+from mpmd.lowering.check import machine as machine_lib
+
+# One Chrome trace event: JSON, its fields as the format names them.
+TraceEvent = dict[str, object]
 # Trace time units per scheduler step.
 _UNIT = 1
 
 
-def events(machines) -> list[dict[str, Any]]:
+def events(machines) -> list[TraceEvent]:
   """The trace events of ``machines`` (launches run one after another)."""
-  out: list[dict[str, Any]] = []
+  out: list[TraceEvent] = []
   offset = 0
   for launch, m in enumerate(machines):
     out += _launch_events(m, launch, offset)
@@ -25,7 +28,7 @@ def events(machines) -> list[dict[str, Any]]:
   return out
 
 
-def _meta(m, launch: int) -> list[dict[str, Any]]:
+def _meta(m, launch: int) -> list[TraceEvent]:
   plan = m.plan
   meta = []
   for d in range(plan.num_devices):
@@ -61,7 +64,7 @@ def _meta(m, launch: int) -> list[dict[str, Any]]:
   return meta
 
 
-def _span(name, cat, pid, tid, ts, dur, where=None) -> dict[str, Any]:
+def _span(name, cat, pid, tid, ts, dur, where=None) -> TraceEvent:
   span = {
     "name": name,
     "cat": cat,
@@ -92,7 +95,7 @@ def _arrow(flow, source_pid, source_tid, source_ts, pid, tid, ts):
   ]
 
 
-def _launch_events(m, launch: int, offset: int) -> list[dict[str, Any]]:
+def _launch_events(m, launch: int, offset: int) -> list[TraceEvent]:
   plan = m.plan
   out = _meta(m, launch)
   dmas = plan.num_programs  # the DMA thread of each device
@@ -101,7 +104,7 @@ def _launch_events(m, launch: int, offset: int) -> list[dict[str, Any]]:
     return launch * plan.num_devices + d
 
   last: dict[tuple[int, int], int] = {}
-  starts: dict[int, Any] = {}
+  starts: dict[int, machine_lib.Event] = {}
   for k, e in enumerate(m.events):
     ts = offset + e.step * _UNIT
     if e.kind == "dma_start":
