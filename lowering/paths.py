@@ -227,7 +227,7 @@ def choose(
   if isinstance(interpret, check_params.CheckParams):
     return Path(CHECK, "interpret= gave mpmd.CheckParams", interpret)
   forced = check_params.forced()
-  if forced is not None and not any(is_gpu_mesh(m) for m in meshes):
+  if forced is not None:
     if not isinstance(interpret, (tpu_params, gpu_params)):
       return Path(CHECK, "the mpmd_check config state asks for it", forced)
   if isinstance(interpret, tpu_params):
