@@ -1,6 +1,7 @@
 """Walking and rewriting kernel jaxprs, into loops, conds and scopes."""
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -47,11 +48,21 @@ def iter_eqns(jaxpr: core.Jaxpr) -> Iterator[core.JaxprEqn]:
       yield from iter_eqns(sub)
 
 
-# A rule may also carry a ``frame`` attribute: a context manager factory
-# entered around the equations of every jaxpr it rewrites (the top level,
-# loop bodies, branches, scopes), so that it can keep per-jaxpr state and
-# emit operations when a jaxpr's equations end.
 EqnRule = Callable[[core.JaxprEqn, list[Any]], list[Any] | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class FramedRule:
+  """An ``EqnRule`` with a ``frame``: a context manager factory entered
+  around the equations of every jaxpr it rewrites (the top level, loop
+  bodies, branches, scopes), so that it can keep per-jaxpr state and emit
+  operations when a jaxpr's equations end."""
+
+  rule: EqnRule
+  frame: Callable[[], contextlib.AbstractContextManager[object]]
+
+  def __call__(self, eqn: core.JaxprEqn, invals: list[Any]) -> list[Any] | None:
+    return self.rule(eqn, invals)
 
 
 def eval_with_rule(jaxpr: core.Jaxpr, consts, args, rule: EqnRule) -> list:
@@ -66,7 +77,7 @@ def eval_with_rule(jaxpr: core.Jaxpr, consts, args, rule: EqnRule) -> list:
     env[v] = x
   for v, x in zip(jaxpr.invars, args, strict=True):
     env[v] = x
-  frame = getattr(rule, "frame", contextlib.nullcontext)
+  frame = rule.frame if isinstance(rule, FramedRule) else contextlib.nullcontext
   with frame():
     for eqn in jaxpr.eqns:
       invals = [read(a) for a in eqn.invars]

@@ -140,12 +140,14 @@ def sync_rule(
       )
       return [value.astype(eqn.outvars[0].aval.dtype)]
     if kind is Sync.RUN_SCOPED:
-      return _inline_scope(eqn, invals, rule)
+      return _inline_scope(eqn, invals, framed)
     return None
 
-  if exchanges is not None:
-    rule.frame = exchanges.frame
-  return rule
+  # Nested scopes (``_inline_scope``) are rewritten in frames of their own.
+  framed: jaxpr_util.EqnRule = (
+    rule if exchanges is None else jaxpr_util.FramedRule(rule, exchanges.frame)
+  )
+  return framed
 
 
 # The waits: they touch only their semaphore.
