@@ -209,3 +209,31 @@ def test_lowers_for_tpu_as_one_kernel(target):
   assert text.count("tpu_custom_call") == 1
   assert "moe_fused" in text
   assert re.search(r"has_communication\\22: true", text)
+
+
+def test_vmap_over_token_sets_as_unfused(rng):
+  p = Problem(rng, devices=2, tokens=5, hidden=8, ffn=12, experts_local=2)
+  xs = jnp.stack([p.x, 2 * p.x])
+  logits = jnp.stack([p.logits, -p.logits])
+  specs = (P(None, "x"), P(None, "x"), P("x"), P("x"))
+  args = [
+    jax.device_put(a, NamedSharding(p.mesh, spec))
+    for a, spec in zip((xs, logits, p.w_in, p.w_out), specs, strict=True)
+  ]
+
+  def layer(fused):
+    batched = jax.vmap(
+      functools.partial(
+        mpmd.kernels.moe, top_k=2, axis_name="x", fused=fused, tile_rows=8
+      )
+      if fused
+      else functools.partial(mpmd.kernels.moe, top_k=2, axis_name="x"),
+      in_axes=(0, 0, None, None),
+    )
+    return jax.jit(
+      jax.shard_map(
+        batched, mesh=p.mesh, in_specs=specs, out_specs=P(None, "x")
+      )
+    )
+
+  assert_same(layer(True)(*args), layer(False)(*args), jnp.float32)
