@@ -112,6 +112,7 @@ def tpu():
     from jax._src.pallas.mosaic import tpu_info as pallas_tpu_info
 
     if JAX_VERSION >= (0, 11):  # moved; Pallas' module re-exports its names
+      # pyrefly: ignore[missing-module-attribute]  # not in jax < 0.11
       from jax._src import tpu_info
     else:
       tpu_info = pallas_tpu_info
@@ -225,6 +226,7 @@ def register_dce_rule(prim: core.Primitive, rule) -> None:
   0.12 calls DCE rules with the liveness of Ref inputs in between.
   """
   if JAX_VERSION >= (0, 12):
+    # pyrefly: ignore[unsupported-operation]  # this signature: jax >= 0.12
     pe.dce_rules[prim] = lambda used_outs, live_ins, eqn: rule(used_outs, eqn)
   else:
     pe.dce_rules[prim] = rule
@@ -249,7 +251,9 @@ def closed_jaxpr(jaxpr: core.Jaxpr, consts=()):
   """``jaxpr`` closed over ``consts``: a ``ClosedJaxpr`` up to 0.10, a
   ``Jaxpr`` with its consts attached from 0.11 on (``ClosedJaxpr`` is gone)."""
   if JAX_VERSION >= (0, 11):
+    # pyrefly: ignore[missing-attribute]  # jax >= 0.11 only
     return jaxpr.with_consts(consts) if consts else jaxpr
+  # pyrefly: ignore[missing-attribute]  # jax < 0.11 only
   return core.ClosedJaxpr(jaxpr, consts)
 
 
@@ -270,6 +274,7 @@ def open_jaxpr(j) -> tuple[core.Jaxpr, list]:
   """
   if JAX_VERSION >= (0, 11):
     return j, list(j.consts)
+  # pyrefly: ignore[missing-attribute]  # jax < 0.11 only
   if isinstance(j, core.ClosedJaxpr):
     return j.jaxpr, list(j.consts)
   return j, []
@@ -279,6 +284,7 @@ def is_jaxpr(value) -> bool:
   """A jaxpr of an equation's params, closed or not."""
   if JAX_VERSION >= (0, 11):
     return isinstance(value, core.Jaxpr)
+  # pyrefly: ignore[missing-attribute]  # jax < 0.11 only
   return isinstance(value, (core.Jaxpr, core.ClosedJaxpr))
 
 
@@ -288,6 +294,7 @@ def is_closed(j) -> bool:
   (``run_scoped``; from 0.11 on, tell them apart by the primitive)."""
   if JAX_VERSION >= (0, 11):
     return True
+  # pyrefly: ignore[missing-attribute]  # jax < 0.11 only
   return isinstance(j, core.ClosedJaxpr)
 
 
@@ -306,6 +313,7 @@ def scope_jaxpr(jaxpr: core.Jaxpr, num_closed: int, operands) -> core.Jaxpr:
   constvars with the operands attached (``run_scoped_p.bind(*jaxpr.consts)``).
   """
   if JAX_VERSION >= (0, 11):
+    # pyrefly: ignore[missing-attribute]  # jax >= 0.11 only
     return jaxpr.with_consts(list(operands)[:num_closed])
   return jaxpr.replace(
     constvars=jaxpr.invars[:num_closed], invars=jaxpr.invars[num_closed:]
@@ -316,6 +324,7 @@ def replace_jaxpr(jaxpr: core.Jaxpr, **changes) -> core.Jaxpr:
   """``jaxpr.replace(**changes)`` that keeps attached consts (0.11+ drops
   them when ``constvars`` is replaced)."""
   if JAX_VERSION >= (0, 11) and "constvars" in changes:
+    # pyrefly: ignore[missing-attribute]  # jax >= 0.11 only
     changes.setdefault("consts", jaxpr.consts)
   return jaxpr.replace(**changes)
 
@@ -336,6 +345,7 @@ def scan_with_consts(params, num_consts: int) -> dict[str, Any]:
   operands as they are): counts up to 0.11, ``ft_in`` from 0.12."""
   if "num_consts" in params:
     return dict(params, num_consts=num_consts)
+  # pyrefly: ignore[missing-module-attribute]  # not in jax < 0.11
   from jax._src import flattree
 
   _, carry, xs = params["ft_in"].unpack()
@@ -600,6 +610,7 @@ def compile_on_host(fn, avals):
   device = client.local_devices()[0]
   lowered = jax.jit(fn, keep_unused=True).trace(*avals)
   module = lowered.lower(lowering_platforms=("cpu",)).compiler_ir("stablehlo")
+  assert module is not None  # None only for a dialect it does not know
   executable = client.compile_and_load(
     mlir.module_to_bytecode(module),
     xla_client.DeviceList((device,)),

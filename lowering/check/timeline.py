@@ -9,11 +9,11 @@ microsecond of the trace): it orders events, it is not hardware time.
 """
 
 import json
-
-from mpmd.lowering.check import machine as machine_lib
+from typing import Any
 
 # One Chrome trace event: JSON, its fields as the format names them.
 TraceEvent = dict[str, object]
+
 # Trace time units per scheduler step.
 _UNIT = 1
 
@@ -104,7 +104,7 @@ def _launch_events(m, launch: int, offset: int) -> list[TraceEvent]:
     return launch * plan.num_devices + d
 
   last: dict[tuple[int, int], int] = {}
-  starts: dict[int, machine_lib.Event] = {}
+  starts: dict[int, Any] = {}  # machine.Event (machine imports us, indirectly)
   for k, e in enumerate(m.events):
     ts = offset + e.step * _UNIT
     if e.kind == "dma_start":
