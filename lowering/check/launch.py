@@ -56,10 +56,13 @@ def plan_of(params, device_axes) -> machine.Plan:
   over all programs (``merge``), its devices, and names for messages."""
   meshes = params["meshes"]
   if any(paths.is_gpu_mesh(m) for m in meshes):
-    raise NotImplementedError(
-      "mpmd checker: GPU meshes (Mosaic GPU barriers and TMA copies) are "
-      "not supported by the checking executor yet; they run in the Mosaic "
-      "GPU simulator (interpret=None)"
+    from mpmd.lowering.check import gpu_launch
+
+    return gpu_launch.plan_of(
+      params,
+      device_axes,
+      kernel=kernel_name(params),
+      labels=lambda j: _labels(params["jaxprs"], len(j.invars)),
     )
   num_in = params["num_inputs"]
   _, jaxpr, _ = merge.merge_for_tpu(params)
@@ -117,9 +120,9 @@ class Launch:
 
   def _run(self, inputs):
     run: Run = self.check.begin_launch()
-    m = machine.Machine(self.plan, run.strategy(self.plan))
+    m, execute = _machine(self.plan, run.strategy(self.plan))
     try:
-      outs = sync.run(m, inputs)
+      outs = execute(inputs)
     except errors.LaunchError as e:
       error = _with_schedule(e, run.text)
       run.finish(m, error)
@@ -131,6 +134,18 @@ class Launch:
     if self.plan.device_axes:
       return [np.stack(o) for o in zip(*outs, strict=True)]
     return outs[0]
+
+
+def _machine(plan: machine.Plan, strategy):
+  """The launch's machine, and its scheduling loop (GPU launches have one
+  of their own, over warpgroups, TMA copies and WGMMAs)."""
+  from mpmd.lowering.check import gpu_launch, gpu_machine
+
+  if isinstance(plan, gpu_machine.GpuPlan):
+    gpu = gpu_machine.GpuMachine(plan, strategy)
+    return gpu, lambda inputs: gpu_launch.run(gpu, inputs)
+  m = machine.Machine(plan, strategy)
+  return m, lambda inputs: sync.run(m, inputs)
 
 
 def _with_schedule(error: errors.LaunchError, text: str):
