@@ -22,6 +22,7 @@ Everything else that touches a Ref or synchronises is refused by name.
 """
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -52,10 +53,10 @@ class Async:
     self.clock, self.lane_time, self.where = clock, lane_time, where
     self.landed = False
     self.land_clock: Clock = {}
-    self.src = parts.get("src")
-    self.dst = parts.get("dst")
-    self.barrier = parts.get("barrier")  # (buffer, element) or None
-    self.acc = parts.get("acc")
+    # A copy's source View, or a WGMMA's (a, b) operand Views.
+    self.src: Any = parts["src"]
+    self.dst: View = parts["dst"]  # a WGMMA's accumulator
+    self.barrier: tuple[int, int] | None = parts.get("barrier")
 
 
 class Warpgroup:

@@ -56,6 +56,11 @@ class _Program:
     self.started = False
     self.done = False
 
+  def next_sync(self) -> interp.Sync:
+    """The operation a started warpgroup that has not exited waits at."""
+    assert self.pending is not None, (self.device, self.program)
+    return self.pending
+
 
 def _programs(m, inputs) -> list[_Program]:
   plan = m.plan
@@ -81,20 +86,20 @@ def _programs(m, inputs) -> list[_Program]:
 def _enabled(m, p: _Program) -> bool:
   if not p.started:
     return True
-  enabled = getattr(p.pending.op, "enabled", None)
+  enabled = getattr(p.next_sync().op, "enabled", None)
   return True if enabled is None else enabled(m, p)
 
 
 def _advance(m, p: _Program) -> None:
   result = None
   if p.started:
-    op = p.pending.op
-    if not hasattr(op, "perform"):
+    sync = p.next_sync()
+    if not hasattr(sync.op, "perform"):
       raise NotImplementedError(
-        f"mpmd checker: {type(op).__name__} in a GPU launch (at "
-        f"{p.pending.where})"
+        f"mpmd checker: {type(sync.op).__name__} in a GPU launch (at "
+        f"{sync.where})"
       )
-    result = op.perform(m, p, p.pending.where)
+    result = sync.op.perform(m, p, sync.where)
   p.started = True
   try:
     p.pending = p.gen.send(result)
@@ -149,10 +154,11 @@ def run(m: gpu_machine.GpuMachine, inputs) -> list[list[np.ndarray]]:
 def _deadlock_report(m, waiting) -> str:
   lines = []
   for p in waiting:
-    blocked = getattr(p.pending.op, "blocked", None)
+    sync = p.next_sync()
+    blocked = getattr(sync.op, "blocked", None)
     what = blocked(m, p) if blocked is not None else "an operation"
     lines.append(
-      f"  {m.name(p.device, p.program)} waits ({what}) at {p.pending.where}"
+      f"  {m.name(p.device, p.program)} waits ({what}) at {sync.where}"
     )
   return (
     f"kernel {m.plan.kernel} deadlocks: no warpgroup can go on and no TMA "

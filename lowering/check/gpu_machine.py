@@ -140,6 +140,7 @@ class GpuMachine(machine.Machine):
 
   def __init__(self, plan: GpuPlan, strategy):
     super().__init__(plan, strategy)
+    self.gpu_plan = plan
     from mpmd.lowering.check import gpu
 
     self.gpu = gpu.State()
@@ -173,7 +174,7 @@ class GpuMachine(machine.Machine):
     return b
 
   def _operand_buffers(self, inputs):
-    plan = self.plan
+    plan = self.gpu_plan
     avals = [v.aval for v in plan.jaxpr.invars]
     num_operands = plan.num_in + len(plan.out_avals)
     for d in range(plan.num_devices):
