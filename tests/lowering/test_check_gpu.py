@@ -114,6 +114,31 @@ def _blocks(*, ws: bool, steps: int = 4):
   return jax.jit(mpmd.mpmd_map([(plgpu.Mesh(), kernel)], out))
 
 
+def _upstream_ws(num_compute_wgs=1):
+  """``x + 1`` by the emit_pipeline_warp_specialized drop-in: a compute
+  warpgroup and the memory one on one mesh's thread axis (SMEM outputs
+  take one compute warpgroup)."""
+  spec = pl.BlockSpec((ROWS, BLOCK), lambda i: (0, i))
+
+  def body(_, x, o):
+    o[...] = x[...] + 1.0
+
+  def kernel(x_ref, o_ref):
+    gpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(4,),
+      memory_registers=40,
+      in_specs=[spec],
+      out_specs=[spec],
+      wg_axis="wg",
+      num_compute_wgs=num_compute_wgs,
+    )(x_ref, o_ref)
+
+  mesh = plgpu.Mesh(num_threads=num_compute_wgs + 1, thread_name="wg")
+  out = jax.ShapeDtypeStruct((ROWS, 4 * BLOCK), jnp.float32)
+  return jax.jit(mpmd.mpmd_map([(mesh, kernel)], out))
+
+
 XB = jnp.asarray(
   np.random.default_rng(0).standard_normal((ROWS, 4 * BLOCK)), jnp.float32
 )
@@ -141,6 +166,7 @@ KERNELS = {
   "ws_copy": (ws_copy, (X,), lambda: 2.0 * X + 1.0),
   "pipeline": (functools.partial(_blocks, ws=False), (XB,), lambda: XB + 1),
   "ws_pipeline": (functools.partial(_blocks, ws=True), (XB,), lambda: XB + 1),
+  "upstream_ws_pipeline": (_upstream_ws, (XB,), lambda: XB + 1),
   "matmul": (_matmul, (A, B), _mm_reference),
   "matmul_ws": (
     functools.partial(_matmul, warp_specialized=True),
@@ -194,6 +220,9 @@ INJECTED = [
   ("pipeline", "commit_smem", 0),
   # The warp-specialized pipeline's consumer never releases a slot.
   ("ws_pipeline", "barrier_arrive", 0),
+  ("upstream_ws_pipeline", "barrier_arrive", 0),
+  # Its output stores are never awaited.
+  ("upstream_ws_pipeline", "wait_smem_to_gmem", 1),
   # WGMMAs still reading a slot when the next TMA copy refills it.
   ("matmul", "wgmma_wait", 0),
   ("matmul_ws", "wgmma_wait", 0),
