@@ -29,7 +29,9 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
+
+import jax
 
 from mpmd import _jax
 from mpmd._jax import callback, core, mlir
@@ -38,7 +40,28 @@ from mpmd.lowering import errors
 DEFAULT_DEADLOCK_TIMEOUT_S = 10.0
 _POLL_S = 0.05
 
-_timeout_s = DEFAULT_DEADLOCK_TIMEOUT_S
+
+def _check_timeout(seconds) -> None:
+  if not isinstance(seconds, (int, float)) or not seconds > 0:
+    raise ValueError(
+      f"deadlock_timeout: expected 'seconds' > 0, got {seconds!r}"
+    )
+
+
+@functools.cache
+def _timeout_state():
+  """The ``mpmd_deadlock_timeout`` JAX config state, defined on first use
+  (``import mpmd`` adds nothing to JAX's config). In the jit key: a launch
+  takes the timeout in force where it is lowered."""
+  return _jax.config.string_or_object_state(
+    name="mpmd_deadlock_timeout",
+    default=DEFAULT_DEADLOCK_TIMEOUT_S,
+    help="jax-mpmd: seconds a simulated program may wait while nothing "
+    "else of its launch moves",
+    validator=_check_timeout,
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+  )
 
 
 DeadlockError = errors.DeadlockError
@@ -48,6 +71,9 @@ OutOfBoundsError = errors.OutOfBoundsError
 
 def set_deadlock_timeout(seconds: float) -> None:
   """Sets how long a simulated program may wait before the launch fails.
+
+  A JAX config option (``mpmd_deadlock_timeout``): a launch takes the
+  value in force where it is traced, and a change recompiles it.
 
   Args:
     seconds: a positive number (default 10): how long a program may wait
@@ -61,28 +87,26 @@ def set_deadlock_timeout(seconds: float) -> None:
     5.0
     >>> mpmd.set_deadlock_timeout(10.0)  # back to the default
   """
-  global _timeout_s
-  if not seconds > 0:
-    raise ValueError(
-      f"deadlock_timeout: expected 'seconds' > 0, got {seconds!r}"
-    )
-  _timeout_s = float(seconds)
+  _check_timeout(seconds)
+  _timeout_state()  # defined before it is set
+  jax.config.update("mpmd_deadlock_timeout", float(seconds))
 
 
 def get_deadlock_timeout() -> float:
-  """The deadlock timeout now in force, in seconds.
+  """The deadlock timeout now in force (in this thread), in seconds.
 
   Example::
 
     >>> mpmd.get_deadlock_timeout()  # the default
     10.0
   """
-  return _timeout_s
+  return float(_timeout_state().value)
 
 
 @contextlib.contextmanager
-def deadlock_timeout(seconds: float) -> Iterator[None]:
-  """Context manager form of ``set_deadlock_timeout``.
+def deadlock_timeout(seconds: float) -> Generator[None]:
+  """Context manager form of ``set_deadlock_timeout``, for this thread
+  only (as JAX's own config context managers).
 
   Example::
 
@@ -98,12 +122,9 @@ def deadlock_timeout(seconds: float) -> Iterator[None]:
     Traceback (most recent call last):
     DeadlockError: mpmd_map deadlock: a simulated program waited more ...
   """
-  previous = _timeout_s
-  set_deadlock_timeout(seconds)
-  try:
+  _check_timeout(seconds)
+  with _timeout_state()(float(seconds)):
     yield
-  finally:
-    set_deadlock_timeout(previous)
 
 
 # -- which program is which ---------------------------------------------------
@@ -125,30 +146,28 @@ class MeshRange:
     return n
 
 
-_launches: dict[int, tuple[MeshRange, ...]] = {}
 # A simulator's failure -> the launch's error in the user's terms (or None:
 # the generic wording), for launches that say more than the simulator can.
 Describe = Callable[[BaseException], errors.LaunchError | None]
-_describers: dict[int, Describe] = {}
 
 
-def register_launch(
-  ranges: tuple[MeshRange, ...], describe: Describe | None = None
-) -> int:
-  """Remembers a launch's meshes (and how to word its simulator's
-  failures); returns a key for ``enter``."""
-  key = len(_launches) + 1
-  _launches[key] = ranges
-  if describe is not None:
-    _describers[key] = describe
-  return key
+@dataclasses.dataclass(frozen=True, eq=False)
+class LaunchInfo:
+  """What a lowered launch tells the watchdog: its meshes' programs, how to
+  word its simulator's failures, and the settings it was lowered under.
+  Held by the lowered launch's callbacks, by nothing global."""
+
+  ranges: tuple[MeshRange, ...]
+  describe: Describe | None
+  timeout_s: float
+  race_policy: str
 
 
 @dataclasses.dataclass(eq=False)
 class _Launch:
   """One run of a lowered launch, on ``num_devices`` device threads."""
 
-  key: int
+  info: LaunchInfo
   num_devices: int
   original_failure: Callable[[], BaseException | None]
   entered: int = 0
@@ -179,12 +198,12 @@ _last_failure: list[errors.LaunchError] = []
 
 
 def enter(
-  key: int,
+  info: LaunchInfo,
   num_devices: int,
   reset: Callable[[], None],
   original_failure: Callable[[], BaseException | None],
 ) -> None:
-  """A device thread starts launch ``key``: it waits for the simulator.
+  """A device thread starts launch ``info``: it waits for the simulator.
 
   A new launch starts from a clean simulator (``reset``: a failed one
   leaves its state behind for post-mortem inspection).
@@ -196,19 +215,19 @@ def enter(
       if not _running:
         reset()
         _last_failure.clear()
-        _running.append(_Launch(key, num_devices, original_failure))
+        _running.append(_Launch(info, num_devices, original_failure))
       launch = _running[0]
-      if launch.key == key and launch.entered < launch.num_devices:
+      if launch.info is info and launch.entered < launch.num_devices:
         launch.entered += 1
         return
       _turn.wait(_POLL_S)
 
 
-def leave(key: int, failure: errors.LaunchError | None):
-  """A device thread finished its part of launch ``key``; returns the
+def leave(info: LaunchInfo, failure: errors.LaunchError | None):
+  """A device thread finished its part of launch ``info``; returns the
   launch's failure (``failure``, or an earlier one), if any."""
   with _turn:
-    if not _running or _running[0].key != key:
+    if not _running or _running[0].info is not info:
       return failure
     launch = _running[0]
     launch.failure = launch.failure or failure
@@ -225,7 +244,7 @@ def launch_running() -> bool:
 
 
 @contextlib.contextmanager
-def callback_running() -> Iterator[None]:
+def callback_running() -> Generator[None]:
   """Marks a simulator callback of the running launch as running."""
   with _turn:
     launch = _running[0] if _running else None
@@ -255,7 +274,7 @@ def failed(error: BaseException) -> errors.LaunchError:
     if launch.failure is None:
       original = launch.original_failure()
       if original is not None or not _follows_another_failure(error):
-        launch.failure = _as_launch_error(original or error, launch.key)
+        launch.failure = _as_launch_error(original or error, launch.info)
     # A device that only saw another device's failure (the simulator's
     # barrier broken, or its "computation failed" check) waits for that
     # device's report: the simulator may have cleared its record of it.
@@ -267,7 +286,7 @@ def failed(error: BaseException) -> errors.LaunchError:
       _REPORTS_S,
     )
     if launch.failure is None:
-      launch.failure = _as_launch_error(error, launch.key)
+      launch.failure = _as_launch_error(error, launch.info)
     _last_failure[:] = [launch.failure]
     _turn.notify_all()
     return launch.failure
@@ -281,11 +300,11 @@ def _follows_another_failure(error: BaseException) -> bool:
 
 
 def _as_launch_error(
-  error: BaseException, key: int | None = None
+  error: BaseException, info: LaunchInfo | None = None
 ) -> errors.LaunchError:
   if isinstance(error, errors.LaunchError):
     return error
-  describe = None if key is None else _describers.get(key)
+  describe = None if info is None else info.describe
   described = None if describe is None else describe(error)
   if described is not None:
     return described
@@ -308,8 +327,7 @@ def _fail_running(error: errors.LaunchError) -> None:
 
 def describe_program(program: int) -> str:
   """``"mesh 1 program 0 (core=0)"`` for a flat program index."""
-  key = _running[0].key if _running else 0
-  for r in _launches.get(key, ()):
+  for r in _running[0].info.ranges if _running else ():
     if r.offset <= program < r.offset + r.size:
       local, coords = program - r.offset, []
       for name, size in reversed(r.shape.items()):
@@ -333,12 +351,36 @@ class Races:
 
 
 _RACE_POLICIES = ("raise", "record")
-_race_policy = "raise"
 _races: list[Races] = []
+
+
+def _check_policy(policy) -> None:
+  if policy not in _RACE_POLICIES:
+    raise ValueError(
+      f"set_race_policy: expected 'policy' in {_RACE_POLICIES}, got {policy!r}"
+    )
+
+
+@functools.cache
+def _policy_state():
+  """The ``mpmd_race_policy`` JAX config state, defined on first use; in
+  the jit key (a launch takes the policy in force where it is lowered)."""
+  return _jax.config.string_or_object_state(
+    name="mpmd_race_policy",
+    default="raise",
+    help="jax-mpmd: what a simulator launch with detect_races=True does on "
+    "a race: 'raise' (mpmd.RaceError) or 'record' (mpmd.get_races())",
+    validator=_check_policy,
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+  )
 
 
 def set_race_policy(policy: str) -> None:
   """What a simulator launch with ``detect_races=True`` does on a race.
+
+  A JAX config option (``mpmd_race_policy``): a launch takes the policy in
+  force where it is traced.
 
   Args:
     policy: "raise" (default): the launch raises ``mpmd.RaceError``.
@@ -353,28 +395,25 @@ def set_race_policy(policy: str) -> None:
     'record'
     >>> mpmd.set_race_policy("raise")  # back to the default
   """
-  global _race_policy
-  if policy not in _RACE_POLICIES:
-    raise ValueError(
-      f"set_race_policy: expected 'policy' in {_RACE_POLICIES}, got {policy!r}"
-    )
-  _race_policy = policy
+  _check_policy(policy)
+  _policy_state()  # defined before it is set
+  jax.config.update("mpmd_race_policy", policy)
 
 
 def get_race_policy() -> str:
-  """The race policy now in force: "raise" or "record".
+  """The race policy now in force (in this thread): "raise" or "record".
 
   Example::
 
     >>> mpmd.get_race_policy()  # the default
     'raise'
   """
-  return _race_policy
+  return _policy_state().value
 
 
 @contextlib.contextmanager
-def race_policy(policy: str) -> Iterator[None]:
-  """Context manager form of ``set_race_policy``.
+def race_policy(policy: str) -> Generator[None]:
+  """Context manager form of ``set_race_policy``, for this thread only.
 
   Example (two programs write one buffer, nothing orders them)::
 
@@ -391,12 +430,9 @@ def race_policy(policy: str) -> Iterator[None]:
     >>> mpmd.get_races()
     Races(races_found=True)
   """
-  previous = _race_policy
-  set_race_policy(policy)
-  try:
+  _check_policy(policy)
+  with _policy_state()(policy):
     yield
-  finally:
-    set_race_policy(previous)
 
 
 def get_races() -> Races:
@@ -476,21 +512,27 @@ def waiting(
       _waits.pop(ident, None)
 
 
-def _last_progress() -> float | None:
-  """When a simulated operation of the running launch last completed."""
+def _running_launch() -> tuple[float, float] | None:
+  """(when a simulated operation of the running launch last completed,
+  its deadlock timeout), if one runs."""
   with _turn:
-    return _running[0].idle_since if _running else None
+    if not _running:
+      return None
+    return _running[0].idle_since, _running[0].info.timeout_s
 
 
 def _watch() -> None:
   while True:
     time.sleep(_POLL_S)
     now = time.monotonic()
-    progress = _last_progress()
-    if progress is not None and now - progress <= _timeout_s:
+    running = _running_launch()
+    if running is None:
+      continue
+    progress, timeout_s = running
+    if now - progress <= timeout_s:
       continue  # the launch moves: whoever waits may still be woken
     with _lock:
-      stuck = [w for w in _waits.values() if now - w.since > _timeout_s]
+      stuck = [w for w in _waits.values() if now - w.since > timeout_s]
       if not stuck:
         continue
       waits = list(_waits.values())
@@ -501,7 +543,7 @@ def _watch() -> None:
     )
     message = (
       f"mpmd_map deadlock: a simulated program waited more than "
-      f"{_timeout_s:g} s while nothing else of its launch moved, and nothing "
+      f"{timeout_s:g} s while nothing else of its launch moved, and nothing "
       f"can wake it. Still waiting:\n{lines}\n"
       "(set the limit with mpmd.set_deadlock_timeout)"
     )
@@ -532,7 +574,7 @@ def raise_in_thread(ident: int, notify: Callable[[], None]) -> Callable:
 
 
 @contextlib.contextmanager
-def reraise_with_message() -> Iterator[None]:
+def reraise_with_message() -> Generator[None]:
   try:
     yield
   except DeadlockError as e:
@@ -565,23 +607,28 @@ def lower_supervised(
   ``races_are_errors`` and the race policy is "raise"), and leaving the
   simulator to the next launch. A device thread that fails in between
   leaves through ``failed``; ``describe`` (if given) words its failure in
-  the user's terms where it can (``register_launch``).
+  the user's terms where it can.
   """
-  key = register_launch(ranges, describe)
+  info = LaunchInfo(
+    ranges,
+    describe,
+    get_deadlock_timeout(),
+    get_race_policy(),
+  )
 
   def finish():
     failure = None
     if detect_races:
       found = races_found()
       _races[:] = [Races(found)]
-      if found and races_are_errors and _race_policy == "raise":
+      if found and races_are_errors and info.race_policy == "raise":
         failure = RaceError(
           "mpmd_map: the simulator's race detector found programs racing on "
           f"a buffer (accesses not ordered by {orders}); "
           "mpmd.set_race_policy('record') records races for "
           "mpmd.get_races() instead"
         )
-    failure = leave(key, failure)
+    failure = leave(info, failure)
     if failure is not None:
       raise failure
 
@@ -590,7 +637,7 @@ def lower_supervised(
     # enclosing shard_map.
     num_devices = math.prod(core.get_axis_env().axis_sizes.values())
     callback.io_callback(
-      functools.partial(enter, key, num_devices, reset, original_failure),
+      functools.partial(enter, info, num_devices, reset, original_failure),
       None,
       ordered=True,
     )

@@ -122,7 +122,7 @@ def test_an_eager_launch_raises_its_own_error_short():
 
 
 def _simulated_launch(num_devices):
-  key = watchdog.register_launch(())
+  key = watchdog.LaunchInfo((), None, 10.0, "raise")
   for _ in range(num_devices):
     watchdog.enter(key, num_devices, lambda: None, lambda: None)
   return key
@@ -319,3 +319,27 @@ def test_effects_barrier_forgets_a_launchs_error_only():
   assert "device 0" not in tokens.output_runtime_tokens
   tokens.output_runtime_tokens = {"device 0": _Token(runtime(str(launch)))}
   tokens.block_until_ready()  # nothing else to raise
+
+
+def test_settings_are_per_thread_and_taken_by_each_launch():
+  """A context manager sets the timeout and race policy for its thread (as
+  JAX's config context managers do); a launch takes them where it is
+  lowered, so two threads may launch with different settings."""
+  seen = {}
+
+  def other_thread():
+    seen["timeout"] = mpmd.get_deadlock_timeout()
+    seen["policy"] = mpmd.get_race_policy()
+
+  with mpmd.deadlock_timeout(0.5), mpmd.race_policy("record"):
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join(timeout=30)
+    assert mpmd.get_deadlock_timeout() == 0.5
+    assert mpmd.get_race_policy() == "record"
+  assert seen == {"timeout": 10.0, "policy": "raise"}
+  assert mpmd.get_deadlock_timeout() == 10.0
+  with mpmd.deadlock_timeout(0.5):
+    with pytest.raises(mpmd.DeadlockError, match="more than 0.5 s"):
+      jax.block_until_ready(_launch(_hang)(jnp.ones((ROWS, COLS))))
+  _healthy()
