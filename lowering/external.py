@@ -26,7 +26,7 @@ from typing import Any
 
 from mpmd import _pallas_ops
 from mpmd._jax import pallas_core, pallas_primitives
-from mpmd.lowering import addressing, jaxpr_util
+from mpmd.lowering import addressing, jaxpr_util, tracing
 
 
 def external_meshes(
@@ -117,9 +117,6 @@ def localize(meshes, jaxprs) -> tuple[Any, ...]:
   external mesh issued as the caller's own (the external axes dropped from
   its ``device_id``). Kernels that address no external mesh come back as
   they are."""
-  # The primitive's module imports the lowering's: imported when used.
-  from mpmd.primitives import mpmd_map as prim
-
   external = _external_axes(meshes, jaxprs)
   external = {a: m for a, m in external.items() if _programs(m) == 1}
   if not external:
@@ -144,7 +141,7 @@ def localize(meshes, jaxprs) -> tuple[Any, ...]:
       _split(_device_id(e, e.invars), external)[0]
       for e in jaxpr_util.iter_eqns(jaxpr)
     ):
-      with prim.tracing_context(mesh, meshes):
+      with tracing.tracing_context(mesh, meshes):
         jaxpr = jaxpr_util.rewrite(jaxpr, rule)
     out.append(jaxpr)
   return tuple(out)

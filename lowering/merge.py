@@ -365,7 +365,7 @@ def merge_for_tpu(params):
   return mesh, jaxpr, _strip_params(params, mesh, jaxpr)
 
 
-def _gpu_layout(meshes) -> Layout:
+def gpu_layout(meshes) -> Layout:
   first = meshes[0]
   for i, m in enumerate(meshes):
     if (m.grid, m.grid_names, m.cluster, m.cluster_names) != (
@@ -409,7 +409,7 @@ def merge_for_gpu(params):
   Kernel scratch (SMEM, barriers) is per block, so every mesh shares it.
   """
   meshes = params["meshes"]
-  layout = _gpu_layout(meshes)
+  layout = gpu_layout(meshes)
   mesh = _merged_gpu_mesh(meshes, layout.total)
   jaxpr = _merge(layout, mesh, params["jaxprs"], "gpu")
   return mesh, jaxpr, _strip_params(params, mesh, jaxpr)
@@ -443,7 +443,7 @@ def _check_no_dma_to_program(layout: Layout, jaxprs) -> None:
 def merge_for_simulator(params, path):
   """Merges for a CPU simulator; also returns which programs are whose."""
   if path.kind == paths.GPU_SIMULATOR:
-    layout = _gpu_layout(params["meshes"])
+    layout = gpu_layout(params["meshes"])
     mesh, jaxpr, params = merge_for_gpu(params)
   else:
     layout = _tpu_layout(params["meshes"])

@@ -22,7 +22,6 @@ The rules follow, one after another: impl, abstract eval, typecheck,
 discharge, DCE, partial eval, batching. Lowering lives in ``mpmd.lowering``.
 """
 
-import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mpmd import _jax, targets
+from mpmd import _jax
 from mpmd._jax import (
   FrozenDict,
   ad,
@@ -47,6 +46,7 @@ from mpmd._jax import (
   util,
 )
 from mpmd.lowering import errors, external, paths
+from mpmd.lowering.tracing import axis_env, tracing_context
 
 mpmd_map_p = core.Primitive("mpmd_map")
 mpmd_map_p.multiple_results = True
@@ -89,31 +89,6 @@ def bind(*args: Any, **params: Any) -> list[Any]:
 
 def num_scratch(jaxprs: Sequence[core.Jaxpr], num_args: int, num_outs: int):
   return len(jaxprs[0].invars) - num_args - num_outs
-
-
-def axis_env(meshes: Sequence[Any]) -> dict[Any, int]:
-  """The axis names and sizes of all meshes (validated to agree upstream)."""
-  env = {}
-  for mesh in meshes:
-    env.update(mesh.shape)
-  return env
-
-
-@contextlib.contextmanager
-def tracing_context(mesh: Any, meshes: Sequence[Any]):
-  """The context in which a kernel of ``mesh`` is (re)traced.
-
-  Every mesh's axes are bound, so that a kernel can name the programs of
-  other meshes (``device_id={"consumer": 1}``). Pallas' TPU queries answer
-  for the TPU target off-TPU (``emit_pipeline`` asks them).
-  """
-  with (
-    mesh.tracing_context(),
-    core.extend_axis_env_nd(axis_env(meshes).items()),
-    _jax.no_vma_check(),
-    targets.answering(),
-  ):
-    yield
 
 
 def retrace(

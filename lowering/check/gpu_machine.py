@@ -75,7 +75,7 @@ def merged(params):
   if len(meshes) == 1 and getattr(meshes[0], "num_threads", 0) is None:
     return meshes[0], params["jaxprs"][0], None
   mesh, jaxpr, _ = merge.merge_for_gpu(params)
-  return mesh, jaxpr, merge._gpu_layout(meshes)  # noqa: SLF001
+  return mesh, jaxpr, merge.gpu_layout(meshes)
 
 
 def grid_of(mesh) -> tuple[tuple[Any, int], ...]:

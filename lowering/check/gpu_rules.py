@@ -183,7 +183,7 @@ def _same(ctx, eqn, invals):
   yield
 
 
-_tpu_run_scoped = interp._RULES[pallas_primitives.run_scoped_p]  # noqa: SLF001
+_tpu_run_scoped = interp.RULES[pallas_primitives.run_scoped_p]
 
 
 def _run_scoped(ctx, eqn, invals):
@@ -223,12 +223,12 @@ def rules() -> dict[Any, Any]:
 def install() -> None:
   """Adds the GPU rules to the executor's table (once; TPU kernels have
   none of these primitives, and run_scoped keeps its TPU rule there)."""
-  interp._RULES.update(rules())  # noqa: SLF001
+  interp.RULES.update(rules())
 
 
 def unsupported(jaxpr) -> str | None:
   """The first operation of a GPU kernel the executor cannot run, named."""
-  table = interp._RULES  # noqa: SLF001
+  table = interp.RULES
   for eqn in jaxpr_util.iter_eqns(jaxpr):
     if eqn.primitive in table:
       continue

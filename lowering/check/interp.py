@@ -258,7 +258,7 @@ def _steps(jaxpr: core.Jaxpr, memo: dict) -> list[Any]:
     run.clear()
 
   for i, eqn in enumerate(jaxpr.eqns):
-    if _RULES.get(eqn.primitive) is None and not _eqn_needs(eqn, memo):
+    if RULES.get(eqn.primitive) is None and not _eqn_needs(eqn, memo):
       run.append((i, eqn))
       continue
     flush()
@@ -288,7 +288,7 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
     eqn, place = step
     ctx.where = place or enclosing
     invals = [_read(env, v) for v in eqn.invars]
-    rule = _RULES.get(eqn.primitive)
+    rule = RULES.get(eqn.primitive)
     if rule is None:  # pure equations are segments
       raise NotImplementedError(
         f"mpmd checker: {eqn.primitive.name!r} (at {ctx.where}) is not "
@@ -308,7 +308,7 @@ def unsupported(jaxpr: core.Jaxpr) -> str | None:
   """The first operation of ``jaxpr`` (nested ones included) that the
   executor cannot run, None if it runs them all."""
   for eqn in jaxpr_util.iter_eqns(jaxpr):
-    if eqn.primitive in _RULES:
+    if eqn.primitive in RULES:
       if eqn.primitive is pallas_primitives.run_scoped_p and eqn.params.get(
         "collective_axes"
       ):
@@ -518,4 +518,4 @@ def _rules() -> dict[Any, Any]:
   return rules
 
 
-_RULES = _rules()
+RULES = _rules()
