@@ -14,6 +14,29 @@ import mpmd
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_PACKAGE_DIRS = {
+  "mpmd": "mpmd",
+  "primitives": "mpmd.primitives",
+  "lowering": "mpmd.lowering",
+  "kernels": "mpmd.kernels",
+}
+
+
+def test_every_package_of_the_tree_is_listed_in_pyproject():
+  import tomllib
+
+  setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"][
+    "setuptools"
+  ]
+  listed = set(setuptools["packages"])
+  found = set()
+  for d, package in _PACKAGE_DIRS.items():
+    for init in (ROOT / d).rglob("__init__.py"):
+      rel = init.parent.relative_to(ROOT / d).parts
+      found.add(".".join((package, *rel)))
+  assert found == listed
+
+
 @pytest.mark.slow
 def test_wheel_holds_only_the_mpmd_namespace(tmp_path):
   subprocess.run(
@@ -44,6 +67,12 @@ def test_wheel_holds_only_the_mpmd_namespace(tmp_path):
   ):
     assert f"mpmd/{package}/__init__.py" in names
   assert "mpmd/lowering/merge.py" in names
+  # Every module of the source tree is in the wheel (a subpackage missing
+  # from pyproject's list would leave its modules out).
+  for d, package in _PACKAGE_DIRS.items():
+    for module in sorted((ROOT / d).rglob("*.py")):
+      rel = module.relative_to(ROOT / d).as_posix()
+      assert f"{package.replace('.', '/')}/{rel}" in names, rel
   # The license travels with the wheel, and its metadata names it.
   [license_file] = [
     n for n in names if n.endswith(".dist-info/licenses/LICENSE")
