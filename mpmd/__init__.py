@@ -25,16 +25,16 @@ from mpmd.lowering.errors import OutOfBoundsError as OutOfBoundsError
 from mpmd.lowering.errors import RaceError as RaceError
 from mpmd.lowering.errors import UninitializedError as UninitializedError
 from mpmd.lowering.errors import typed_errors as typed_errors
-from mpmd.lowering.watchdog import Races as Races
-from mpmd.lowering.watchdog import deadlock_timeout as deadlock_timeout
-from mpmd.lowering.watchdog import get_deadlock_timeout as get_deadlock_timeout
-from mpmd.lowering.watchdog import get_race_policy as get_race_policy
-from mpmd.lowering.watchdog import get_races as get_races
-from mpmd.lowering.watchdog import race_policy as race_policy
-from mpmd.lowering.watchdog import set_deadlock_timeout as set_deadlock_timeout
-from mpmd.lowering.watchdog import set_race_policy as set_race_policy
 from mpmd.meshes import tensorcore_mesh as tensorcore_mesh
 from mpmd.primitives.mpmd_map import mpmd_map_p as mpmd_map_p
+from mpmd.simulators import Races as Races
+from mpmd.simulators import deadlock_timeout as deadlock_timeout
+from mpmd.simulators import get_deadlock_timeout as get_deadlock_timeout
+from mpmd.simulators import get_race_policy as get_race_policy
+from mpmd.simulators import get_races as get_races
+from mpmd.simulators import race_policy as race_policy
+from mpmd.simulators import set_deadlock_timeout as set_deadlock_timeout
+from mpmd.simulators import set_race_policy as set_race_policy
 from mpmd.targets import TPU_TARGETS as TPU_TARGETS
 from mpmd.targets import tpu_target as tpu_target
 

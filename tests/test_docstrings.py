@@ -58,7 +58,7 @@ _WITH_EXAMPLES = [n for n in _modules() if _examples(n)]
 def test_the_public_api_has_runnable_examples():
   for name in ("mpmd.api", "mpmd.meshes", "mpmd.targets"):
     assert name in _WITH_EXAMPLES
-  assert "mpmd.lowering.watchdog" in _WITH_EXAMPLES
+  assert "mpmd.simulators" in _WITH_EXAMPLES
 
 
 @pytest.mark.parametrize("name", _WITH_EXAMPLES)

@@ -11,8 +11,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
-from mpmd import _jax, cli, registry
-from mpmd.lowering import watchdog
+from mpmd import _jax, cli, registry, simulators
 
 ROWS = (8, 128)
 
@@ -223,7 +222,7 @@ def test_deadlock_names_mesh_program_and_semaphore(interpret, message):
     scratch_types=[pltpu.SemaphoreType.REGULAR @ b],
     interpret=interpret,
   )
-  with watchdog.deadlock_timeout(1.0):
+  with mpmd.deadlock_timeout(1.0):
     with pytest.raises(Exception, match=message):
       jax.block_until_ready(f(x))
   # The process recovers: the next launch runs.
@@ -282,7 +281,7 @@ def test_race_policy_and_get_races_are_validated(monkeypatch):
     ValueError, match=r"expected 'policy' in \('raise', 'record'\), got 'warn'"
   ):
     mpmd.set_race_policy("warn")
-  monkeypatch.setattr(watchdog, "_races", [])
+  monkeypatch.setattr(simulators, "_races", [])
   with pytest.raises(ValueError, match="no simulator launch with detect_races"):
     mpmd.get_races()
 

@@ -12,7 +12,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import mpmd
 from mpmd.demos import gpu_two_meshes
-from mpmd.lowering import watchdog
 
 
 def _noop(*refs):
@@ -49,7 +48,7 @@ def test_gpu_barrier_deadlock_names_the_warpgroup():
     jax.ShapeDtypeStruct((128, 128), jnp.float32),
     scratch_types=[plgpu.Barrier(num_arrivals=1)],
   )
-  with watchdog.deadlock_timeout(1.0):
+  with mpmd.deadlock_timeout(1.0):
     with pytest.raises(
       Exception,
       match=r"mpmd_map deadlock(.|\n)*mesh 1 "
