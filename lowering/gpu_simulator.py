@@ -6,6 +6,7 @@ race detector's verdict into an error.
 """
 
 import contextlib
+import re
 import threading
 from typing import Any
 
@@ -188,23 +189,23 @@ def _out_of_bounds_in_user_terms(params, num_in: int, invars, kept):
   num_out = len(params["out_avals"])
   num_operands = num_in + num_out
   aliased = set(dict(params["input_output_aliases"]).values())
-  # The simulator's order of allocation (see GPU_SIMULATOR_FIRST_BUFFER_ID).
+  # The simulator's order of allocation (see FIRST_BUFFER_ID).
   order = labels[:num_in]
   order += [labels[num_in + j] for j in range(num_out) if j not in aliased]
   kernel_operands = [*range(num_operands), *(num_operands + i for i in kept)]
   order += [
     labels[k]
     for k, v in zip(kernel_operands, invars, strict=True)
-    if not _jax.gpu_is_gmem(v.aval)
+    if not _is_gmem(v.aval)
   ]
   scoped = [i for i in range(len(labels) - num_operands) if i not in kept]
   order += [labels[num_operands + i] for i in scoped]
-  first = _jax.GPU_SIMULATOR_FIRST_BUFFER_ID
+  first = FIRST_BUFFER_ID
   by_id = {first + n: label for n, label in enumerate(order)}
   kernel = _kernel_name(params)
 
   def describe(error):
-    found = _jax.gpu_simulator_out_of_bounds(error)
+    found = _out_of_bounds(error)
     if found is None:
       return None
     buffer_id, report = found
@@ -219,3 +220,44 @@ def _out_of_bounds_in_user_terms(params, num_in: int, invars, kept):
     )
 
   return describe
+
+
+def _out_of_bounds(error: BaseException) -> tuple[int, str] | None:
+  """``(buffer id, report)`` if ``error`` is the Mosaic GPU simulator's
+  report of an out-of-bounds access, else None.
+
+  The simulator raises a plain IndexError (0.12: a ValueError for an
+  element-wise swap) whose only record of the buffer is the allocation key
+  in its text, ``HostAllocationKey(..., buffer_id=N)``: that text is the
+  one route to it. ``report`` is the text with the key cut out (``{key}``
+  where it was), for the caller to name the buffer there.
+  """
+  if not isinstance(error, (IndexError, ValueError)):
+    return None
+  text = str(error)
+  if not text.startswith("Out-of-bounds"):
+    return None
+  found = _GPU_ALLOCATION_KEY.search(text)
+  if found is None:
+    return None
+  report = text[: found.start()] + "{key}" + text[found.end() :]
+  return int(found.group(1)), report
+
+
+_GPU_ALLOCATION_KEY = re.compile(r"HostAllocationKey\([^()]*buffer_id=(\d+)\)")
+
+
+# -- the Mosaic GPU simulator's buffers, in the user's terms -----------------
+
+# The Mosaic GPU simulator numbers each launch's buffers from this id on, in
+# the order it allocates them: the inputs, the outputs not aliased to an
+# input, the kernel's other operands outside GMEM, then what the kernel
+# allocates as it runs (scoped scratch, barriers).
+FIRST_BUFFER_ID = 100
+
+
+def _is_gmem(aval) -> bool:
+  """Whether the Mosaic GPU simulator keeps a kernel operand of ``aval`` in
+  the GMEM buffer of the launch's input or output (else its own buffer)."""
+  space = getattr(aval, "memory_space", None)
+  return gpu().simulator_callbacks.is_gmem_memory_space(space)

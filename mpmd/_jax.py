@@ -587,82 +587,10 @@ def warp_map_parts(eqn, invals):
 CALLBACKS_FILL_POOL = JAX_VERSION < (0, 11)
 
 
-@functools.cache
-def _host_client():
-  """A CPU client of our own: one device, executing on the caller's thread.
-
-  The checking executor runs inside a host callback of a multi-device
-  program, where the process's client may have no thread to spare
-  (``CALLBACKS_FILL_POOL``). This client runs on the caller's thread.
-  """
-  from jax._src.lib import xla_client
-
-  return xla_client.make_cpu_client(asynchronous=False, num_devices=1)
-
-
-def compile_on_host(fn, avals):
-  """``fn`` (numpy arrays in, a list of them out) compiled for our own CPU
-  client (see ``_host_client``): safe to call from any host callback."""
+def xla_client_parts():
+  """``(compiler, xla_client)``: what compiling for a CPU client of our
+  own takes (``lowering/check/host_client.py``)."""
   from jax._src import compiler
   from jax._src.lib import xla_client
 
-  client = _host_client()
-  device = client.local_devices()[0]
-  lowered = jax.jit(fn, keep_unused=True).trace(*avals)
-  module = lowered.lower(lowering_platforms=("cpu",)).compiler_ir("stablehlo")
-  assert module is not None  # None only for a dialect it does not know
-  executable = client.compile_and_load(
-    mlir.module_to_bytecode(module),
-    xla_client.DeviceList((device,)),
-    compiler.get_compile_options(num_replicas=1, num_partitions=1),
-  )
-
-  def run(*values):
-    inputs = [jax.device_put(np.asarray(v), device) for v in values]
-    outs = executable.execute_sharded(inputs)
-    return [
-      np.asarray(o[0]) for o in outs.disassemble_into_single_device_arrays()
-    ]
-
-  return run
-
-
-# -- the Mosaic GPU simulator's buffers, in the user's terms -----------------
-
-# The Mosaic GPU simulator numbers each launch's buffers from this id on, in
-# the order it allocates them: the inputs, the outputs not aliased to an
-# input, the kernel's other operands outside GMEM, then what the kernel
-# allocates as it runs (scoped scratch, barriers).
-GPU_SIMULATOR_FIRST_BUFFER_ID = 100
-
-
-def gpu_is_gmem(aval) -> bool:
-  """Whether the Mosaic GPU simulator keeps a kernel operand of ``aval`` in
-  the GMEM buffer of the launch's input or output (else its own buffer)."""
-  space = getattr(aval, "memory_space", None)
-  return gpu().simulator_callbacks.is_gmem_memory_space(space)
-
-
-def gpu_simulator_out_of_bounds(error: BaseException) -> tuple[int, str] | None:
-  """``(buffer id, report)`` if ``error`` is the Mosaic GPU simulator's
-  report of an out-of-bounds access, else None.
-
-  The simulator raises a plain IndexError (0.12: a ValueError for an
-  element-wise swap) whose only record of the buffer is the allocation key
-  in its text, ``HostAllocationKey(..., buffer_id=N)``: that text is the
-  one route to it. ``report`` is the text with the key cut out (``{key}``
-  where it was), for the caller to name the buffer there.
-  """
-  if not isinstance(error, (IndexError, ValueError)):
-    return None
-  text = str(error)
-  if not text.startswith("Out-of-bounds"):
-    return None
-  found = _GPU_ALLOCATION_KEY.search(text)
-  if found is None:
-    return None
-  report = text[: found.start()] + "{key}" + text[found.end() :]
-  return int(found.group(1)), report
-
-
-_GPU_ALLOCATION_KEY = re.compile(r"HostAllocationKey\([^()]*buffer_id=(\d+)\)")
+  return compiler, xla_client

@@ -26,7 +26,7 @@ from mpmd._jax import (
   state_primitives,
 )
 from mpmd.lowering import jaxpr_util
-from mpmd.lowering.check import records, scalars
+from mpmd.lowering.check import host_client, records, scalars
 
 _custom = _jax.custom_derivatives()
 
@@ -140,7 +140,7 @@ class _Segment:
 
   Inside the host callbacks of a multi-device program on jax 0.10 the
   process's CPU client has no thread left to run a computation (see
-  ``_jax.compile_on_host``): there a segment is compiled at once for a
+  ``host_client``): there a segment is compiled at once for a
   client of our own. Values of extended dtypes (PRNG keys) have no numpy
   form; their segments always run on the process's client.
   """
@@ -176,7 +176,7 @@ class _Segment:
         avals = [
           jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.invars
         ]
-        shared.on_host = _jax.compile_on_host(self.eager, avals)
+        shared.on_host = host_client.compile_on_host(self.eager, avals)
       return shared.on_host(*values)
     shared.calls += 1
     if shared.compiled is None and shared.calls > COMPILE_AFTER:
@@ -277,7 +277,9 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
   for v, x in zip(jaxpr.invars, args, strict=True):
     env[v] = x
   memo = ctx.machine.plan.memo
-  own_client = bool(ctx.machine.plan.device_axes) and _jax.CALLBACKS_FILL_POOL
+  own_client = (
+    bool(ctx.machine.plan.device_axes) and host_client.CALLBACKS_FILL_POOL
+  )
   enclosing = ctx.where
   for step in _steps(jaxpr, memo):
     if isinstance(step, _Segment):

@@ -3,9 +3,9 @@
 Under ``shard_map`` every device calls back into the launch. On jax 0.10
 those callbacks hold the threads of the pool that runs the process's
 computations, so the executor must run a kernel's arithmetic where a thread
-is free (``_jax.compile_on_host``). The kernel here does enough arithmetic
-(a 256 x 256 matmul per program) to need that pool; it runs in a child
-process so that a hang ends as a failure of this test, not of the run.
+is free (``lowering/check/host_client.py``). The kernel here does enough
+arithmetic (a 256 x 256 matmul per program) to need that pool; it runs in a
+child process so that a hang ends as a failure of this test, not of the run.
 """
 
 import subprocess

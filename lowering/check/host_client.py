@@ -1,0 +1,52 @@
+"""Compiling a kernel's pure segments for a CPU client of our own.
+
+The checking executor runs inside a host callback of every device of a
+multi-device program. On jax 0.10 the process's CPU client runs those
+callbacks on the thread pool that runs its computations: while every
+device's callback holds a thread of it, a computation dispatched from inside
+one of them may never get one (seen at 4 devices and more). A client of our
+own, executing on the caller's thread, has no such pool.
+"""
+
+import functools
+
+import jax
+import numpy as np
+
+from mpmd import _jax
+from mpmd._jax import mlir
+
+# Drop with jax 0.10.
+CALLBACKS_FILL_POOL = _jax.JAX_VERSION < (0, 11)
+
+
+@functools.cache
+def _client():
+  """One CPU device, executing on the caller's thread."""
+  _, xla_client = _jax.xla_client_parts()
+  return xla_client.make_cpu_client(asynchronous=False, num_devices=1)
+
+
+def compile_on_host(fn, avals):
+  """``fn`` (numpy arrays in, a list of them out) compiled for our own CPU
+  client: safe to call from any host callback."""
+  compiler, xla_client = _jax.xla_client_parts()
+  client = _client()
+  device = client.local_devices()[0]
+  lowered = jax.jit(fn, keep_unused=True).trace(*avals)
+  module = lowered.lower(lowering_platforms=("cpu",)).compiler_ir("stablehlo")
+  assert module is not None  # None only for a dialect it does not know
+  executable = client.compile_and_load(
+    mlir.module_to_bytecode(module),
+    xla_client.DeviceList((device,)),
+    compiler.get_compile_options(num_replicas=1, num_partitions=1),
+  )
+
+  def run(*values):
+    inputs = [jax.device_put(np.asarray(v), device) for v in values]
+    outs = executable.execute_sharded(inputs)
+    return [
+      np.asarray(o[0]) for o in outs.disassemble_into_single_device_arrays()
+    ]
+
+  return run
