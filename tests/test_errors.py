@@ -265,7 +265,7 @@ MPMD_MAP_CASES = [
     "interpret_not_a_flag",
     lambda: mpmd.mpmd_map([(tc(), noop)], OUT, interpret="yes"),
     TypeError,
-    r"expected 'interpret' to be None, True, an InterpretParams or "
+    r"expected 'interpret' to be None, True, an InterpretParams or ",
   ),
   Case(
     "axis_index_of_an_unknown_axis",

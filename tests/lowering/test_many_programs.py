@@ -68,9 +68,7 @@ def _barrier(mine, scalar_sem, vector_sem):
   pl.semaphore_wait(mine, num_cores + num_cores * num_subcores)
 
 
-def all_to_all_barrier(
-  num_subcores=NUM_SUBCORES, interpret=SIMULATOR
-):
+def all_to_all_barrier(num_subcores=NUM_SUBCORES, interpret=SIMULATOR):
   """The reproducer: an all-to-all semaphore barrier over the scalar and
   vector subcores of 2 SparseCores; each vector subcore then writes its
   row."""
