@@ -10,9 +10,15 @@ option left while warpgroups wait is a deadlock, reported at once.
 import numpy as np
 
 from mpmd.lowering import errors, paths
-from mpmd.lowering.check import gpu, gpu_machine, gpu_rules, interp, schedule
+from mpmd.lowering.check import (
+  gpu,
+  gpu_machine,
+  gpu_rules,
+  interp,
+  schedule,
+  sync,
+)
 from mpmd.lowering.check import machine as machine_lib
-from mpmd.lowering.check.memory import View
 
 MAX_STEPS = 1_000_000
 
@@ -70,15 +76,7 @@ def _programs(m, inputs) -> list[_Program]:
     device_values = {a: (coords[a], s) for a, s in plan.device_axes}
     for g in range(plan.num_programs):
       values = {**device_values, **plan.axis_values(g)}
-      ctx = interp.Context(m, d, g, values)
-      mine = m.memory[(d, g)]
-      args = [
-        View(mine[("operand", k)], mine[("operand", k)].ids)
-        if ("operand", k) in mine
-        else (inputs[k][d] if plan.device_axes else inputs[k])
-        for k in range(len(plan.jaxpr.invars))
-      ]
-      gen = interp.run_jaxpr(ctx, plan.jaxpr, [], args)
+      gen, ctx = sync.start(m, inputs, d, g, values)
       programs.append(_Program(d, g, gen, ctx))
   return programs
 

@@ -50,6 +50,22 @@ def _count(view: View) -> int:
   return int(view.buffer.flat[view.ids.reshape(-1)[0]])
 
 
+def start(m, inputs, device: int, program: int, axis_values):
+  """``(generator, context)`` of one program of the launch (the TPU and
+  the GPU scheduling loops alike): its operands are views of its memory,
+  a scalar input (a value a kernel closes over) the value itself."""
+  plan = m.plan
+  ctx = interp.Context(m, device, program, axis_values)
+  mine = m.memory[(device, program)]
+  args = [
+    View(mine[("operand", k)], mine[("operand", k)].ids)
+    if ("operand", k) in mine
+    else (inputs[k][device] if plan.device_axes else inputs[k])
+    for k in range(len(plan.jaxpr.invars))
+  ]
+  return interp.run_jaxpr(ctx, plan.jaxpr, [], args), ctx
+
+
 def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
   """Runs the launch to its end; the outputs per device."""
   plan = m.plan
@@ -64,16 +80,7 @@ def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
     }
     for g in range(plan.num_programs):
       values = {**axis_values, plan.super_axis: (g, plan.num_programs)}
-      ctx = interp.Context(m, d, g, values)
-      mine = m.memory[(d, g)]
-      args = [
-        View(mine[("operand", k)], mine[("operand", k)].ids)
-        if ("operand", k) in mine
-        # A scalar input (a value a kernel closes over): the value itself.
-        else (inputs[k][d] if plan.device_axes else inputs[k])
-        for k in range(len(plan.jaxpr.invars))
-      ]
-      gen = interp.run_jaxpr(ctx, plan.jaxpr, [], args)
+      gen, ctx = start(m, inputs, d, g, values)
       programs.append(_Program(d, g, gen, ctx))
   current = None
   while True:
