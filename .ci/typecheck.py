@@ -1,7 +1,7 @@
 """Type-checks the library with pyrefly, as the installed package lays it out.
 
 The source tree is not importable as `mpmd`: pyproject.toml's
-[tool.setuptools.package-dir] maps `mpmd.lowering` to lowering/,
+[tool.setuptools.package-dir] maps `mpmd._lowering` to lowering/,
 `mpmd.kernels` to kernels/ and so on. This script builds that layout in a
 temporary directory out of symlinks (one per file or folder, nothing copied),
 then runs `pyrefly check` over it with the configuration in pyproject.toml's
@@ -48,7 +48,7 @@ def build_tree(dest: Path, packages: dict[str, Path]) -> list[Path]:
   """Lays the packages out under `dest` as they are installed.
 
   A package whose subpackages all live inside its own folder is one symlink;
-  one with a subpackage elsewhere (`mpmd`, whose `mpmd.lowering` is
+  one with a subpackage elsewhere (`mpmd`, whose `mpmd._lowering` is
   lowering/) is a real folder of symlinks, one per entry, plus one per
   such subpackage. Returns the top-level package folders.
   """
@@ -137,7 +137,7 @@ def main() -> int:
       *(top.name for top in tops),
       *pyrefly_args,
     ]
-    # Paths in the baseline are relative to the tree: mpmd/lowering/x.py.
+    # Paths in the baseline are relative to the tree: mpmd/_lowering/x.py.
     result = subprocess.run(
       command, cwd=tree, capture_output=True, text=True, check=False
     )
@@ -152,7 +152,7 @@ def main() -> int:
 
 
 def _unshadow(text: str, prefix: str, packages: dict[str, Path]) -> str:
-  # Longest package first: mpmd/lowering/x.py is lowering/x.py, not mpmd/...
+  # Longest package first: mpmd/_lowering/x.py is lowering/x.py, not mpmd/...
   for package in sorted(packages, key=lambda p: -p.count(".")):
     shadow = prefix + package.replace(".", os.sep) + os.sep
     real = os.path.relpath(packages[package], ROOT) + os.sep

@@ -48,9 +48,9 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from mpmd._lowering import exchange  # noqa: E402
 from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter  # noqa: E402
 from mpmd.kernels.collective_matmul.api import SCHEDULES  # noqa: E402
-from mpmd.lowering import exchange  # noqa: E402
 
 # (n, K, m): the large shape and a small one.
 LARGE = (1024, 2048, 1024)

@@ -20,7 +20,7 @@ programs of one launch name each other, and we follow it on every path:
 
 The checks run when the kernels are traced (``mpmd.kernel_checks``), so
 every path reports the same error; the CPU fallback's merge
-(``mpmd.lowering.merge``) computes the target program from the same
+(``mpmd._lowering.merge``) computes the target program from the same
 resolution.
 """
 

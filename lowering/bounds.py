@@ -31,9 +31,9 @@ from jax.experimental import checkify
 
 from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, state_types, tree_util
+from mpmd._lowering import errors, jaxpr_util, watchdog
+from mpmd._lowering.ranges import CALLS, dma_sides, parts, ref_indexers
 from mpmd._pallas_ops import Sync
-from mpmd.lowering import errors, jaxpr_util, watchdog
-from mpmd.lowering.ranges import CALLS, dma_sides, parts, ref_indexers
 
 # Checks whose message starts so report a DeadlockError, the others an
 # OutOfBoundsError.

@@ -23,13 +23,13 @@ import numpy as np
 
 from mpmd import _patches, targets
 from mpmd._jax import tree_util
-from mpmd.lowering import errors, watchdog
+from mpmd._lowering import errors, watchdog
 
 _SIMULATOR_MODULES = (
   "jax._src.pallas.mosaic.interpret.",
   "jax._src.pallas.mosaic_gpu.interpret.",
 )
-_OUR_MODULES = ("mpmd.lowering.",)
+_OUR_MODULES = ("mpmd._lowering.",)
 
 
 def _module(flat_callback) -> str:

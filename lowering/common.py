@@ -18,8 +18,8 @@ from mpmd._jax import (
   state,
   tree_util,
 )
-from mpmd.lowering import jaxpr_util, paths
-from mpmd.primitives import mpmd_map as prim
+from mpmd._lowering import jaxpr_util, paths
+from mpmd._primitives import mpmd_map as prim
 
 
 def _block_spec(aval, mesh):

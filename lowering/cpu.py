@@ -8,7 +8,7 @@ from mpmd._jax import (
   mlir,
   sharding_impls,
 )
-from mpmd.lowering import (
+from mpmd._lowering import (
   callbacks,
   common,
   external,
@@ -49,7 +49,7 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   if path.kind == paths.FAST:
     return fast.lower(ctx, *in_nodes, **params)
   if path.kind == paths.CHECK:
-    from mpmd.lowering.check import launch
+    from mpmd._lowering.check import launch
 
     return launch.lower(ctx, *in_nodes, path=path, **params)
   ranges = None

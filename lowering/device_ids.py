@@ -18,7 +18,7 @@ import numpy as np
 
 from mpmd import _jax
 from mpmd._jax import core, lax_parallel, pallas_primitives
-from mpmd.lowering import jaxpr_util
+from mpmd._lowering import jaxpr_util
 
 
 class Known:

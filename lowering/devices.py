@@ -11,7 +11,7 @@ from jax import lax
 
 from mpmd import _jax
 from mpmd._jax import core, tree_util
-from mpmd.lowering import device_ids, packing
+from mpmd._lowering import device_ids, packing
 
 
 class _Pattern(NamedTuple):

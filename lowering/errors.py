@@ -22,47 +22,30 @@ import threading
 
 import jax
 
-
-class LaunchError(jax.errors.JaxRuntimeError):
-  """A launch failed on the CPU fallback the way it would fail on hardware."""
-
-
-class DeadlockError(LaunchError):
-  """A simulated program waited longer than the deadlock timeout."""
-
-
-class RaceError(LaunchError):
-  """A simulator's race detector saw two programs race on a buffer."""
-
-
-class OutOfBoundsError(LaunchError, IndexError):
-  """A DMA's window reached past its buffer (hardware would fault).
-
-  Also an ``IndexError``, as the simulators' own out-of-bounds reports are.
-  A window fixed in the kernel fails when the kernel is traced, with a
-  ``StaticOutOfBoundsError``.
-  """
-
-
-class StaticOutOfBoundsError(OutOfBoundsError, ValueError):
-  """A window fixed in the kernel leaves its Ref: found when the kernel is
-  traced. Also a ``ValueError``, as JAX's own indexing check reports it."""
-
-
-class UninitializedError(LaunchError):
-  """A program read memory that nothing wrote (uninitialised scratch or
-  output, or the window of a DMA that has not landed yet)."""
-
-
-class LeftoverError(LaunchError):
-  """A launch (or a ``run_scoped`` scope) ended with work outstanding: a
-  semaphore not back to zero, or a DMA nobody waited for."""
-
-
-class NondeterminismError(LaunchError):
-  """The outputs depend on the schedule: two schedules of the same launch,
-  with the same inputs, returned different bytes."""
-
+from mpmd.errors import (
+  DeadlockError as DeadlockError,
+)
+from mpmd.errors import (
+  LaunchError as LaunchError,
+)
+from mpmd.errors import (
+  LeftoverError as LeftoverError,
+)
+from mpmd.errors import (
+  NondeterminismError as NondeterminismError,
+)
+from mpmd.errors import (
+  OutOfBoundsError as OutOfBoundsError,
+)
+from mpmd.errors import (
+  RaceError as RaceError,
+)
+from mpmd.errors import (
+  StaticOutOfBoundsError as StaticOutOfBoundsError,
+)
+from mpmd.errors import (
+  UninitializedError as UninitializedError,
+)
 
 _KEPT = 256  # launch errors kept for typed_errors, the newest
 _kept: collections.OrderedDict[int, LaunchError] = collections.OrderedDict()

@@ -21,10 +21,10 @@ from mpmd._jax import (
   state_primitives,
   tree_util,
 )
+from mpmd._lowering import packing, xla_cpu
+from mpmd._lowering.counts import ref_bytes, signal, with_transforms
+from mpmd._lowering.devices import Devices
 from mpmd._pallas_ops import Sync
-from mpmd.lowering import packing, xla_cpu
-from mpmd.lowering.counts import ref_bytes, signal, with_transforms
-from mpmd.lowering.devices import Devices
 
 
 def _row(stacked: jax.Array, j: Any) -> jax.Array:

@@ -26,7 +26,7 @@ from typing import Any
 
 from mpmd import _pallas_ops
 from mpmd._jax import pallas_core, pallas_primitives
-from mpmd.lowering import addressing, jaxpr_util, tracing
+from mpmd._lowering import addressing, jaxpr_util, tracing
 
 
 def external_meshes(

@@ -21,7 +21,7 @@ from mpmd._jax import (
   tpu,
   tree_util,
 )
-from mpmd.lowering import (
+from mpmd._lowering import (
   bounds,
   common,
   errors,
@@ -33,8 +33,8 @@ from mpmd.lowering import (
   watchdog,
   words,
 )
-from mpmd.lowering.check import static
-from mpmd.primitives import mpmd_map as prim
+from mpmd._lowering.check import static
+from mpmd._primitives import mpmd_map as prim
 
 
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):

@@ -2,7 +2,7 @@
 
 from mpmd import _jax
 from mpmd._jax import mlir
-from mpmd.lowering import common, cpu, merge, paths
+from mpmd._lowering import common, cpu, merge, paths
 
 
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):

@@ -12,7 +12,7 @@ from typing import Any
 
 from mpmd import _jax, _patches
 from mpmd._jax import core, gpu, mlir, pallas_core, source_info_util
-from mpmd.lowering import (
+from mpmd._lowering import (
   bounds,
   callbacks,
   common,
@@ -22,7 +22,7 @@ from mpmd.lowering import (
   warps,
   watchdog,
 )
-from mpmd.primitives import mpmd_map as prim
+from mpmd._primitives import mpmd_map as prim
 
 
 @contextlib.contextmanager
@@ -67,7 +67,7 @@ def _reset() -> None:
 def _runnable(jaxpr: core.Jaxpr, mesh) -> core.Jaxpr:
   """``jaxpr`` in terms this jax's simulator runs (itself where it runs it
   all): jax 0.10.2's has no rule for warp maps (run one warp after another,
-  :mod:`mpmd.lowering.warps`) nor for ``plgpu.layout_cast``, which changes
+  :mod:`mpmd._lowering.warps`) nor for ``plgpu.layout_cast``, which changes
   no value (0.12's simulator skips it too)."""
   layout_cast = gpu().core.layout_cast_p
   casts = not _jax.GPU_SIMULATOR_RUNS_LAYOUT_CASTS and any(

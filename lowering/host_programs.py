@@ -28,7 +28,7 @@ import numpy as np
 
 from mpmd import _jax, _patches
 from mpmd._jax import callback, core, lax_control_flow, pjit, util
-from mpmd.lowering import jaxpr_util, watchdog
+from mpmd._lowering import jaxpr_util, watchdog
 
 # XLA:CPU's limit is 32 per device. The launch's own computation holds one
 # on the default device while its programs run, and the programs that run

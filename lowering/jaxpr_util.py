@@ -156,7 +156,7 @@ def rewrite(jaxpr: core.Jaxpr, rule: EqnRule) -> core.Jaxpr:
 
   ``rule(eqn, invals)`` runs where the equation would be bound; it returns
   the equation's outputs, or None to bind the equation as it is. Trace in the
-  kernel's mesh context (``mpmd.primitives.mpmd_map.tracing_context``).
+  kernel's mesh context (``mpmd._primitives.mpmd_map.tracing_context``).
   """
   new, consts = _retrace(jaxpr, (), rule)
   if consts:

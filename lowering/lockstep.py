@@ -23,7 +23,7 @@ the semaphore is poisoned (set far below zero, and no later signal lifts
 it) and the launch fails at the end with a ``DeadlockError`` naming device
 and semaphore, instead of running on with missing data. A DMA whose window
 leaves its buffer, or a wait that finds a ``pl.run_scoped`` semaphore
-short, fails the launch too (``mpmd.lowering.bounds``).
+short, fails the launch too (``mpmd._lowering.bounds``).
 """
 
 import functools
@@ -50,8 +50,7 @@ from mpmd._jax import (
   state_types,
   tree_util,
 )
-from mpmd._pallas_ops import Sync
-from mpmd.lowering import (
+from mpmd._lowering import (
   bounds,
   common,
   device_ids,
@@ -62,7 +61,7 @@ from mpmd.lowering import (
   watchdog,
   words,
 )
-from mpmd.lowering.counts import (
+from mpmd._lowering.counts import (
   is_count,
   ref_bytes,
   signal,
@@ -70,9 +69,10 @@ from mpmd.lowering.counts import (
   widen,
   with_transforms,
 )
-from mpmd.lowering.devices import Devices
-from mpmd.lowering.exchange import Exchanges, remote_copy, remote_signal
-from mpmd.primitives import mpmd_map as prim
+from mpmd._lowering.devices import Devices
+from mpmd._lowering.exchange import Exchanges, remote_copy, remote_signal
+from mpmd._pallas_ops import Sync
+from mpmd._primitives import mpmd_map as prim
 
 
 def sync_rule(

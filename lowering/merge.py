@@ -6,7 +6,7 @@ range ``[offset_i, offset_i + size_i)`` holds it, and runs that mesh's
 kernel with the mesh's axis indices computed from ``g - offset_i``
 (row-major), everywhere in the kernel: loops, conds and scopes included.
 
-Programs name each other by upstream's rules (``mpmd.lowering.addressing``):
+Programs name each other by upstream's rules (``mpmd._lowering.addressing``):
 ``pl.semaphore_signal(sem, 1, device_id={"subcore": 1})`` with ``sem`` owned
 by (``@``) a mesh becomes a signal to that mesh's program at those axes, the
 axes left out taking the caller's own index (``core_index`` of the merged
@@ -37,9 +37,9 @@ from mpmd._jax import (
   pallas_primitives,
   state,
 )
+from mpmd._lowering import addressing, jaxpr_util, paths, watchdog
 from mpmd._pallas_ops import Sync
-from mpmd.lowering import addressing, jaxpr_util, paths, watchdog
-from mpmd.primitives import mpmd_map as prim
+from mpmd._primitives import mpmd_map as prim
 
 SUPER_AXIS = "_mpmd_programs"
 

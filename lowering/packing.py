@@ -2,7 +2,7 @@
 leaves packed as unsigned words (bit-exact, whatever their dtypes).
 
 Each collective is a rendezvous of every device, so the lockstep path
-(``mpmd.lowering.exchange``) sends all that one exchange carries in one.
+(``mpmd._lowering.exchange``) sends all that one exchange carries in one.
 """
 
 from typing import Any

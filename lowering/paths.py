@@ -7,10 +7,10 @@
 * ``lockstep``: kernels that synchronise devices of a ``shard_map`` through
   remote DMAs and semaphores, issued by every device in step: discharged
   like the fast path, each remote operation an XLA collective
-  (``mpmd.lowering.lockstep``).
+  (``mpmd._lowering.lockstep``).
 * ``tpu-simulator`` / ``gpu-simulator``: Pallas' threaded simulators, one
   thread per program, with simulated memories, DMAs, semaphores, barriers.
-* ``check``: our checking executor (``mpmd.lowering.check``): every program
+* ``check``: our checking executor (``mpmd._lowering.check``): every program
   under one deterministic, seeded scheduler, with oracles for deadlocks,
   races, uninitialised reads and leftovers.
 """
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 
 from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, pallas_primitives, sharding_impls
+from mpmd._lowering import addressing, jaxpr_util
 from mpmd._pallas_ops import Sync
-from mpmd.lowering import addressing, jaxpr_util
 
 
 class Kind(enum.StrEnum):
@@ -222,11 +222,14 @@ def choose(
   """
   tpu_params = _jax.tpu().interpret.InterpretParams
   gpu_params = _jax.gpu().interpret.InterpretGPUParams
-  from mpmd.lowering.check import params as check_params
+  from mpmd import checking
+  from mpmd._lowering.check import params as check_params
 
-  if isinstance(interpret, check_params.CheckParams):
+  if isinstance(interpret, checking.CheckParams):
     return Path(CHECK, "interpret= gave mpmd.CheckParams", interpret)
   forced = check_params.forced()
+  if isinstance(forced, str):
+    forced = checking.CheckParams(schedule=forced, per_call=True)
   if forced is not None:
     if not isinstance(interpret, (tpu_params, gpu_params)):
       return Path(CHECK, "the mpmd_check config state asks for it", forced)
@@ -276,7 +279,8 @@ def choose(
 def _checker_covers(jaxprs, meshes):
   """``CheckParams()`` where the checking executor runs every operation of
   a launch whose programs wait on each other (else None: the simulator)."""
-  from mpmd.lowering.check import interp, params
+  from mpmd import checking
+  from mpmd._lowering.check import interp
 
   if any(is_gpu_mesh(m) for m in meshes):
     return None
@@ -293,7 +297,7 @@ def _checker_covers(jaxprs, meshes):
     return None  # semaphores carried from launch to launch
   if any(interp.unsupported(j) is not None for j in jaxprs):
     return None
-  return params.CheckParams()
+  return checking.CheckParams()
 
 
 def fully_manual_axes(names: Sequence[Any], manual: Any) -> tuple[Any, ...]:

@@ -12,8 +12,8 @@ import numpy as np
 
 from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, state_types
+from mpmd._lowering import jaxpr_util
 from mpmd._pallas_ops import Sync
-from mpmd.lowering import jaxpr_util
 
 
 def ref_indexers(ref: Any) -> tuple[Any, list[Any]]:

@@ -9,8 +9,8 @@ platform's lowering (``mlir.lower_per_platform``).
 
 from mpmd import targets
 from mpmd._jax import mlir
-from mpmd.lowering import paths
-from mpmd.primitives.mpmd_map import mpmd_map_p
+from mpmd._lowering import paths
+from mpmd._primitives.mpmd_map import mpmd_map_p
 
 
 def _pass_tokens(ctx, outs):
@@ -36,7 +36,7 @@ def _refuse_interpret_export(ctx, params):
 
 
 def _tpu(ctx, *in_nodes, **params):
-  from mpmd.lowering import tpu
+  from mpmd._lowering import tpu
 
   _refuse_interpret_export(ctx, params)
   with targets.answering():
@@ -44,14 +44,14 @@ def _tpu(ctx, *in_nodes, **params):
 
 
 def _cuda(ctx, *in_nodes, **params):
-  from mpmd.lowering import gpu
+  from mpmd._lowering import gpu
 
   _refuse_interpret_export(ctx, params)
   return _pass_tokens(ctx, gpu.lower(ctx, *in_nodes, **params))
 
 
 def _cpu(ctx, *in_nodes, **params):
-  from mpmd.lowering import cpu
+  from mpmd._lowering import cpu
 
   module = ctx.module_context
   callbacks_before = len(module.host_callbacks) + len(module.keepalives)

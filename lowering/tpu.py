@@ -4,8 +4,8 @@ import jax
 
 from mpmd import _jax, _pallas_ops
 from mpmd._jax import mlir, pallas_core, tpu
-from mpmd.lowering import addressing, cpu, external, jaxpr_util, merge
-from mpmd.primitives import mpmd_map as prim
+from mpmd._lowering import addressing, cpu, external, jaxpr_util, merge
+from mpmd._primitives import mpmd_map as prim
 
 
 def _check_subcore_signals(meshes, jaxprs) -> None:

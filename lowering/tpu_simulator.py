@@ -25,7 +25,7 @@ from mpmd._jax import (
   tpu,
   util,
 )
-from mpmd.lowering import (
+from mpmd._lowering import (
   callbacks,
   common,
   host_programs,
@@ -33,7 +33,7 @@ from mpmd.lowering import (
   paths,
   watchdog,
 )
-from mpmd.primitives import mpmd_map as prim
+from mpmd._primitives import mpmd_map as prim
 
 
 def _signal_own_core(core_axis):

@@ -18,7 +18,7 @@ import numpy as np
 
 from mpmd import _jax, warp_map
 from mpmd._jax import core, lax_parallel, pallas_core
-from mpmd.lowering import jaxpr_util
+from mpmd._lowering import jaxpr_util
 
 NUM_WARPS = 4  # per warpgroup (Pallas' WarpMesh has the same)
 

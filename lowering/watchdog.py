@@ -33,7 +33,7 @@ from collections.abc import Callable, Generator
 
 from mpmd import _jax, simulators
 from mpmd._jax import callback, core, mlir
-from mpmd.lowering import errors
+from mpmd._lowering import errors
 from mpmd.simulators import (
   DEFAULT_DEADLOCK_TIMEOUT_S as DEFAULT_DEADLOCK_TIMEOUT_S,
 )

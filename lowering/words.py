@@ -27,7 +27,7 @@ from jax import lax
 
 from mpmd import _jax
 from mpmd._jax import core, lax_control_flow, lu, pe, pjit
-from mpmd.lowering import jaxpr_util
+from mpmd._lowering import jaxpr_util
 
 # Operations that only move elements: they run on words as on floats (their
 # operands that are no 16-bit floats, indices and predicates, as they are).

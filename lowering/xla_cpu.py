@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mpmd.lowering import packing
+from mpmd._lowering import packing
 
 
 def witness(x: jax.Array) -> jax.Array:

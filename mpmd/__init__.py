@@ -8,25 +8,25 @@ fallback on CPU.
 
 from mpmd import _jax as _jax  # checks the jax pin before anything else
 from mpmd import testing as testing
+from mpmd._lowering import register as _register  # the per-platform rules
+from mpmd._lowering.errors import typed_errors as typed_errors
+from mpmd._primitives.mpmd_map import mpmd_map_p as mpmd_map_p
 from mpmd.api import mpmd_map as mpmd_map
+from mpmd.checking import CheckParams as CheckParams
 from mpmd.checking import Failure as Failure
 from mpmd.checking import Report as Report
 from mpmd.checking import explore as explore
 from mpmd.checking import replay as replay
 from mpmd.checking import timeline as timeline
+from mpmd.errors import DeadlockError as DeadlockError
+from mpmd.errors import LaunchError as LaunchError
+from mpmd.errors import LeftoverError as LeftoverError
+from mpmd.errors import NondeterminismError as NondeterminismError
+from mpmd.errors import OutOfBoundsError as OutOfBoundsError
+from mpmd.errors import RaceError as RaceError
+from mpmd.errors import UninitializedError as UninitializedError
 from mpmd.kernel_call import kernel as kernel
-from mpmd.lowering import register as _register  # the per-platform rules
-from mpmd.lowering.check.params import CheckParams as CheckParams
-from mpmd.lowering.errors import DeadlockError as DeadlockError
-from mpmd.lowering.errors import LaunchError as LaunchError
-from mpmd.lowering.errors import LeftoverError as LeftoverError
-from mpmd.lowering.errors import NondeterminismError as NondeterminismError
-from mpmd.lowering.errors import OutOfBoundsError as OutOfBoundsError
-from mpmd.lowering.errors import RaceError as RaceError
-from mpmd.lowering.errors import UninitializedError as UninitializedError
-from mpmd.lowering.errors import typed_errors as typed_errors
 from mpmd.meshes import tensorcore_mesh as tensorcore_mesh
-from mpmd.primitives.mpmd_map import mpmd_map_p as mpmd_map_p
 from mpmd.simulators import Races as Races
 from mpmd.simulators import deadlock_timeout as deadlock_timeout
 from mpmd.simulators import get_deadlock_timeout as get_deadlock_timeout

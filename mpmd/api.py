@@ -18,6 +18,8 @@ from mpmd._jax import (
   tree_util,
   util,
 )
+from mpmd._lowering import external, paths
+from mpmd._primitives import mpmd_map as prim
 from mpmd.arguments import (
   as_out_type,
   canonical_owner,
@@ -43,8 +45,6 @@ from mpmd.kernel_checks import (
   raise_if_fixed_window_leaves,
   raise_if_unbound_axis,
 )
-from mpmd.lowering import external, paths
-from mpmd.primitives import mpmd_map as prim
 from mpmd.types import Interpret, MeshAndFn
 
 

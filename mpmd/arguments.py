@@ -14,7 +14,7 @@ from mpmd._jax import (
   pallas_core,
   state,
 )
-from mpmd.lowering import addressing, paths
+from mpmd._lowering import addressing, paths
 
 
 def short(aval) -> str:
@@ -157,7 +157,7 @@ def check_interpret(interpret: Any, meshes: Sequence[Any]) -> None:
   gpu_params = _jax.gpu().interpret.InterpretGPUParams
   if interpret is None or interpret is True:
     return
-  from mpmd.lowering.check.params import CheckParams
+  from mpmd.checking import CheckParams
 
   if isinstance(interpret, CheckParams):
     return

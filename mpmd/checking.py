@@ -15,10 +15,70 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd.lowering import errors
-from mpmd.lowering.check import params as params_lib
-from mpmd.lowering.check import schedule as schedule_lib
-from mpmd.lowering.check import timeline as timeline_lib
+from mpmd._lowering import errors
+from mpmd._lowering.check import params as params_lib
+from mpmd._lowering.check import schedule as schedule_lib
+from mpmd._lowering.check import timeline as timeline_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckParams:
+  """Runs a launch on the CPU fallback's checking executor.
+
+  Every program of the launch (all meshes; every device under a
+  ``shard_map``) runs under one deterministic scheduler that switches
+  programs only at synchronisation points, with oracles for deadlocks,
+  data races, reads of uninitialised memory, leftover semaphores and DMAs,
+  and out-of-bounds accesses, each a typed ``mpmd.LaunchError``.
+
+  Args:
+    schedule: which schedule runs: ``"default"`` (DMAs land at once, no
+      preemption), ``"random:SEED"``, ``"pctD:SEED"`` (PCT of depth D) or
+      a ``"steps:..."`` string from ``mpmd.explore``; an int is
+      ``"random:SEED"``.
+    per_call: each call of the launch takes a schedule of its own, derived
+      from the seed and the call's number (what ``MPMD_CHECK`` does).
+    trace: a path: each launch writes its timeline there (Chrome trace
+      events; ``mpmd.timeline`` says more).
+
+  Example (a program that waits for a signal nobody sends: on the checker
+  a ``DeadlockError`` at once, naming the wait and its count)::
+
+    >>> def kernel(x_hbm, o_hbm, sem):
+    ...   pl.semaphore_wait(sem, 1)
+    ...   pltpu.sync_copy(x_hbm, o_hbm)
+    >>> f = mpmd.mpmd_map(
+    ...     [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
+    ...     jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    ...     scratch_types=[pltpu.SemaphoreType.REGULAR],
+    ...     interpret=mpmd.CheckParams(schedule="random:3"))
+    >>> f(jnp.ones((8, 128), jnp.float32))
+    Traceback (most recent call last):
+    DeadlockError: kernel ... deadlocks: ... it holds 0 now ...
+  """
+
+  schedule: str | int = "default"
+  per_call: bool = False
+  trace: str | None = None
+
+  def __post_init__(self):
+    if isinstance(self.schedule, bool) or not isinstance(
+      self.schedule, (str, int)
+    ):
+      raise TypeError(
+        "mpmd.CheckParams: expected 'schedule' to be a schedule string or "
+        f"an int seed, got {self.schedule!r}"
+      )
+    schedule = self.schedule
+    if isinstance(schedule, int):
+      schedule = f"random:{schedule}"
+      object.__setattr__(self, "schedule", schedule)
+    schedule_lib.parse(schedule)
+
+  def owner(self) -> params_lib.Owner:
+    return params_lib.owners(self)
+
+
 
 KINDS = {
   errors.DeadlockError: "deadlock",

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 from mpmd import _jax
+from mpmd._lowering import paths
 from mpmd.api import mpmd_map
-from mpmd.lowering import paths
 from mpmd.types import Interpret
 
 

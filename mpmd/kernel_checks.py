@@ -16,10 +16,10 @@ from mpmd._jax import (
   core,
   pallas_core,
 )
+from mpmd._lowering import addressing, bounds, errors, jaxpr_util, paths
 from mpmd._pallas_ops import Sync
+from mpmd._primitives import mpmd_map as prim
 from mpmd.arguments import short
-from mpmd.lowering import addressing, bounds, errors, jaxpr_util, paths
-from mpmd.primitives import mpmd_map as prim
 
 _UNBOUND_AXIS = re.compile(r"unbound axis name: (.+?)(?:\. |\.?$)", re.M)
 

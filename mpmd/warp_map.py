@@ -9,7 +9,7 @@ launch but a fork inside one. It binds Pallas' own warp map, which the Mosaic
 GPU lowering knows; on CPU, jax 0.12's Mosaic GPU simulator runs each warp
 as a thread, and on jax 0.10.2 (whose simulator runs no warps) the CPU
 fallback runs the warps one after another where they do not synchronise
-(:mod:`mpmd.lowering.warps`).
+(:mod:`mpmd._lowering.warps`).
 """
 
 import contextvars

@@ -10,7 +10,7 @@ Params (all hashable):
   compiler_params, interpret, debug, cost_estimate, name, metadata: as for
     ``pallas_call``; ``interpret=None`` means "native where there is hardware,
     the CPU fallback on CPU".
-  cpu_path: the ``mpmd.lowering.paths.Path`` the CPU fallback takes, decided
+  cpu_path: the ``mpmd._lowering.paths.Path`` the CPU fallback takes, decided
     once where the launch is traced (it depends on the kernels, the meshes,
     ``interpret`` and the enclosing shard_map). The launch's effects and
     its CPU lowering follow from it. Rules that rebuild the kernels keep
@@ -19,7 +19,7 @@ Params (all hashable):
     decides the path.
 
 The rules follow, one after another: impl, abstract eval, typecheck,
-discharge, DCE, partial eval, batching. Lowering lives in ``mpmd.lowering``.
+discharge, DCE, partial eval, batching. Lowering lives in ``mpmd._lowering``.
 """
 
 import functools
@@ -45,8 +45,8 @@ from mpmd._jax import (
   state,
   util,
 )
-from mpmd.lowering import errors, external, paths
-from mpmd.lowering.tracing import axis_env, tracing_context
+from mpmd._lowering import errors, external, paths
+from mpmd._lowering.tracing import axis_env, tracing_context
 
 mpmd_map_p = core.Primitive("mpmd_map")
 mpmd_map_p.multiple_results = True
@@ -248,7 +248,7 @@ def _mpmd_map_typecheck(ctx_factory, *in_atoms, **params):
   cpu_path = params["cpu_path"]
   if not isinstance(cpu_path, paths.Path) or cpu_path.kind not in paths.KINDS:
     raise core.JaxprTypeError(
-      f"mpmd_map: cpu_path must be a mpmd.lowering.paths.Path of kind "
+      f"mpmd_map: cpu_path must be a mpmd._lowering.paths.Path of kind "
       f"{' / '.join(paths.KINDS)}, got {cpu_path!r}"
     )
   arity = len(jaxprs[0].invars)

@@ -7,7 +7,7 @@ import jax
 import jax.extend
 
 import mpmd
-from mpmd.lowering import paths
+from mpmd._lowering import paths
 
 
 def eqns(jaxpr) -> Iterator[jax.extend.core.JaxprEqn]:

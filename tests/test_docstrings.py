@@ -38,7 +38,7 @@ _FLAGS |= doctest.IGNORE_EXCEPTION_DETAIL
 
 def _modules() -> list[str]:
   names = ["mpmd"]
-  for package in ("mpmd", "mpmd.primitives", "mpmd.lowering", "mpmd.kernels"):
+  for package in ("mpmd", "mpmd._primitives", "mpmd._lowering", "mpmd.kernels"):
     path = importlib.import_module(package).__path__
     for info in pkgutil.walk_packages(path, package + "."):
       names.append(info.name)

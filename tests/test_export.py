@@ -23,9 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 import mpmd
 from mpmd import kernels
+from mpmd._lowering import paths
 from mpmd.demos import gpu_two_meshes
 from mpmd.kernels import gpu
-from mpmd.lowering import paths
 
 S = jax.ShapeDtypeStruct
 ROWS = (8, 128)

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _PACKAGE_DIRS = {
   "mpmd": "mpmd",
-  "primitives": "mpmd.primitives",
-  "lowering": "mpmd.lowering",
+  "primitives": "mpmd._primitives",
+  "lowering": "mpmd._lowering",
   "kernels": "mpmd.kernels",
 }
 
@@ -66,7 +66,7 @@ def test_wheel_holds_only_the_mpmd_namespace(tmp_path):
     "kernels/moe",
   ):
     assert f"mpmd/{package}/__init__.py" in names
-  assert "mpmd/lowering/merge.py" in names
+  assert "mpmd/_lowering/merge.py" in names
   # Every module of the source tree is in the wheel (a subpackage missing
   # from pyproject's list would leave its modules out).
   for d, package in _PACKAGE_DIRS.items():
@@ -140,11 +140,11 @@ def test_version_door_accepts_the_range(version):
 
 
 def test_subpackages_import_under_the_mpmd_namespace():
+  import mpmd._lowering
+  import mpmd._primitives
   import mpmd.kernels
-  import mpmd.lowering
-  import mpmd.primitives
 
-  for module in (mpmd.kernels, mpmd.lowering, mpmd.primitives):
+  for module in (mpmd.kernels, mpmd._lowering, mpmd._primitives):
     assert module.__name__.startswith("mpmd.")
 
 

@@ -5,7 +5,7 @@ nothing overlaps (the devices run in step, and every exchange between them
 is a rendezvous of all of them), so there the kernels run a schedule with
 one exchange instead of ``D - 1`` (its data in one ``all_gather``; blocks
 too large to gather everywhere move by one ring shift per peer, each a
-rendezvous of its own, see ``mpmd.lowering.exchange``):
+rendezvous of its own, see ``mpmd._lowering.exchange``):
 
   all-gather + matmul:   send own shard to every other device, wait for
                          the D - 1 others, gather, one matmul of it all

@@ -101,7 +101,7 @@ class RingCoords:
   ring's static order: a few scalar operations on a TPU, and values the CPU
   fallback knows for every device when it traces the kernel, so that its
   devices need not exchange their targets to agree on a ring shift
-  (``mpmd.lowering.device_ids``)."""
+  (``mpmd._lowering.device_ids``)."""
 
   def __init__(self, ring: Ring):
     """Built at the kernel's top level: its values are used throughout."""

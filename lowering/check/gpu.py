@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from mpmd.lowering import errors
-from mpmd.lowering.check import memory
-from mpmd.lowering.check.memory import Clock, View
+from mpmd._lowering import errors
+from mpmd._lowering.check import memory
+from mpmd._lowering.check.memory import Clock, View
 
 
 @dataclasses.dataclass
@@ -139,7 +139,7 @@ def _arrive(m, b: Barrier, clock: Clock, event, expect_bytes=0) -> None:
 
 
 def _event(m, p, kind, what, where, **extra) -> int:
-  from mpmd.lowering.check import machine
+  from mpmd._lowering.check import machine
 
   m.events.append(
     machine.Event(m.step, p.device, p.program, kind, what, where, **extra)
@@ -148,7 +148,7 @@ def _event(m, p, kind, what, where, **extra) -> int:
 
 
 def _describe(m, p, op, where):
-  from mpmd.lowering.check import machine
+  from mpmd._lowering.check import machine
 
   return machine.Describe(m, p.device, p.program, op, where)
 
@@ -453,7 +453,7 @@ def land(m, op: Async) -> None:
 
 
 def _land_event(m, op):
-  from mpmd.lowering.check import machine
+  from mpmd._lowering.check import machine
 
   return machine.Event(
     m.step,

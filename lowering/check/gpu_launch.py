@@ -9,8 +9,8 @@ option left while warpgroups wait is a deadlock, reported at once.
 
 import numpy as np
 
-from mpmd.lowering import errors, paths
-from mpmd.lowering.check import (
+from mpmd._lowering import errors, paths
+from mpmd._lowering.check import (
   gpu,
   gpu_machine,
   gpu_rules,
@@ -18,7 +18,7 @@ from mpmd.lowering.check import (
   schedule,
   sync,
 )
-from mpmd.lowering.check import machine as machine_lib
+from mpmd._lowering.check import machine as machine_lib
 
 MAX_STEPS = 1_000_000
 

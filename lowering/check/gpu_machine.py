@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from mpmd import _jax
-from mpmd.lowering import merge, paths
-from mpmd.lowering.check import machine, memory
-from mpmd.lowering.check.memory import Buffer, View
+from mpmd._lowering import merge, paths
+from mpmd._lowering.check import machine, memory
+from mpmd._lowering.check.memory import Buffer, View
 
 
 @dataclasses.dataclass
@@ -141,7 +141,7 @@ class GpuMachine(machine.Machine):
   def __init__(self, plan: GpuPlan, strategy):
     super().__init__(plan, strategy)
     self.gpu_plan = plan
-    from mpmd.lowering.check import gpu
+    from mpmd._lowering.check import gpu
 
     self.gpu = gpu.State()
     self.smem: set[int] = set()  # ids of shared-memory buffers
@@ -221,7 +221,7 @@ class GpuMachine(machine.Machine):
     return tuple(views)
 
   def resolve(self, ref, transforms, describe) -> View:
-    from mpmd.lowering.check import records
+    from mpmd._lowering.check import records
 
     if isinstance(ref, records.RefOperand):
       ref, transforms = ref.ref, (*ref.transforms, *transforms)

@@ -12,9 +12,9 @@ import numpy as np
 
 from mpmd import _jax
 from mpmd._jax import pallas_primitives, state
-from mpmd.lowering import jaxpr_util
-from mpmd.lowering.check import gpu, interp
-from mpmd.lowering.check.interp import Sync
+from mpmd._lowering import jaxpr_util
+from mpmd._lowering.check import gpu, interp
+from mpmd._lowering.check.interp import Sync
 
 
 def _prims():
@@ -187,7 +187,7 @@ _tpu_run_scoped = interp.RULES[pallas_primitives.run_scoped_p]
 
 
 def _run_scoped(ctx, eqn, invals):
-  from mpmd.lowering.check import gpu_machine
+  from mpmd._lowering.check import gpu_machine
 
   if not isinstance(ctx.machine, gpu_machine.GpuMachine):
     return (yield from _tpu_run_scoped(ctx, eqn, invals))

@@ -25,8 +25,8 @@ from mpmd._jax import (
   state,
   state_primitives,
 )
-from mpmd.lowering import jaxpr_util
-from mpmd.lowering.check import host_client, records, scalars
+from mpmd._lowering import jaxpr_util
+from mpmd._lowering.check import host_client, records, scalars
 
 _custom = _jax.custom_derivatives()
 

@@ -18,9 +18,9 @@ from jax.experimental import io_callback
 
 from mpmd import _jax
 from mpmd._jax import mlir
-from mpmd.lowering import callbacks, common, errors, merge, paths
-from mpmd.lowering.check import machine, sync
-from mpmd.lowering.check.params import Run
+from mpmd._lowering import callbacks, common, errors, merge, paths
+from mpmd._lowering.check import machine, sync
+from mpmd._lowering.check.params import Run
 
 
 def _program_names(meshes) -> tuple[str, ...]:
@@ -56,7 +56,7 @@ def plan_of(params, device_axes) -> machine.Plan:
   over all programs (``merge``), its devices, and names for messages."""
   meshes = params["meshes"]
   if any(paths.is_gpu_mesh(m) for m in meshes):
-    from mpmd.lowering.check import gpu_launch
+    from mpmd._lowering.check import gpu_launch
 
     return gpu_launch.plan_of(
       params,
@@ -139,7 +139,7 @@ class Launch:
 def _machine(plan: machine.Plan, strategy):
   """The launch's machine, and its scheduling loop (GPU launches have one
   of their own, over warpgroups, TMA copies and WGMMAs)."""
-  from mpmd.lowering.check import gpu_launch, gpu_machine
+  from mpmd._lowering.check import gpu_launch, gpu_machine
 
   if isinstance(plan, gpu_machine.GpuPlan):
     gpu = gpu_machine.GpuMachine(plan, strategy)

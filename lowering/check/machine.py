@@ -17,9 +17,9 @@ import numpy as np
 
 from mpmd import _jax
 from mpmd._jax import core
-from mpmd.lowering import errors, paths
-from mpmd.lowering.check import memory, records, schedule
-from mpmd.lowering.check.memory import Buffer, View
+from mpmd._lowering import errors, paths
+from mpmd._lowering.check import memory, records, schedule
+from mpmd._lowering.check.memory import Buffer, View
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
-from mpmd.lowering import errors
+from mpmd._lowering import errors
 
 Clock = dict[int, int]
 

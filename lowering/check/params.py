@@ -1,6 +1,7 @@
 """How a launch asks for the checking executor, and whose run it is.
 
-* ``interpret=mpmd.CheckParams(schedule=...)`` on one ``mpmd_map``;
+* ``interpret=mpmd.CheckParams(schedule=...)`` on one ``mpmd_map``
+  (``CheckParams`` is defined in ``mpmd/checking.py``);
 * the ``mpmd_check`` JAX config state (``MPMD_CHECK`` in the environment,
   or ``mpmd.explore`` / ``mpmd.replay`` for the launches of a function):
   every TPU-mesh launch traced under it runs on the executor.
@@ -9,74 +10,15 @@ The state is part of JAX's jit and tracing cache keys, so a function traced
 before is traced again under it.
 """
 
-import dataclasses
 import functools
 import os
 import threading
 from typing import Any
 
 from mpmd import _jax
-from mpmd.lowering.check import schedule as schedule_lib
+from mpmd._lowering.check import schedule as schedule_lib
 
 ENV = "MPMD_CHECK"
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckParams:
-  """Runs a launch on the CPU fallback's checking executor.
-
-  Every program of the launch (all meshes; every device under a
-  ``shard_map``) runs under one deterministic scheduler that switches
-  programs only at synchronisation points, with oracles for deadlocks,
-  data races, reads of uninitialised memory, leftover semaphores and DMAs,
-  and out-of-bounds accesses, each a typed ``mpmd.LaunchError``.
-
-  Args:
-    schedule: which schedule runs: ``"default"`` (DMAs land at once, no
-      preemption), ``"random:SEED"``, ``"pctD:SEED"`` (PCT of depth D) or
-      a ``"steps:..."`` string from ``mpmd.explore``; an int is
-      ``"random:SEED"``.
-    per_call: each call of the launch takes a schedule of its own, derived
-      from the seed and the call's number (what ``MPMD_CHECK`` does).
-    trace: a path: each launch writes its timeline there (Chrome trace
-      events; ``mpmd.timeline`` says more).
-
-  Example (a program that waits for a signal nobody sends: on the checker
-  a ``DeadlockError`` at once, naming the wait and its count)::
-
-    >>> def kernel(x_hbm, o_hbm, sem):
-    ...   pl.semaphore_wait(sem, 1)
-    ...   pltpu.sync_copy(x_hbm, o_hbm)
-    >>> f = mpmd.mpmd_map(
-    ...     [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
-    ...     jax.ShapeDtypeStruct((8, 128), jnp.float32),
-    ...     scratch_types=[pltpu.SemaphoreType.REGULAR],
-    ...     interpret=mpmd.CheckParams(schedule="random:3"))
-    >>> f(jnp.ones((8, 128), jnp.float32))
-    Traceback (most recent call last):
-    DeadlockError: kernel ... deadlocks: ... it holds 0 now ...
-  """
-
-  schedule: str | int = "default"
-  per_call: bool = False
-  trace: str | None = None
-
-  def __post_init__(self):
-    if isinstance(self.schedule, bool) or not isinstance(
-      self.schedule, (str, int)
-    ):
-      raise TypeError(
-        "mpmd.CheckParams: expected 'schedule' to be a schedule string or "
-        f"an int seed, got {self.schedule!r}"
-      )
-    schedule = self.schedule
-    if isinstance(schedule, int):
-      schedule = f"random:{schedule}"
-      object.__setattr__(self, "schedule", schedule)
-    schedule_lib.parse(schedule)
-
-  def owner(self) -> "Owner":
-    return _owners(self)
 
 
 class Run:
@@ -96,7 +38,7 @@ class Run:
 class Owner:
   """Runs of launches lowered with one ``CheckParams``."""
 
-  def __init__(self, params: CheckParams):
+  def __init__(self, params):
     self.params = params
     self.lock = threading.Lock()
     self.calls = 0
@@ -123,13 +65,13 @@ class Owner:
   def finished(self, run, machine, error) -> None:
     del run, error
     if self.params.trace:
-      from mpmd.lowering.check import timeline
+      from mpmd._lowering.check import timeline
 
       timeline.write(self.params.trace, [machine])
 
 
 @_jax.util.cache(max_size=4096, trace_context_in_key=False)
-def _owners(params: CheckParams) -> Owner:
+def owners(params) -> Owner:
   # One per CheckParams (its calls counted); jax.clear_caches() reaches it.
   return Owner(params)
 
@@ -187,14 +129,14 @@ def config_state():
 
 
 def forced() -> Any:
-  """What the config state asks for (None: nothing)."""
+  """What the config state asks for (None: nothing): a ``CheckParams``, a
+  ``Session``, or a schedule string (``"random:0"`` for ``"1"``...), which
+  gives each call a schedule of its own."""
   if ENV not in os.environ and config_state.cache_info().currsize == 0:
     return None
   value = config_state().value
   if value is None or value == "":
     return None
   if isinstance(value, str):
-    if value in ("1", "true", "random"):
-      value = "random:0"
-    return CheckParams(schedule=value, per_call=True)
+    return "random:0" if value in ("1", "true", "random") else value
   return value

@@ -17,8 +17,8 @@ import numpy as np
 
 from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, lax_control_flow, pjit, state, state_primitives
-from mpmd.lowering import errors
-from mpmd.lowering.check import interp, memory, records
+from mpmd._lowering import errors
+from mpmd._lowering.check import interp, memory, records
 
 _UNKNOWN = object()
 

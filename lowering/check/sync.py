@@ -9,10 +9,10 @@ when the programs have ended, races and uninitialised reads at the access.
 
 import numpy as np
 
-from mpmd.lowering import errors
-from mpmd.lowering.check import interp, memory, records, schedule
-from mpmd.lowering.check import machine as machine_lib
-from mpmd.lowering.check.memory import View
+from mpmd._lowering import errors
+from mpmd._lowering.check import interp, memory, records, schedule
+from mpmd._lowering.check import machine as machine_lib
+from mpmd._lowering.check.memory import View
 
 # A launch that takes more steps than this spins on a semaphore read that
 # never changes (a livelock), or is far beyond what the checker is for.

@@ -47,10 +47,10 @@ from launches import kernel_path
 
 import mpmd
 from mpmd import demos
+from mpmd._lowering import paths
 from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter
 from mpmd.kernels import collective_matmul as cm
 from mpmd.kernels.collective_matmul import checks
-from mpmd.lowering import paths
 
 
 class KernelRunner:

@@ -46,9 +46,9 @@ from launches import eqns, kernel_path, launch_eqns
 
 import mpmd
 from mpmd import _jax
+from mpmd._lowering import paths
 from mpmd.kernels import grouped_matmul as gm
 from mpmd.kernels.grouped_matmul import windows
-from mpmd.lowering import paths
 
 
 class KernelRunner:

@@ -41,8 +41,8 @@ from ragged_all_to_all_util import (
 
 import mpmd
 import mpmd.kernels
+from mpmd._lowering import paths
 from mpmd.kernels.moe import ragged
-from mpmd.lowering import paths
 
 
 def ragged_fn(axis_name="x", **kwargs):

@@ -13,8 +13,8 @@ import numpy as np
 
 from mpmd import api
 from mpmd._jax import pallas_primitives, tree_util
-from mpmd.lowering import jaxpr_util
-from mpmd.primitives import mpmd_map as prim
+from mpmd._lowering import jaxpr_util
+from mpmd._primitives import mpmd_map as prim
 
 DROP, TWICE, WEAKEN = "drop", "twice", "weaken"
 

@@ -6,7 +6,7 @@ import weakref
 
 import jax
 
-from mpmd.lowering import host_programs
+from mpmd._lowering import host_programs
 
 
 def test_the_callback_cache_is_jaxs():

@@ -314,7 +314,7 @@ def test_unsupported_gpu_operation_is_named():
 def test_cuda_lowering_stays_mosaic_gpu_when_checking_is_forced():
   # The checker is a CPU path: a CUDA lowering inside mpmd.explore's
   # config state is the Mosaic GPU kernel, with no host callback.
-  from mpmd.lowering.check import params as check_params
+  from mpmd._lowering.check import params as check_params
 
   f = ws_copy()
 

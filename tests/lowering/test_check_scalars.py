@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from mpmd.lowering.check import scalars
+from mpmd._lowering.check import scalars
 
 BINARY = [
   lax.add, lax.sub, lax.mul, lax.max, lax.min, lax.div, lax.rem,

@@ -6,7 +6,7 @@ import numpy as np
 from jax import lax
 
 from mpmd import _jax
-from mpmd.lowering import device_ids
+from mpmd._lowering import device_ids
 
 N = 4
 

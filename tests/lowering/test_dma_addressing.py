@@ -1,6 +1,6 @@
 """DMAs addressed to another program of the launch (issue 12).
 
-Upstream's rules, as for signals (``mpmd.lowering.addressing``): the target
+Upstream's rules, as for signals (``mpmd._lowering.addressing``): the target
 mesh is the receive semaphore's owner (``DMA @ mesh``), ``device_id`` names
 its axes, and axes it leaves out take the caller's own index. The DMA lands
 in the target program's memory and signals the target's receive semaphore;

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpmd
 from mpmd import _jax, _patches
-from mpmd.lowering import callbacks, errors, watchdog
+from mpmd._lowering import callbacks, errors, watchdog
 
 ROWS, COLS = 8, 128
 NUM_DEVICES = 2

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpmd
 from mpmd import _jax
-from mpmd.lowering import exchange as exchange_lib
+from mpmd._lowering import exchange as exchange_lib
 
 ROWS = (8, 128)
 CORE = mpmd.tensorcore_mesh("core", num_cores=1)
@@ -735,7 +735,7 @@ def test_one_value_naming_different_axes_is_two_patterns():
 def test_a_partially_manual_shard_map_is_not_lockstep():
   """Trace time (declared effects) and lowering agree: only a shard_map
   manual over every mesh axis offers the lockstep path."""
-  from mpmd.lowering import paths
+  from mpmd._lowering import paths
 
   mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4])
   seen = {}

@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu_sc as plsc
 
 import mpmd
 from mpmd import _patches
-from mpmd.lowering import host_programs
+from mpmd._lowering import host_programs
 
 NUM_CORES, NUM_SUBCORES = 2, 16
 SIMULATOR = pltpu.InterpretParams()  # the threaded simulator

@@ -22,8 +22,8 @@ from launches import kernel_path
 
 import mpmd
 from mpmd import demos
+from mpmd._lowering import paths
 from mpmd.kernels import all_gather_matmul, gmm, matmul_reduce_scatter
-from mpmd.lowering import paths
 
 ROWS, COLS = 8, 128
 D = 4

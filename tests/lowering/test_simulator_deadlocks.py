@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
-from mpmd.lowering import watchdog
+from mpmd._lowering import watchdog
 
 ROWS = (8, 128)
 SIMULATOR = pltpu.InterpretParams()

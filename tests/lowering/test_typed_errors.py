@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
-from mpmd.lowering import errors
+from mpmd._lowering import errors
 
 ROWS, COLS = 8, 128
 CALLS = 3

@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 
 from mpmd import _jax
-from mpmd.lowering import jaxpr_util, words
+from mpmd._lowering import jaxpr_util, words
 
 
 def _in_words(f, *args):

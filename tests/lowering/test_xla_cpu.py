@@ -1,4 +1,4 @@
-"""What the lockstep path relies on XLA:CPU for (``mpmd.lowering.xla_cpu``),
+"""What the lockstep path relies on XLA:CPU for (``mpmd._lowering.xla_cpu``),
 checked on compiled programs: a new XLA that sees through one of the
 helpers fails one of these tests, where the launches that rely on it would
 hang in a collective instead.
@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import mpmd
 from mpmd import _jax
-from mpmd.lowering import xla_cpu
+from mpmd._lowering import xla_cpu
 
 N = 4
 ROWS = (8, 128)

@@ -10,7 +10,7 @@ from jax.experimental.pallas import tpu as pltpu
 from launches import launch_eqns
 
 import mpmd
-from mpmd.lowering import paths
+from mpmd._lowering import paths
 
 SHAPE = (8, 128)
 
@@ -423,5 +423,5 @@ def test_typecheck_rejects_a_bad_cpu_path(cpu_path):
   bad = closed.jaxpr.replace(
     eqns=[eqn.replace(params={**eqn.params, "cpu_path": cpu_path})]
   )
-  with pytest.raises(Exception, match="cpu_path must be a mpmd.lowering"):
+  with pytest.raises(Exception, match="cpu_path must be a mpmd._lowering"):
     jax.extend.core.check_jaxpr(bad)
