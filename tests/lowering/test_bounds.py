@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import rings
 from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -121,6 +122,18 @@ def _fails_at_run_time(*parts: str):
     assert part in str(error), (part, str(error))
 
 
+def _assert_names_the_window(error, side: str, window: str) -> None:
+  """``error``, raised when the launch was traced, names the kernel, the
+  DMA's ``side`` window (its rows ``window``) and that side's ref."""
+  message = str(error)
+  for part in (
+    f"kernel {NAME} at ",
+    f"a DMA's {side} window .at[{window}, 0:{COLS}]",
+    f"out of bounds of {_ref(side)}",
+  ):
+    assert part in message, (part, message)
+
+
 def _still_healthy(run_good) -> None:
   """The process works on: the same launch in bounds, and unrelated code
   with an ordered callback."""
@@ -165,13 +178,7 @@ def test_fast_path_static_window_fails_when_traced(kind, side, start, window):
   with pytest.raises(mpmd.OutOfBoundsError) as info:
     f.trace(_start(0), _rows())
   assert isinstance(info.value, ValueError)
-  message = str(info.value)
-  for part in (
-    f"kernel {NAME} at ",
-    f"a DMA's {side} window .at[{window}, 0:{COLS}]",
-    f"out of bounds of {_ref(side)}",
-  ):
-    assert part in message, (part, message)
+  _assert_names_the_window(info.value, side, window)
 
 
 # Windows that JAX's own indexing rejects where ``.at[...]`` is written:
@@ -421,12 +428,7 @@ def _lockstep(side: str, static_start=None, debug=False):
       start_smem[0] if static_start is None else _static_start(static_start)
     )
     src, dst = _windows(side, start, x_hbm, o_hbm)
-    right = jax.lax.rem(jax.lax.axis_index("x") + 1, num)
-    copy = pltpu.make_async_remote_copy(
-      src, dst, send, recv, device_id={"x": right}
-    )
-    copy.start()
-    copy.wait()
+    rings.copy_to_right(src, dst, send, recv, num).wait()
 
   def per_device(start, x):
     return mpmd.mpmd_map(
@@ -510,13 +512,7 @@ def test_lockstep_remote_dma_static_window_fails_when_traced(
   mesh, f = _lockstep(side, start)
   with pytest.raises(ValueError) as info:
     f.trace(_start(0), _sharded_rows(mesh))
-  message = str(info.value)
-  for part in (
-    f"kernel {NAME} at ",
-    f"a DMA's {side} window .at[{window}, 0:{COLS}]",
-    f"out of bounds of {_ref(side)}",
-  ):
-    assert part in message, (part, message)
+  _assert_names_the_window(info.value, side, window)
 
 
 def _copies_row(row: int, **kw):
@@ -691,12 +687,7 @@ def test_lockstep_scoped_wait_before_its_signal_is_a_deadlock(capsys):
   num = NUM_DEVICES
 
   def kernel(x_hbm, o_hbm, send, recv):
-    right = jax.lax.rem(jax.lax.axis_index("x") + 1, num)
-    copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"x": right}
-    )
-    copy.start()
-    copy.wait()
+    rings.copy_to_right(x_hbm, o_hbm, send, recv, num).wait()
     _scoped_wait_before_signal("regular")(x_hbm, o_hbm)
 
   def per_device(x):

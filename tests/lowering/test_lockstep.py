@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import rings
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
@@ -55,12 +56,7 @@ def _shift_along(axis: str, size: int):
   """Each device sends its block to the next one along ``axis``."""
 
   def kernel(x_hbm, o_hbm, send, recv):
-    right = jax.lax.rem(jax.lax.axis_index(axis) + 1, size)
-    copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={axis: right}
-    )
-    copy.start()
-    copy.wait()
+    rings.copy_to_right(x_hbm, o_hbm, send, recv, size, axis).wait()
 
   return kernel
 
@@ -401,11 +397,7 @@ def test_a_failed_launch_leaves_no_device_in_a_collective(exchange):
   n = 4
 
   def kernel(x_hbm, o_hbm, send, recv):
-    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
-    copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"x": right}
-    )
-    copy.start()
+    copy = rings.copy_to_right(x_hbm, o_hbm, send, recv, n)
     copy.wait_send()
     copy.wait_recv()
     copy.wait_recv()
@@ -568,12 +560,7 @@ def test_scoped_local_semaphores_run_in_lockstep(capsys):
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
 
   def kernel(x_hbm, o_hbm, send, recv, buf):
-    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
-    copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"x": right}
-    )
-    copy.start()
-    copy.wait()
+    rings.copy_to_right(x_hbm, o_hbm, send, recv, n).wait()
 
     def scoped(sem):
       load = pltpu.make_async_copy(o_hbm, buf, sem)
@@ -605,12 +592,7 @@ def test_remote_dma_with_scoped_semaphores_goes_to_the_simulator(capsys):
 
   def kernel(x_hbm, o_hbm):
     def scoped(send, recv):
-      right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
-      copy = pltpu.make_async_remote_copy(
-        x_hbm, o_hbm, send, recv, device_id={"x": right}
-      )
-      copy.start()
-      copy.wait()
+      rings.copy_to_right(x_hbm, o_hbm, send, recv, n).wait()
 
     pl.run_scoped(scoped, *[pltpu.SemaphoreType.DMA(())] * 2)
 

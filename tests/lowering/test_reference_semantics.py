@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import rings
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
@@ -137,22 +138,13 @@ def _window_past_the_end(x_hbm, o_hbm, start_smem):
 
 
 def _remote_wait_for_nothing(x_hbm, o_hbm, send, recv, sem):
-  right = jax.lax.rem(jax.lax.axis_index("x") + 1, D)
-  copy = pltpu.make_async_remote_copy(
-    x_hbm, o_hbm, send, recv, device_id={"x": right}
-  )
-  copy.start()
-  copy.wait()
+  rings.copy_to_right(x_hbm, o_hbm, send, recv, D).wait()
   pl.semaphore_wait(sem, 1)  # nobody signals it
 
 
 def _remote_signal_for_nobody(x_hbm, o_hbm, send, recv, sem):
+  rings.copy_to_right(x_hbm, o_hbm, send, recv, D).wait()
   right = jax.lax.rem(jax.lax.axis_index("x") + 1, D)
-  copy = pltpu.make_async_remote_copy(
-    x_hbm, o_hbm, send, recv, device_id={"x": right}
-  )
-  copy.start()
-  copy.wait()
   pl.semaphore_signal(sem, 1, device_id={"x": right})  # nobody waits
 
 

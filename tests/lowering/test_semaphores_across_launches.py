@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import rings
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
@@ -191,11 +192,7 @@ def _send_right(n):
   """Sends x to the right neighbour; the receive is left in flight."""
 
   def kernel(x_hbm, o_hbm, recv, send):
-    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
-    copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"x": right}
-    )
-    copy.start()
+    copy = rings.copy_to_right(x_hbm, o_hbm, send, recv, n)
     copy.wait_send()
 
   return mpmd.mpmd_map(
@@ -214,12 +211,7 @@ def _receive_and_send_right(n, waits=1):
     del o_in
     for _ in range(waits):
       pltpu.make_async_copy(x_hbm, o_hbm, recv_in).wait()
-    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
-    copy = pltpu.make_async_remote_copy(
-      o_hbm, o_hbm, send, recv, device_id={"x": right}
-    )
-    copy.start()
-    copy.wait()
+    rings.copy_to_right(o_hbm, o_hbm, send, recv, n).wait()
 
   return mpmd.mpmd_map(
     [(CORE, kernel)],

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import rings
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
@@ -204,11 +205,7 @@ def test_a_failure_report_waits_for_the_collective():
   raise, and the others would wait for it in the collective forever."""
 
   def kernel(x_hbm, o_hbm, send, recv):
-    right = jax.lax.rem(jax.lax.axis_index("x") + 1, N)
-    copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"x": right}
-    )
-    copy.start()
+    copy = rings.copy_to_right(x_hbm, o_hbm, send, recv, N)
     copy.wait_send()
     copy.wait_recv()
 
