@@ -144,33 +144,65 @@ class TestMatmulCudaLowering(MatmulTestBase):
       assert len(util.MOSAIC_GPU_CALL.findall(lowered)) == 1
 
 
+# Keyword arguments that gpu.matmul rejects: (id, kwargs, error, match).
+BAD_KWARGS = [
+  (
+    "bad_block_k",
+    dict(block_k=48),
+    ValueError,
+    r"'block_k' .* multiple of 64.*got 48",
+  ),
+  (
+    "bad_block_m",
+    dict(block_m=96),
+    ValueError,
+    r"'block_m' .* multiple of 64.*got 96",
+  ),
+  (
+    "block_n_too_small_for_compute_wgs",
+    dict(block_n=64, warp_specialized=True, num_compute_wgs=2),
+    ValueError,
+    r"'block_n' .* multiple of 128",
+  ),
+  (
+    "bad_max_concurrent_steps",
+    dict(max_concurrent_steps=0),
+    ValueError,
+    r"matmul: expected 'max_concurrent_steps' >= 1, got 0",
+  ),
+  (
+    "warp_specialized_not_a_bool",
+    dict(warp_specialized=1),
+    TypeError,
+    r"expected 'warp_specialized' to be a bool, got 1",
+  ),
+  (
+    "unsupported_out_dtype",
+    dict(out_dtype=jnp.int8),
+    TypeError,
+    r"expected 'out_dtype' float16, bfloat16 or float32, got int8",
+  ),
+]
+
+
 class TestMatmulErrors:
   def _ab(self, m=M, n=N, k=K, dtype=jnp.float16):
     return jnp.zeros((m, k), dtype), jnp.zeros((k, n), dtype)
+
+  @pytest.mark.parametrize(
+    "kwargs, error, match",
+    [case[1:] for case in BAD_KWARGS],
+    ids=[case[0] for case in BAD_KWARGS],
+  )
+  def test_bad_keyword(self, kwargs, error, match):
+    a, b = self._ab()
+    with pytest.raises(error, match=match):
+      gpu.matmul(a, b, **kwargs)
 
   def test_shape_not_multiple_of_block(self):
     a, b = self._ab(m=192)
     with pytest.raises(ValueError, match=r"expected M=192 to be a multiple"):
       gpu.matmul(a, b)
-
-  def test_bad_block_k(self):
-    a, b = self._ab()
-    with pytest.raises(
-      ValueError, match=r"'block_k' .* multiple of 64.*got 48"
-    ):
-      gpu.matmul(a, b, block_k=48)
-
-  def test_bad_block_m(self):
-    a, b = self._ab()
-    with pytest.raises(
-      ValueError, match=r"'block_m' .* multiple of 64.*got 96"
-    ):
-      gpu.matmul(a, b, block_m=96)
-
-  def test_block_n_too_small_for_compute_wgs(self):
-    a, b = self._ab()
-    with pytest.raises(ValueError, match=r"'block_n' .* multiple of 128"):
-      gpu.matmul(a, b, block_n=64, warp_specialized=True, num_compute_wgs=2)
 
   def test_float32_inputs(self):
     a, b = self._ab(dtype=jnp.float32)
@@ -241,25 +273,3 @@ class TestMatmulErrors:
       TypeError, match=rf"matmul: expected '{arg}' to be an int, got {bad!r}"
     ):
       gpu.matmul(a, b, **{arg: bad})
-
-  def test_bad_max_concurrent_steps(self):
-    a, b = self._ab()
-    with pytest.raises(
-      ValueError, match=r"matmul: expected 'max_concurrent_steps' >= 1, got 0"
-    ):
-      gpu.matmul(a, b, max_concurrent_steps=0)
-
-  def test_warp_specialized_not_a_bool(self):
-    a, b = self._ab()
-    with pytest.raises(
-      TypeError, match=r"expected 'warp_specialized' to be a bool, got 1"
-    ):
-      gpu.matmul(a, b, warp_specialized=1)
-
-  def test_unsupported_out_dtype(self):
-    a, b = self._ab()
-    with pytest.raises(
-      TypeError,
-      match=r"expected 'out_dtype' float16, bfloat16 or float32, got int8",
-    ):
-      gpu.matmul(a, b, out_dtype=jnp.int8)

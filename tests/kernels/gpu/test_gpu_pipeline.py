@@ -27,6 +27,10 @@ def _column_specs():
   return pl.BlockSpec((ROWS, BLOCK), lambda *idx: (0, idx[-1]))
 
 
+# The one (ROWS, BLOCK) block of every step of a one-dimensional grid.
+_INVARIANT = pl.BlockSpec((ROWS, BLOCK), lambda j: (0, 0))
+
+
 def _software_call(body, xs, out_shape, *, interpret=None, **pipeline_kw):
   mesh = plgpu.Mesh()  # One warpgroup, no thread axis.
 
@@ -60,8 +64,37 @@ def _add_one(indices, x, o):
   o[...] = x[...] + 1.0
 
 
+def _add_bias(indices, x, b, o):
+  del indices
+  o[...] = x[...] + b[...]
+
+
+def _sum_blocks(restart_axis):
+  """A body that adds each input block into its output block, zeroing it
+  first at every step whose grid index ``restart_axis`` is 0."""
+
+  def body(indices, x, o):
+    @pl.when(indices[restart_axis] == 0)
+    def _init():
+      o[...] = jnp.zeros_like(o)
+
+    o[...] += x[...]
+
+  return body
+
+
 def _columns(rng, steps):
   return jnp.asarray(rng.standard_normal((ROWS, BLOCK * steps)), jnp.float32)
+
+
+def _over_columns(call, body, xs, out_shape=None, **kw):
+  """``call`` streaming the column blocks of ``xs[0]`` (one grid step a
+  block) into an output of ``out_shape`` (default: ``xs[0]``'s); each of
+  ``grid``, ``in_specs`` and ``out_specs`` can be given instead."""
+  kw.setdefault("grid", (xs[0].shape[-1] // BLOCK,))
+  kw.setdefault("in_specs", [_column_specs()])
+  kw.setdefault("out_specs", [_column_specs()])
+  return call(body, xs, xs[0].shape if out_shape is None else out_shape, **kw)
 
 
 class PipelineTestBase:
@@ -74,24 +107,18 @@ class PipelineTestBase:
   def test_streams_every_block(self, rng, steps, max_concurrent_steps):
     # steps=1 and 3 with up to 4 stages: fewer steps than stages included.
     x = _columns(rng, steps)
-    out = type(self).call(
-      _add_one,
-      [x],
-      x.shape,
-      grid=(steps,),
-      in_specs=[_column_specs()],
-      out_specs=[_column_specs()],
-      max_concurrent_steps=max_concurrent_steps,
+    out = _over_columns(
+      type(self).call, _add_one, [x], max_concurrent_steps=max_concurrent_steps
     )
     np.testing.assert_array_equal(out, x + 1.0)
 
   def test_two_dim_grid(self, rng):
     x = jnp.asarray(rng.standard_normal((2 * ROWS, 3 * BLOCK)), jnp.float32)
     spec = pl.BlockSpec((ROWS, BLOCK), lambda i, j: (i, j))
-    out = type(self).call(
+    out = _over_columns(
+      type(self).call,
       _add_one,
       [x],
-      x.shape,
       grid=(2, 3),
       in_specs=[spec],
       out_specs=[spec],
@@ -103,17 +130,11 @@ class PipelineTestBase:
     x = _columns(rng, 3)
     bias = jnp.asarray(rng.standard_normal((ROWS, BLOCK)), jnp.float32)
 
-    def body(indices, x, b, o):
-      del indices
-      o[...] = x[...] + b[...]
-
-    out = type(self).call(
-      body,
+    out = _over_columns(
+      type(self).call,
+      _add_bias,
       [x, bias],
-      x.shape,
-      grid=(3,),
-      in_specs=[_column_specs(), pl.BlockSpec((ROWS, BLOCK), lambda j: (0, 0))],
-      out_specs=[_column_specs()],
+      in_specs=[_column_specs(), _INVARIANT],
       max_concurrent_steps=2,
     )
     np.testing.assert_array_equal(out, x + jnp.tile(bias, (1, 3)))
@@ -121,20 +142,12 @@ class PipelineTestBase:
   def test_index_invariant_output_accumulates(self, rng):
     x = _columns(rng, 4)
 
-    def body(indices, x, o):
-      @pl.when(indices[0] == 0)
-      def _init():
-        o[...] = jnp.zeros_like(o)
-
-      o[...] += x[...]
-
-    out = type(self).call(
-      body,
+    out = _over_columns(
+      type(self).call,
+      _sum_blocks(restart_axis=0),
       [x],
       (ROWS, BLOCK),
-      grid=(4,),
-      in_specs=[_column_specs()],
-      out_specs=[pl.BlockSpec((ROWS, BLOCK), lambda j: (0, 0))],
+      out_specs=[_INVARIANT],
       max_concurrent_steps=3,
     )
     expected = x.reshape(ROWS, 4, BLOCK).sum(axis=1)
@@ -145,15 +158,9 @@ class PipelineTestBase:
     # body accumulates into one buffer, stored once per i.
     x = jnp.asarray(rng.standard_normal((2 * ROWS, 3 * BLOCK)), jnp.float32)
 
-    def body(indices, x, o):
-      @pl.when(indices[1] == 0)
-      def _init():
-        o[...] = jnp.zeros_like(o)
-
-      o[...] += x[...]
-
-    out = type(self).call(
-      body,
+    out = _over_columns(
+      type(self).call,
+      _sum_blocks(restart_axis=1),
       [x],
       (2 * ROWS, BLOCK),
       grid=(2, 3),
@@ -168,13 +175,11 @@ class PipelineTestBase:
   def test_delay_release(self, rng, max_concurrent_steps):
     x = _columns(rng, 4)
     spec = plgpu.BlockSpec((ROWS, BLOCK), lambda j: (0, j), delay_release=1)
-    out = type(self).call(
+    out = _over_columns(
+      type(self).call,
       _add_one,
       [x],
-      x.shape,
-      grid=(4,),
       in_specs=[spec],
-      out_specs=[_column_specs()],
       max_concurrent_steps=max_concurrent_steps,
     )
     np.testing.assert_array_equal(out, x + 1.0)
@@ -190,26 +195,17 @@ class PipelineTestBase:
       del indices
       o[...] = x[...].astype(jnp.float32) * 2.0
 
-    out = type(self).call(
-      body,
-      [x],
-      x.shape,
-      grid=(2,),
-      in_specs=[spec],
-      out_specs=[_column_specs()],
-      max_concurrent_steps=2,
+    out = _over_columns(
+      type(self).call, body, [x], in_specs=[spec], max_concurrent_steps=2
     )
     np.testing.assert_array_equal(out, x.astype(jnp.float32) * 2.0)
 
   def test_no_race(self, rng):
     x = _columns(rng, 3)
-    out = type(self).call(
+    out = _over_columns(
+      type(self).call,
       _add_one,
       [x],
-      x.shape,
-      grid=(3,),
-      in_specs=[_column_specs()],
-      out_specs=[_column_specs()],
       max_concurrent_steps=2,
       interpret=util.race_detecting_params(),
     )
@@ -228,13 +224,10 @@ class TestSoftwarePipeline(PipelineTestBase):
       o[...] = x[...] + carry
       return carry + 1.0
 
-    out = _software_call(
+    out = _over_columns(
+      _software_call,
       body,
       [x],
-      x.shape,
-      grid=(3,),
-      in_specs=[_column_specs()],
-      out_specs=[_column_specs()],
       init_carry=10.0,  # a Python float: traced inside the kernel
     )
     offsets = jnp.repeat(jnp.arange(10.0, 13.0, dtype=jnp.float32), BLOCK)
@@ -245,17 +238,11 @@ class TestSoftwarePipeline(PipelineTestBase):
     x = _columns(rng, 3)
     bias = jnp.zeros((ROWS, BLOCK), jnp.float32)
 
-    def body(indices, x, b, o):
-      del indices
-      o[...] = x[...] + b[...]
-
     fn = functools.partial(
+      _over_columns,
       _software_call,
-      body,
-      out_shape=x.shape,
-      grid=(3,),
-      in_specs=[_column_specs(), pl.BlockSpec((ROWS, BLOCK), lambda j: (0, 0))],
-      out_specs=[_column_specs()],
+      _add_bias,
+      in_specs=[_column_specs(), _INVARIANT],
       max_concurrent_steps=2,
     )
     text = str(jax.make_jaxpr(lambda *xs: fn(list(xs)))(x, bias))
@@ -269,27 +256,6 @@ class TestSoftwarePipeline(PipelineTestBase):
 
 class TestWarpSpecializedSingleMesh(PipelineTestBase):
   call = staticmethod(_ws_call)
-
-  def test_manual_consumed_barriers(self, rng):
-    x = _columns(rng, 3)
-
-    def body(indices, x, o, consumed):
-      del indices
-      o[...] = x[...] + 1.0
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(consumed)
-
-    out = _ws_call(
-      body,
-      [x],
-      x.shape,
-      grid=(3,),
-      in_specs=[_column_specs()],
-      out_specs=[_column_specs()],
-      max_concurrent_steps=2,
-      manual_consumed_barriers=True,
-    )
-    np.testing.assert_array_equal(out, x + 1.0)
 
   @pytest.mark.parametrize("num_compute_wgs", [1, 2])
   def test_compute_context_carry(self, rng, num_compute_wgs):
@@ -349,15 +315,7 @@ class TestWarpSpecializedMultiMesh(PipelineTestBase):
 
   def test_jaxpr_has_both_meshes(self, rng):
     x = _columns(rng, 2)
-    fn = functools.partial(
-      _ws_call,
-      _add_one,
-      out_shape=x.shape,
-      grid=(2,),
-      in_specs=[_column_specs()],
-      out_specs=[_column_specs()],
-      multi_mesh=True,
-    )
+    fn = functools.partial(_over_columns, _ws_call, _add_one, multi_mesh=True)
     jaxpr = jax.make_jaxpr(lambda x: fn([x]))(x)
     [eqn] = [e for e in jaxpr.eqns if e.primitive is mpmd.mpmd_map_p]
     names = [m.thread_name for m in eqn.params["meshes"]]
@@ -366,14 +324,7 @@ class TestWarpSpecializedMultiMesh(PipelineTestBase):
   def test_cuda_lowering(self, rng):
     x = _columns(rng, 2)
     fn = functools.partial(
-      _ws_call,
-      _add_one,
-      out_shape=x.shape,
-      grid=(2,),
-      in_specs=[_column_specs()],
-      out_specs=[_column_specs()],
-      multi_mesh=True,
-      interpret=False,
+      _over_columns, _ws_call, _add_one, multi_mesh=True, interpret=False
     )
     lowered = util.cuda_lowering_text(lambda x: fn([x]), x)
     assert len(util.MOSAIC_GPU_CALL.findall(lowered)) == 1
@@ -383,27 +334,28 @@ class TestWarpSpecializedMultiMesh(PipelineTestBase):
 class TestWarpSpecializedManualBarriers:
   """Manual barriers on both forms of the two-function pipeline."""
 
-  def test_manual_consumed_barriers_with_delay_release(self, rng, multi_mesh):
-    # At step s the body gets the consumed barrier of step s - 1's slot and
-    # releases it (the first step has nothing to release).
+  @pytest.mark.parametrize("delay_release", [0, 1])
+  def test_manual_consumed_barriers(self, rng, multi_mesh, delay_release):
+    # At step s the body gets the consumed barrier of step s - delay_release's
+    # slot and releases it (the first delay_release steps have none).
     x = _columns(rng, 4)
-    spec = plgpu.BlockSpec((ROWS, BLOCK), lambda j: (0, j), delay_release=1)
+    spec = plgpu.BlockSpec(
+      (ROWS, BLOCK), lambda j: (0, j), delay_release=delay_release
+    )
 
     def body(indices, x, o, consumed):
-      o[...] = x[...] + 1.0
+      _add_one(indices, x, o)
 
-      @pl.when(indices[0] > 0)
-      def _release_previous():
+      @pl.when(indices[0] >= delay_release)
+      def _release():
         plgpu.commit_smem()
         plgpu.barrier_arrive(consumed)
 
-    out = _ws_call(
+    out = _over_columns(
+      _ws_call,
       body,
       [x],
-      x.shape,
-      grid=(4,),
       in_specs=[spec],
-      out_specs=[_column_specs()],
       max_concurrent_steps=2,
       manual_consumed_barriers=True,
       multi_mesh=multi_mesh,
@@ -423,13 +375,11 @@ class TestWarpSpecializedManualBarriers:
       plgpu.barrier_wait(x_loaded)
       o[...] += x[...]
 
-    out = _ws_call(
+    out = _over_columns(
+      _ws_call,
       body,
       [x, bias],
-      x.shape,
-      grid=(3,),
-      in_specs=[_column_specs(), pl.BlockSpec((ROWS, BLOCK), lambda j: (0, 0))],
-      out_specs=[_column_specs()],
+      in_specs=[_column_specs(), _INVARIANT],
       max_concurrent_steps=2,
       manual_produced_barriers=True,
       multi_mesh=multi_mesh,
@@ -484,12 +434,11 @@ class TestPipelineErrors:
   def test_block_does_not_divide_operand(self):
     x = jnp.zeros((ROWS, BLOCK + 8), jnp.float32)
     with pytest.raises(ValueError, match=r"input\[0\] expected a shape divis"):
-      _software_call(
+      _over_columns(
+        _software_call,
         _add_one,
         [x],
-        x.shape,
         grid=(1,),
-        in_specs=[_column_specs()],
         out_specs=[pl.BlockSpec((ROWS, BLOCK + 8), lambda j: (0, 0))],
       )
 
@@ -518,12 +467,6 @@ class TestPipelineErrors:
   def test_compute_context_must_run_once(self, rng):
     x = _columns(rng, 1)
     with pytest.raises(ValueError, match=r"exactly once, got no call"):
-      _software_call(
-        _add_one,
-        [x],
-        x.shape,
-        grid=(1,),
-        in_specs=[_column_specs()],
-        out_specs=[_column_specs()],
-        compute_context=lambda run: None,
+      _over_columns(
+        _software_call, _add_one, [x], compute_context=lambda run: None
       )

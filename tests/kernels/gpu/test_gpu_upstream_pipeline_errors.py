@@ -17,6 +17,16 @@ import mpmd
 from mpmd.kernels import gpu
 
 
+def _launch(kernel, mesh=None):
+  """``kernel(x_gmem, o_gmem)`` launched on f32 zeros of (64, 128), on
+  ``mesh`` (a warp-specialized mesh by default)."""
+  x = jnp.zeros((64, 128), jnp.float32)
+  return mpmd.mpmd_map(
+    [(ws_mesh() if mesh is None else mesh, kernel)],
+    jax.ShapeDtypeStruct(x.shape, x.dtype),
+  )(x)
+
+
 class TestUpstreamPipelineErrors:
   def test_grid_entries(self):
     with pytest.raises(ValueError, match=r"expected 'grid' of positive ints"):
@@ -158,12 +168,8 @@ class TestUpstreamPipelineErrors:
         pipeline_state=plgpu.PipelinePipeline.START,
       )
 
-    x = jnp.zeros((64, 128), jnp.float32)
     with pytest.raises(NotImplementedError, match=r"with a traced grid"):
-      mpmd.mpmd_map(
-        [(ws_mesh(grid=(1,), grid_names=("c",)), kernel)],
-        jax.ShapeDtypeStruct(x.shape, x.dtype),
-      )(x)
+      _launch(kernel, ws_mesh(grid=(1,), grid_names=("c",)))
 
   def test_ws_pipeline_state_needs_allocations(self):
     spec = pl.BlockSpec((64, 64), lambda i: (0, i))
@@ -176,13 +182,10 @@ class TestUpstreamPipelineErrors:
         pipeline_state=plgpu.PipelinePipeline.START,
       )(x_gmem)
 
-    x = jnp.zeros((64, 128), jnp.float32)
     with pytest.raises(
       ValueError, match=r"expected 'allocations' .* with a pipeline_state"
     ):
-      mpmd.mpmd_map(
-        [(ws_mesh(), kernel)], jax.ShapeDtypeStruct(x.shape, x.dtype)
-      )(x)
+      _launch(kernel)
 
   def test_ws_ref_structure(self):
     spec = pl.BlockSpec((64, 64), lambda i: (0, i))
@@ -192,10 +195,7 @@ class TestUpstreamPipelineErrors:
         x_gmem, o_gmem
       )
 
-    x = jnp.zeros((64, 128), jnp.float32)
     with pytest.raises(
       ValueError, match=r"expected input refs with the pytree structure"
     ):
-      mpmd.mpmd_map(
-        [(ws_mesh(), kernel)], jax.ShapeDtypeStruct(x.shape, x.dtype)
-      )(x)
+      _launch(kernel)
