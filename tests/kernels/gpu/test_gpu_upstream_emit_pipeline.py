@@ -16,11 +16,9 @@ import numpy as np
 import pytest
 from jax import lax
 from upstream_pipeline_util import (
-  CudaLowered,
   PipelineCases,
-  RaceChecked,
-  Simulated,
   add_one,
+  backend_classes,
 )
 
 from mpmd.kernels import gpu
@@ -28,6 +26,24 @@ from mpmd.kernels import gpu
 
 class EmitPipelineCases(PipelineCases):
   """emit_pipeline: the shared programs."""
+
+  def pipelined(self, body, x, grid, spec, *, mesh=None, **kw):
+    """``body`` by emit_pipeline over ``grid``, with ``spec`` for ``x`` and
+    the output alike, in one launch. ``grid`` or ``spec`` may be a function
+    of no arguments, called in the kernel (for values traced there)."""
+
+    def kernel(x_gmem, o_gmem):
+      block = spec() if callable(spec) else spec
+      gpu.emit_pipeline(
+        body,
+        grid=grid() if callable(grid) else grid,
+        in_specs=[block],
+        out_specs=[block],
+        **kw,
+      )(x_gmem, o_gmem)
+
+    out_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return self.launch(kernel, out_type, x, mesh=mesh)
 
   @pytest.mark.parametrize(
     "squeezed", [None, pl.Squeezed()], ids=["None", "Squeezed"]
@@ -39,17 +55,8 @@ class EmitPipelineCases(PipelineCases):
       assert x_smem.shape == o_smem.shape == (256,)
       o_smem[...] = x_smem[...] + 1
 
-    def kernel(x_gmem, o_gmem):
-      spec = pl.BlockSpec((squeezed, 256), lambda i: (i, 0))
-      gpu.emit_pipeline(
-        body,
-        grid=(16,),
-        in_specs=[spec],
-        out_specs=[spec],
-        max_concurrent_steps=2,
-      )(x_gmem, o_gmem)
-
-    out = self.launch(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    spec = pl.BlockSpec((squeezed, 256), lambda i: (i, 0))
+    out = self.pipelined(body, x, (16,), spec, max_concurrent_steps=2)
     self.check(out, x + 1)
 
   def test_emit_element_dim(self):
@@ -62,17 +69,8 @@ class EmitPipelineCases(PipelineCases):
       assert x_smem.shape == (8, 256)
       o_smem[...] = x_smem[...] + 1
 
-    def kernel(x_gmem, o_gmem):
-      spec = pl.BlockSpec((pl.Element(8), 256), lambda i: (10 * i + 1, 0))
-      gpu.emit_pipeline(
-        body,
-        grid=(2,),
-        in_specs=[spec],
-        out_specs=[spec],
-        max_concurrent_steps=2,
-      )(x_gmem, o_gmem)
-
-    out = self.launch(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    spec = pl.BlockSpec((pl.Element(8), 256), lambda i: (10 * i + 1, 0))
+    out = self.pipelined(body, x, (2,), spec, max_concurrent_steps=2)
     self.check(out, x + 1, where=written[:, None])
 
   def test_emit_blocked_dims_list_grid_default_steps(self):
@@ -81,12 +79,7 @@ class EmitPipelineCases(PipelineCases):
     x = jnp.arange(128 * 128, dtype=jnp.float32).reshape(128, 128)
     spec = pl.BlockSpec((pl.Blocked(64), pl.Blocked(32)), lambda i, j: (i, j))
 
-    def kernel(x_gmem, o_gmem):
-      gpu.emit_pipeline(
-        add_one, grid=[2, 4], in_specs=[spec], out_specs=[spec]
-      )(x_gmem, o_gmem)
-
-    out = self.launch(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    out = self.pipelined(add_one, x, [2, 4], spec)
     self.check(out, x + 1)
 
   @pytest.mark.parametrize("max_concurrent_steps", [2, 3])
@@ -97,22 +90,16 @@ class EmitPipelineCases(PipelineCases):
     x = jnp.arange(ctas * block * 3 * block, dtype=jnp.float32)
     x = x.reshape(ctas * block, 3 * block)
 
-    def kernel(x_gmem, o_gmem):
-      c = lax.axis_index("c")
-      spec = pl.BlockSpec((block, block), lambda j: (c, j))
-      gpu.emit_pipeline(
-        add_one,
-        grid=(c,),
-        in_specs=[spec],
-        out_specs=[spec],
-        max_concurrent_steps=max_concurrent_steps,
-      )(x_gmem, o_gmem)
+    def cta():
+      return lax.axis_index("c")
 
-    out = self.launch(
-      kernel,
-      jax.ShapeDtypeStruct(x.shape, x.dtype),
+    out = self.pipelined(
+      add_one,
       x,
+      lambda: (cta(),),
+      lambda: pl.BlockSpec((block, block), lambda j: (cta(), j)),
       mesh=plgpu.Mesh(grid=(ctas,), grid_names=("c",)),
+      max_concurrent_steps=max_concurrent_steps,
     )
     rows = np.arange(ctas * block)[:, None] // block
     cols = np.arange(3 * block)[None, :] // block
@@ -126,17 +113,13 @@ class EmitPipelineCases(PipelineCases):
     x = x.reshape(16 * steps1, 8 * steps2)
     spec = pl.BlockSpec((16, 8), lambda i, j: (i, j))
 
-    def kernel(x_gmem, o_gmem):
-      grid = (jnp.asarray(steps1), jnp.asarray(steps2))
-      gpu.emit_pipeline(
-        add_one,
-        grid=grid,
-        in_specs=[spec],
-        out_specs=[spec],
-        max_concurrent_steps=2,
-      )(x_gmem, o_gmem)
-
-    out = self.launch(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    out = self.pipelined(
+      add_one,
+      x,
+      lambda: (jnp.asarray(steps1), jnp.asarray(steps2)),
+      spec,
+      max_concurrent_steps=2,
+    )
     self.check(out, x + 1)
 
   def test_emit_traced_grid_invariant_output(self):
@@ -242,21 +225,10 @@ class EmitPipelineCases(PipelineCases):
     self.check(out, xs[0] + xs[1] + xs[2] + offsets, rtol=1e-6)
 
 
-class TestEmitPipelineSimulated(Simulated, EmitPipelineCases):
-  @pytest.mark.parametrize(
-    "case, kwargs",
-    [
-      ("test_emit_traced_grid", dict(max_concurrent_steps=3)),
-      ("test_emit_carry_and_levels_of_delay_release", {}),
-    ],
-  )
-  def test_no_race(self, case, kwargs):
-    getattr(_EmitPipelineRaceChecked(), case)(**kwargs)
-
-
-class _EmitPipelineRaceChecked(RaceChecked, EmitPipelineCases):
-  pass
-
-
-class TestEmitPipelineCudaLowering(CudaLowered, EmitPipelineCases):
-  pass
+TestEmitPipelineSimulated, TestEmitPipelineCudaLowering = backend_classes(
+  EmitPipelineCases,
+  race_checked=[
+    ("test_emit_traced_grid", dict(max_concurrent_steps=3)),
+    ("test_emit_carry_and_levels_of_delay_release", {}),
+  ],
+)

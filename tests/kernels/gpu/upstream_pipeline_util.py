@@ -7,6 +7,7 @@ import gpu_test_util as util
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import numpy as np
+import pytest
 
 import mpmd
 from mpmd.kernels import gpu
@@ -105,3 +106,21 @@ class CudaLowered:
   def check(self, out, expected, *, where=None, **tol):
     del expected, where, tol
     assert out is None  # Lowered, not run.
+
+
+def backend_classes(cases, race_checked):
+  """The test classes of ``cases`` (a :class:`PipelineCases` subclass):
+  simulated, plus ``test_no_race`` rerunning the ``race_checked`` cases
+  (``(method name, kwargs)`` pairs) under the race detector; and
+  cross-lowered for CUDA. A module binds them to ``Test...`` names."""
+  checked = type(f"{cases.__name__}RaceChecked", (RaceChecked, cases), {})
+
+  class SimulatedCases(Simulated, cases):
+    @pytest.mark.parametrize("case, kwargs", race_checked)
+    def test_no_race(self, case, kwargs):
+      getattr(checked(), case)(**kwargs)
+
+  class CudaLoweredCases(CudaLowered, cases):
+    pass
+
+  return SimulatedCases, CudaLoweredCases
