@@ -10,7 +10,9 @@ write (a missing wait, a missing or extra signal, a wait for too little).
 import contextlib
 
 import numpy as np
+import pytest
 
+import mpmd
 from mpmd import api
 from mpmd._jax import pallas_primitives, tree_util
 from mpmd._lowering import jaxpr_util
@@ -66,3 +68,19 @@ def inject(primitive: str, k: int, how: str = DROP):
     yield found
   finally:
     api._bind = original
+
+
+def assert_found_and_replays(build, args, primitive, k, how, *, schedules):
+  """The bug (``how`` the ``k``-th ``primitive``) injected into the kernel
+  that ``build()`` jits: ``mpmd.explore`` over ``schedules`` schedules finds
+  it as a LaunchError, and replaying that schedule raises it again."""
+  with inject(primitive, k, how) as injected:
+    f = build()
+    report = mpmd.explore(f, *args, schedules=schedules, max_failures=1)
+  assert injected[0], "the kernel has no such equation: no bug was injected"
+  assert report.failures, f"{how} {primitive} #{k} was not found"
+  failure = report.failures[0]
+  assert isinstance(failure.error, mpmd.LaunchError)
+  with inject(primitive, k, how):
+    with pytest.raises(type(failure.error)):
+      mpmd.replay(f, *args, schedule=failure.schedule)

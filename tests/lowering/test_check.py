@@ -8,6 +8,7 @@ name each of the second, with a schedule that replays it.
 
 import json
 
+import example_scripts
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,28 +22,12 @@ from jax.sharding import PartitionSpec as P
 import mpmd
 from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter
 
+# The example's producer and consumers, then copies with a bug each.
+_example = example_scripts.load("producer_consumer")
 ROWS, COLS = 8, 128
-CONSUMERS = 2
-producer = mpmd.tensorcore_mesh("producer", num_cores=1)
-consumers = mpmd.tensorcore_mesh("consumer", num_cores=CONSUMERS)
-
-
-def produce(x_hbm, o_hbm, staged, ready, buf):
-  del o_hbm
-  pltpu.sync_copy(x_hbm, buf)
-  buf[...] = buf[...] * 2.0
-  pltpu.sync_copy(buf, staged)
-  for c in range(CONSUMERS):
-    pl.semaphore_signal(ready, 1, device_id={"consumer": c})
-
-
-def consume(x_hbm, o_hbm, staged, ready, buf):
-  del x_hbm
-  c = jax.lax.axis_index("consumer")
-  pl.semaphore_wait(ready, 1)
-  pltpu.sync_copy(staged, buf)
-  buf[...] = buf[...] + c.astype(jnp.float32)
-  pltpu.sync_copy(buf, o_hbm.at[c])
+CONSUMERS = _example.NUM_CONSUMERS
+producer, consumers = _example.producer, _example.consumers
+produce, consume = _example.produce, _example.consume
 
 
 def consume_without_wait(x_hbm, o_hbm, staged, ready, buf):
@@ -354,16 +339,9 @@ def test_injected_bug_is_found_and_replays(kernel, primitive, k, how):
     build, args = two_meshes, (X,)
   else:
     build, args = _ring(kernel)
-  with sync_bugs.inject(primitive, k, how) as injected:
-    f = build()
-    report = mpmd.explore(f, *args, schedules=16, max_failures=1)
-  assert injected[0], "the kernel has no such equation: no bug was injected"
-  assert report.failures, f"{kernel}: {how} {primitive} #{k} was not found"
-  failure = report.failures[0]
-  assert isinstance(failure.error, mpmd.LaunchError)
-  with sync_bugs.inject(primitive, k, how):
-    with pytest.raises(type(failure.error)):
-      mpmd.replay(f, *args, schedule=failure.schedule)
+  sync_bugs.assert_found_and_replays(
+    build, args, primitive, k, how, schedules=16
+  )
 
 
 def test_assert_schedule_independent():
@@ -436,9 +414,11 @@ def test_event_log_is_the_same_on_every_supported_jax(tmp_path):
   assert digests == GOLDEN_DIGESTS
 
 
+# The events name source lines: the kernels' in examples/producer_consumer.py
+# (moving them changes these digests, on every jax alike).
 GOLDEN_DIGESTS = {
-  "random:11": "e6f3dbeda833a527",
-  "pct3:4:40": "a890485998e34e64",
+  "random:11": "4e5637a7b6c96f81",
+  "pct3:4:40": "821819b9d8829f29",
 }
 
 
