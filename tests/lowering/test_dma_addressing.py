@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from addressing_util import SUBCORES, devices, on_two_devices, sc_meshes
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import tpu_sc as plsc
+from lowerings import tpu_text as lower_for_tpu
 
 import mpmd
 from mpmd import _jax
@@ -26,7 +27,6 @@ from mpmd import _jax
 SC_TARGET = "v6e"  # a generation with SparseCores
 TC_TARGET = "v4"  # two TensorCores per chip
 LANES = 8
-SUBCORES = 2
 NEW_JAX = _jax.JAX_VERSION >= (0, 12)
 
 # A vector subcore writes its VMEM back to HBM with sync_copy, whose
@@ -43,21 +43,6 @@ OLD_MOSAIC = (
   r"Mosaic on jax 0\.10\.2 cannot lower a DMA \((dma_start|dma_wait)\) "
   r"from a SparseCore program"
 )
-
-
-def sc_meshes(cores=1):
-  vector = plsc.VectorSubcoreMesh(
-    core_axis_name="s_core",
-    subcore_axis_name="subcore",
-    num_cores=cores,
-    num_subcores=SUBCORES,
-  )
-  scalar = plsc.ScalarSubcoreMesh(axis_name="s_core", num_cores=cores)
-  return vector, scalar
-
-
-def lower_for_tpu(f, *args) -> str:
-  return jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
 
 def check_runs(f, args, expected, *, simulator: bool = False):
@@ -268,10 +253,6 @@ def test_a_tensorcore_mesh_dmas_into_anothers_vmem():
     check_lowers(tensorcore_handoff, (x,), sparsecore=False)
 
 
-def devices():
-  return jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
-
-
 def cross_device_and_core(x):
   """Under shard_map over 2 devices, core ``c`` of a 2-core TensorCore
   mesh DMAs its block into core ``1 - c``'s VMEM on the other device:
@@ -296,13 +277,7 @@ def cross_device_and_core(x):
       pltpu.SemaphoreType.DMA(()),
     ],
   )
-  return jax.shard_map(
-    call,
-    mesh=devices(),
-    in_specs=jax.P("x"),
-    out_specs=jax.P("x"),
-    check_vma=False,
-  )(x)
+  return on_two_devices(call, x)
 
 
 def test_a_dma_names_a_device_and_a_core():

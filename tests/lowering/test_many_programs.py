@@ -8,6 +8,7 @@ to deadlock, its waits short of their count as though signals were lost
 run on the host.
 """
 
+import addressing_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,6 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import tpu_sc as plsc
 
 import mpmd
 from mpmd import _patches
@@ -47,14 +47,9 @@ def sparsecores():
 
 
 def _meshes(num_subcores=NUM_SUBCORES):
-  vector = plsc.VectorSubcoreMesh(
-    core_axis_name="core",
-    subcore_axis_name="subcore",
-    num_cores=NUM_CORES,
-    num_subcores=num_subcores,
+  return addressing_util.sc_meshes(
+    NUM_CORES, subcores=num_subcores, core_axis="core"
   )
-  scalar = plsc.ScalarSubcoreMesh(axis_name="core", num_cores=NUM_CORES)
-  return vector, scalar
 
 
 def _barrier(mine, scalar_sem, vector_sem):

@@ -13,27 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from addressing_util import SUBCORES, devices, on_two_devices, sc_meshes
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import tpu_sc as plsc
+from lowerings import tpu_text as lower_for_tpu
 
 import mpmd
 from mpmd import _jax
 
 TARGET = "v6e"  # a generation with SparseCores
 LANES = 8
-SUBCORES = 2
-
-
-def sc_meshes(cores=1, core_axis="s_core"):
-  vector = plsc.VectorSubcoreMesh(
-    core_axis_name=core_axis,
-    subcore_axis_name="subcore",
-    num_cores=cores,
-    num_subcores=SUBCORES,
-  )
-  scalar = plsc.ScalarSubcoreMesh(axis_name=core_axis, num_cores=cores)
-  return vector, scalar
 
 
 def handshake(x, *, cores=1, full_core_spec=False):
@@ -77,10 +66,6 @@ def handshake_reference(x):
   return jnp.broadcast_to(x[:, None, :], (x.shape[0], SUBCORES, LANES))
 
 
-def lower_for_tpu(f, *args) -> str:
-  return jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
-
-
 # Mosaic of jax 0.10.2 cannot serialize a scalar subcore's signal to a
 # vector subcore; we say so (the CPU fallback runs such programs anyway).
 OLD_MOSAIC = _jax.JAX_VERSION < (0, 11)
@@ -109,22 +94,29 @@ def test_meshes_sharing_the_core_axis_signal_each_other(cores, full_core_spec):
     assert_lowers_to_one_kernel(f, x)
 
 
+def _scalar_signals_vector_subcores(device_id, **kw):
+  """Each vector subcore waits for one signal; the scalar subcore sends
+  SUBCORES of them, the ``i``-th to ``device_id(i)``."""
+  vector, scalar = sc_meshes()
+
+  def vector_fn(_, sem):
+    pl.semaphore_wait(sem, 1)
+
+  def scalar_fn(_, sem):
+    for i in range(SUBCORES):
+      pl.semaphore_signal(sem, device_id=device_id(i))
+
+  return mpmd.mpmd_map(
+    [(vector, vector_fn), (scalar, scalar_fn)],
+    jax.ShapeDtypeStruct((8,), jnp.int32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR(()) @ vector],
+    **kw,
+  )
+
+
 def test_the_issue_reproducer_runs_and_lowers():
   with mpmd.tpu_target(TARGET):
-    vector, scalar = sc_meshes()
-
-    def vector_fn(_, sem):
-      pl.semaphore_wait(sem, 1)
-
-    def scalar_fn(_, sem):
-      for i in range(SUBCORES):
-        pl.semaphore_signal(sem, device_id={"s_core": 0, "subcore": i})
-
-    f = mpmd.mpmd_map(
-      [(vector, vector_fn), (scalar, scalar_fn)],
-      jax.ShapeDtypeStruct((8,), jnp.int32),
-      scratch_types=[pltpu.SemaphoreType.REGULAR(()) @ vector],
-    )
+    f = _scalar_signals_vector_subcores(lambda i: {"s_core": 0, "subcore": i})
     assert f().shape == (8,)  # no deadlock: every vector subcore signalled
     assert_lowers_to_one_kernel(f)
 
@@ -139,13 +131,7 @@ def test_vector_subcores_signal_their_own_scalar_subcore(subcores):
   exactly its own vector subcores: a signal sent to the other SparseCore
   would leave one short (a deadlock) and the other counting (leftover)."""
   with mpmd.tpu_target("v7x"):
-    vector = plsc.VectorSubcoreMesh(
-      core_axis_name="s_core",
-      subcore_axis_name="subcore",
-      num_cores=2,
-      num_subcores=subcores,
-    )
-    scalar = plsc.ScalarSubcoreMesh(axis_name="s_core", num_cores=2)
+    vector, scalar = sc_meshes(2, subcores=subcores)
 
     def vector_fn(x_hbm, o_hbm, scs_sem):
       c = jax.lax.axis_index("s_core")
@@ -175,20 +161,8 @@ def test_a_signal_to_the_wrong_subcore_leaves_a_waiter_stuck():
   twice leaves subcore 1 waiting (a deadlock), which the simulator reports
   naming the user's mesh, never the merged kernel's axis."""
   with mpmd.tpu_target(TARGET):
-    vector, scalar = sc_meshes()
-
-    def vector_fn(_, sem):
-      pl.semaphore_wait(sem, 1)
-
-    def scalar_fn(_, sem):
-      for _ in range(SUBCORES):
-        pl.semaphore_signal(sem, device_id={"subcore": 0})
-
-    f = mpmd.mpmd_map(
-      [(vector, vector_fn), (scalar, scalar_fn)],
-      jax.ShapeDtypeStruct((8,), jnp.int32),
-      scratch_types=[pltpu.SemaphoreType.REGULAR(()) @ vector],
-      interpret=pltpu.InterpretParams(),
+    f = _scalar_signals_vector_subcores(
+      lambda i: {"subcore": 0}, interpret=pltpu.InterpretParams()
     )
     with mpmd.deadlock_timeout(2.0):
       with (
@@ -406,17 +380,7 @@ def remote_ring(x, *, num_cores):
       pltpu.SemaphoreType.REGULAR(()),
     ],
   )
-  return jax.shard_map(
-    call,
-    mesh=devices(),
-    in_specs=jax.P("x"),
-    out_specs=jax.P("x"),
-    check_vma=False,
-  )(x)
-
-
-def devices():
-  return jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  return on_two_devices(call, x)
 
 
 def test_remote_operations_leave_the_core_axis_to_the_caller():
