@@ -66,6 +66,20 @@ def test_kernel_closing_over_an_hbm_ref(dtype):
   np.testing.assert_array_equal(final[1], x[1])
 
 
+def _assert_adds_one_per_shard(shard, *, num_devices):
+  """``shard`` (f32 (8, 128) -> the same, plus one) under a jitted
+  shard_map over ``num_devices`` devices with check_vma on."""
+  mesh = jax.make_mesh((num_devices,), ("d",))
+  f = jax.jit(
+    jax.shard_map(
+      shard, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=True
+    )
+  )
+  x = jnp.arange(num_devices * 8 * 128, dtype=jnp.float32).reshape(-1, 128)
+  x = jax.device_put(x, jax.NamedSharding(mesh, P("d")))
+  np.testing.assert_array_equal(f(x), np.asarray(x) + 1.0)
+
+
 @pytest.mark.parametrize(
   "interpret",
   [pltpu.InterpretParams(), None],
@@ -74,7 +88,6 @@ def test_kernel_closing_over_an_hbm_ref(dtype):
 def test_simulator_under_shard_map_with_check_vma(interpret):
   """The TPU simulator's device index, traced without vma, was type-checked
   with it: "inconsistently typed as i32[]{V:d}"."""
-  mesh = jax.make_mesh((4,), ("d",))
 
   def kernel(x_hbm, o_hbm, buf):
     pltpu.sync_copy(x_hbm, buf)
@@ -89,19 +102,11 @@ def test_simulator_under_shard_map_with_check_vma(interpret):
       interpret=interpret,
     )(x)
 
-  f = jax.jit(
-    jax.shard_map(
-      shard, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=True
-    )
-  )
-  x = jnp.arange(4 * 8 * 128, dtype=jnp.float32).reshape(32, 128)
-  x = jax.device_put(x, jax.NamedSharding(mesh, P("d")))
-  np.testing.assert_array_equal(f(x), np.asarray(x) + 1.0)
+  _assert_adds_one_per_shard(shard, num_devices=4)
 
 
 def test_gpu_simulator_under_shard_map_with_check_vma():
   """The Mosaic GPU simulator shares the TPU simulator's supervision."""
-  mesh = jax.make_mesh((2,), ("d",))
   warpgroups = plgpu.Mesh(num_threads=2, thread_name="wg")
 
   def kernel(x_ref, o_ref):
@@ -116,14 +121,7 @@ def test_gpu_simulator_under_shard_map_with_check_vma():
       interpret=mpmd.GPUInterpretParams(),
     )(x)
 
-  f = jax.jit(
-    jax.shard_map(
-      shard, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=True
-    )
-  )
-  x = jnp.arange(2 * 8 * 128, dtype=jnp.float32).reshape(16, 128)
-  x = jax.device_put(x, jax.NamedSharding(mesh, P("d")))
-  np.testing.assert_array_equal(f(x), np.asarray(x) + 1.0)
+  _assert_adds_one_per_shard(shard, num_devices=2)
 
 
 def test_aliased_refs_in_a_branch_and_a_loop():
