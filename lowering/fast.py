@@ -300,22 +300,29 @@ def _raise_if_failed(error, stuck, labels) -> None:
   )
 
 
+# What each per-program flag of ``_raise_for``'s ``stuck`` pair means, in
+# order: the error and its message, ending with the flagged programs.
+_SEMAPHORE_FAILURES = (
+  (
+    watchdog.DeadlockError,
+    "mpmd_map deadlock: on the CPU fast path (programs run one after "
+    "another) these programs waited on a semaphore more than it was "
+    "signalled, so on hardware they would wait forever: ",
+  ),
+  (
+    errors.LeftoverError,
+    "mpmd_map: on the CPU fast path these programs ended with a scratch "
+    "semaphore not back to zero (a signal nobody waited for, or a DMA "
+    "whose completion nobody awaited): ",
+  ),
+)
+
+
 def _raise_for(labels, treedef, stuck, *leaves) -> None:
   failure = bounds.first_failure(treedef, leaves)
   if failure is not None:
     raise failure
-  stuck, left = stuck
-  waiting = [label for label, s in zip(labels, stuck, strict=True) if s]
-  if waiting:
-    raise watchdog.DeadlockError(
-      "mpmd_map deadlock: on the CPU fast path (programs run one after "
-      "another) these programs waited on a semaphore more than it was "
-      f"signalled, so on hardware they would wait forever: {waiting}"
-    )
-  counting = [label for label, s in zip(labels, left, strict=True) if s]
-  if counting:
-    raise errors.LeftoverError(
-      "mpmd_map: on the CPU fast path these programs ended with a scratch "
-      "semaphore not back to zero (a signal nobody waited for, or a DMA "
-      f"whose completion nobody awaited): {counting}"
-    )
+  for (error, message), flags in zip(_SEMAPHORE_FAILURES, stuck, strict=True):
+    found = [label for label, s in zip(labels, flags, strict=True) if s]
+    if found:
+      raise error(f"{message}{found}")

@@ -100,21 +100,19 @@ def _install_tpu_queries() -> None:
   # to ``jax._src.tpu_info`` and left a re-exporting module behind.
   modules = _jax.tpu().info_modules
 
-  def device_kind(original):
-    @functools.wraps(original)
-    def get_device_kind() -> str:
-      target = _target()
-      return original() if target is None else target[0]
+  def target_part(index):
+    """A query answering part ``index`` of the target's ``(device kind,
+    cores)`` under ``mpmd.tpu_target``, and as JAX would elsewhere."""
 
-    return get_device_kind
+    def wrap(original):
+      @functools.wraps(original)
+      def query():
+        target = _target()
+        return original() if target is None else target[index]
 
-  def num_cores(original):
-    @functools.wraps(original)
-    def get_num_device_cores() -> int:
-      target = _target()
-      return original() if target is None else target[1]
+      return query
 
-    return get_num_device_cores
+    return wrap
 
   def tpu_info(original):
     # Pallas caches get_tpu_info by trace context only: ours asks the
@@ -130,8 +128,8 @@ def _install_tpu_queries() -> None:
 
     return get_tpu_info
 
-  _wrap("tpu_device_kind", modules, "get_device_kind", device_kind)
-  _wrap("tpu_num_device_cores", modules, "get_num_device_cores", num_cores)
+  _wrap("tpu_device_kind", modules, "get_device_kind", target_part(0))
+  _wrap("tpu_num_device_cores", modules, "get_num_device_cores", target_part(1))
   _wrap("tpu_info", modules, "get_tpu_info", tpu_info)
 
 
