@@ -262,6 +262,29 @@ def _new_async(m, p, kind, where, **parts) -> Async:
   return op
 
 
+def _issue_tma(m, p, where, src, dst, kind, *, smem, barrier=None):
+  """Checks a TMA copy ``src -> dst`` of ``kind`` (shapes, the barrier it
+  completes on, the fence before its ``smem`` side), then issues it.
+  Returns the operation, its start event and the barrier's state."""
+  describe = _describe(m, p, kind, where)
+  _shapes(src, dst, describe)
+  parts, state = {}, None
+  if barrier is not None:
+    parts["barrier"], state = _barrier(m, barrier, describe)
+  # A load writes its SMEM side, a store reads it.
+  _check_fenced(m, p, smem, kind, where, write=smem is dst)
+  op = _new_async(m, p, kind, where, src=src, dst=dst, **parts)
+  event = _event(
+    m,
+    p,
+    "dma_start",
+    f"TMA #{op.index}: {src.buffer.label} -> {dst.buffer.label}",
+    where,
+    dma=op.index,
+  )
+  return op, event, state
+
+
 @dataclasses.dataclass(frozen=True)
 class TmaLoad:
   src: View
@@ -269,26 +292,15 @@ class TmaLoad:
   barrier: View
 
   def perform(self, m, p, where):
-    describe = _describe(m, p, "copy_gmem_to_smem", where)
-    _shapes(self.src, self.dst, describe)
-    key, b = _barrier(m, self.barrier, describe)
-    _check_fenced(m, p, self.dst, "copy_gmem_to_smem", where, write=True)
-    op = _new_async(
+    op, event, b = _issue_tma(
       m,
       p,
+      where,
+      self.src,
+      self.dst,
       "copy_gmem_to_smem",
-      where,
-      src=self.src,
-      dst=self.dst,
-      barrier=key,
-    )
-    event = _event(
-      m,
-      p,
-      "dma_start",
-      f"TMA #{op.index}: {self.src.buffer.label} -> {self.dst.buffer.label}",
-      where,
-      dma=op.index,
+      smem=self.dst,
+      barrier=self.barrier,
     )
     _arrive(m, b, op.clock, event, expect_bytes=self.dst.nbytes)
 
@@ -300,19 +312,8 @@ class TmaStore:
   commit: bool
 
   def perform(self, m, p, where):
-    describe = _describe(m, p, "copy_smem_to_gmem", where)
-    _shapes(self.src, self.dst, describe)
-    _check_fenced(m, p, self.src, "copy_smem_to_gmem", where)
-    op = _new_async(
-      m, p, "copy_smem_to_gmem", where, src=self.src, dst=self.dst
-    )
-    _event(
-      m,
-      p,
-      "dma_start",
-      f"TMA #{op.index}: {self.src.buffer.label} -> {self.dst.buffer.label}",
-      where,
-      dma=op.index,
+    op, _, _ = _issue_tma(
+      m, p, where, self.src, self.dst, "copy_smem_to_gmem", smem=self.src
     )
     wg = m.gpu.wg(m.comp(p.device, p.program))
     wg.uncommitted.append(op)
