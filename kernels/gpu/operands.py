@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from mpmd.kernels._common import check_int
 from mpmd.kernels.gpu.steps import (
   GridEntry,
   any_steps,
@@ -183,15 +184,9 @@ def _make_operand(where: str, spec: Any, grid: tuple[GridEntry, ...]):
     raise NotImplementedError(
       f"{where}: collective_axes (cluster multicast) is not supported"
     )
-  delay_release = getattr(spec, "delay_release", 0)
-  if isinstance(delay_release, bool) or not isinstance(delay_release, int):
-    raise TypeError(
-      f"{where}: expected delay_release to be an int, got {delay_release!r}"
-    )
-  if delay_release < 0:
-    raise ValueError(
-      f"{where}: expected delay_release >= 0, got {delay_release}"
-    )
+  delay_release = check_int(
+    where, "delay_release", getattr(spec, "delay_release", 0), minimum=0
+  )
   if not in_smem:
     return Operand(False, None, None, (), 0, True)
   dims = None

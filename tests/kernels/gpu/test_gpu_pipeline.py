@@ -416,7 +416,7 @@ class TestPipelineErrors:
   )
   def test_negative_delay_release(self, make):
     spec = plgpu.BlockSpec((ROWS, BLOCK), lambda j: (0, j), delay_release=-1)
-    with pytest.raises(ValueError, match=r"delay_release >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"'delay_release' >= 0, got -1"):
       make(_add_one, grid=(2,), in_specs=[spec], out_specs=[spec])
 
   @pytest.mark.parametrize(
