@@ -89,6 +89,18 @@ def check_ragged_all_to_all(mesh, rng) -> None:
   print(f"ragged_all_to_all: {int(sizes.sum())} rows moved, matches numpy")
 
 
+def report_tpu_kernels(f, args, expected: int, what: str) -> None:
+  """Lowers ``f(*args)`` for TPU; prints whether it holds ``expected``
+  Mosaic kernels (FAIL if not)."""
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+  kernels = text.count("tpu_custom_call")
+  print(
+    f"{what}: lowered to {kernels} Mosaic kernel(s)"
+    if kernels == expected
+    else f"FAIL: {what}: {kernels} Mosaic kernels, expected {expected}"
+  )
+
+
 def check_fused(mesh, args, y) -> None:
   """The one-launch layer: same output, clean schedules, one TPU kernel."""
   fused = jax.shard_map(
@@ -113,13 +125,7 @@ def check_fused(mesh, args, y) -> None:
   ]
   for target in ("v5e", "v7x"):
     with mpmd.tpu_target(target):
-      text = jax.jit(fused).trace(*shapes).lower(lowering_platforms=("tpu",))
-      kernels = text.as_text().count("tpu_custom_call")
-    print(
-      f"fused moe lowered for TPU {target}: one Mosaic kernel"
-      if kernels == 1
-      else f"FAIL: {kernels} Mosaic kernels for {target}, expected 1"
-    )
+      report_tpu_kernels(fused, shapes, 1, f"fused moe on TPU {target}")
 
 
 def main() -> None:
@@ -184,13 +190,8 @@ def main() -> None:
     shapes[2],
   )
   with mpmd.tpu_target():
-    text = jax.jit(layer).trace(*tpu_args).lower(lowering_platforms=("tpu",))
-    kernels = text.as_text().count("tpu_custom_call")
-  print(
-    f"lowered for TPU: {kernels} Mosaic kernels (dispatch, 2 x gmm, combine)"
-    if kernels == 4
-    else f"FAIL: {kernels} Mosaic kernels in the TPU lowering, expected 4"
-  )
+    # dispatch, 2 x gmm, combine
+    report_tpu_kernels(layer, tpu_args, 4, "the layer on TPU")
 
 
 if __name__ == "__main__":

@@ -67,15 +67,11 @@ def demo() -> registry.Demo:
 
 
 def main():
-  x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
-  np.testing.assert_allclose(jax.jit(producer_consumer)(x), reference(x))
+  run = demo()
+  f = jax.jit(run.fn)
+  np.testing.assert_allclose(f(*run.args), run.reference(*run.args))
   print("producer/consumer on the CPU fallback: OK")
-  text = (
-    jax.jit(producer_consumer)
-    .trace(x)
-    .lower(lowering_platforms=("tpu",))
-    .as_text()
-  )
+  text = f.trace(*run.args).lower(lowering_platforms=("tpu",)).as_text()
   print("TPU lowering:", "OK" if "tpu_custom_call" in text else "FAIL")
 
 

@@ -91,15 +91,11 @@ def demo() -> registry.Demo:
 
 
 def main():
-  x = jnp.arange(4 * BLOCK_ROWS * 128, dtype=jnp.float32).reshape(-1, 128)
-  np.testing.assert_allclose(jax.jit(warp_specialized_copy)(x), 2.0 * x + 1.0)
+  run = demo()
+  f = jax.jit(run.fn)
+  np.testing.assert_allclose(f(*run.args), run.reference(*run.args))
   print("warp-specialized copy in the GPU simulator: OK")
-  text = (
-    jax.jit(warp_specialized_copy)
-    .trace(x)
-    .lower(lowering_platforms=("cuda",))
-    .as_text()
-  )
+  text = f.trace(*run.args).lower(lowering_platforms=("cuda",)).as_text()
   print("CUDA lowering:", "OK" if "mosaic_gpu" in text else "FAIL")
 
 
