@@ -19,11 +19,9 @@ import pytest
 from jax import lax
 from upstream_pipeline_util import (
   WG,
-  CudaLowered,
   PipelineCases,
-  RaceChecked,
-  Simulated,
   add_one,
+  backend_classes,
   blocks_sum,
   ws,
   ws_mesh,
@@ -32,6 +30,17 @@ from upstream_pipeline_util import (
 
 class WsPipelineCases(PipelineCases):
   """emit_pipeline_warp_specialized: the shared programs."""
+
+  def two_inputs(self, body, x, y, **pipeline_kw):
+    """``body`` by the warp-specialized pipeline (``ws(body,
+    **pipeline_kw)``) on inputs ``x`` and ``y``, into an output like
+    ``x``, in one launch on a one-compute-warpgroup mesh."""
+
+    def kernel(x_gmem, y_gmem, o_gmem):
+      ws(body, **pipeline_kw)(x_gmem, y_gmem, o_gmem)
+
+    out_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return self.launch(kernel, out_type, x, y, mesh=ws_mesh())
 
   @pytest.mark.parametrize("manual_consumed_barriers", [False, True])
   @pytest.mark.parametrize("max_concurrent_steps", [2, 3])
@@ -180,18 +189,15 @@ class WsPipelineCases(PipelineCases):
           for barrier in consumed:
             plgpu.barrier_arrive(barrier)
 
-    def kernel(*refs):
-      ws(
-        body,
-        grid=(m // blk_m, n // blk_n),
-        max_concurrent_steps=max_concurrent_steps,
-        manual_consumed_barriers=manual_consumed_barriers,
-        in_specs=[spec, spec],
-        out_specs=[out_spec],
-      )(*refs)
-
-    out = self.launch(
-      kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), x, y, mesh=ws_mesh()
+    out = self.two_inputs(
+      body,
+      x,
+      y,
+      grid=(m // blk_m, n // blk_n),
+      max_concurrent_steps=max_concurrent_steps,
+      manual_consumed_barriers=manual_consumed_barriers,
+      in_specs=[spec, spec],
+      out_specs=[out_spec],
     )
     self.check(out, x + y)
 
@@ -205,19 +211,16 @@ class WsPipelineCases(PipelineCases):
     def body(_, x_smem, y_smem, o_smem):
       o_smem[...] = x_smem[...] + y_smem[...]
 
-    def kernel(x_gmem, y_gmem, o_gmem):
-      ws(
-        body,
-        grid=(m // blk, n // blk),
-        in_specs=[
-          pl.BlockSpec((blk, blk), lambda i, j: (i, j)),
-          pl.BlockSpec((blk, blk), lambda i, j: (0, 0)),
-        ],
-        out_specs=[pl.BlockSpec((blk, blk), lambda i, j: (i, j))],
-      )(x_gmem, y_gmem, o_gmem)
-
-    out = self.launch(
-      kernel, jax.ShapeDtypeStruct((m, n), jnp.float16), x, y, mesh=ws_mesh()
+    out = self.two_inputs(
+      body,
+      x,
+      y,
+      grid=(m // blk, n // blk),
+      in_specs=[
+        pl.BlockSpec((blk, blk), lambda i, j: (i, j)),
+        pl.BlockSpec((blk, blk), lambda i, j: (0, 0)),
+      ],
+      out_specs=[pl.BlockSpec((blk, blk), lambda i, j: (i, j))],
     )
     self.check(out, x + jnp.tile(y, (m // blk, n // blk)))
 
@@ -352,17 +355,14 @@ class WsPipelineCases(PipelineCases):
       plgpu.barrier_wait(y_loaded)
       o_smem[...] += y_smem[...]
 
-    def kernel(*refs):
-      ws(
-        body,
-        grid=(m // blk, n // blk),
-        manual_produced_barriers=True,
-        in_specs=[spec, spec],
-        out_specs=[spec],
-      )(*refs)
-
-    out = self.launch(
-      kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), x, y, mesh=ws_mesh()
+    out = self.two_inputs(
+      body,
+      x,
+      y,
+      grid=(m // blk, n // blk),
+      manual_produced_barriers=True,
+      in_specs=[spec, spec],
+      out_specs=[spec],
     )
     self.check(out, x + y)
 
@@ -394,29 +394,18 @@ class WsPipelineCases(PipelineCases):
     self.check(out, x + 1, where=written.reshape(-1)[:, None])
 
 
-class TestWsPipelineSimulated(Simulated, WsPipelineCases):
-  @pytest.mark.parametrize(
-    "case, kwargs",
-    [
-      (
-        "test_ws_delay_release",
-        dict(manual_consumed_barriers=True, max_concurrent_steps=2),
-      ),
-      (
-        "test_ws_pipeline_of_pipelines",
-        dict(traced_state=True, manual_consumed_barriers=False),
-      ),
-      ("test_ws_manual_produced_barriers", {}),
-      ("test_ws_memory_thread_first_squeezed_traced_grid", {}),
-    ],
-  )
-  def test_no_race(self, case, kwargs):
-    getattr(_WsPipelineRaceChecked(), case)(**kwargs)
-
-
-class _WsPipelineRaceChecked(RaceChecked, WsPipelineCases):
-  pass
-
-
-class TestWsPipelineCudaLowering(CudaLowered, WsPipelineCases):
-  pass
+TestWsPipelineSimulated, TestWsPipelineCudaLowering = backend_classes(
+  WsPipelineCases,
+  race_checked=[
+    (
+      "test_ws_delay_release",
+      dict(manual_consumed_barriers=True, max_concurrent_steps=2),
+    ),
+    (
+      "test_ws_pipeline_of_pipelines",
+      dict(traced_state=True, manual_consumed_barriers=False),
+    ),
+    ("test_ws_manual_produced_barriers", {}),
+    ("test_ws_memory_thread_first_squeezed_traced_grid", {}),
+  ],
+)
