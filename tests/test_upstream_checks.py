@@ -351,17 +351,21 @@ def test_check_vma_false_needs_no_manual_axis_type():
 # -- upstream features we do not support -------------------------------------
 
 
-class Opaque(hijax.HiType):
-  """A hijax type (upstream lowers such types to their parts)."""
+class _OneValue:
+  """Types whose instances are all equal: the class is all they hold."""
 
   def __hash__(self):
-    return hash(Opaque)
+    return hash(type(self))
 
   def __eq__(self, other):
-    return isinstance(other, Opaque)
+    return isinstance(other, type(self))
 
   def __repr__(self):
-    return "Opaque()"
+    return type(self).__name__
+
+
+class Opaque(_OneValue, hijax.HiType):
+  """A hijax type (upstream lowers such types to their parts)."""
 
 
 def test_hijax_out_types_are_not_supported():
@@ -380,7 +384,7 @@ def test_fuser_dtypes_are_not_supported():
   inside are physicalized: tests/test_physicalize.py)."""
   from jax._src.pallas.fuser import fusible_dtype
 
-  class Pair(fusible_dtype.FusionDType):
+  class Pair(_OneValue, fusible_dtype.FusionDType):
     def abstract_unpack(self, x):
       return (jax.core.ShapedArray(x.shape, jnp.float32),) * 2
 
@@ -396,15 +400,6 @@ def test_fuser_dtypes_are_not_supported():
 
     def unpack_pull_block_spec(self, *args, **kwargs):
       raise NotImplementedError
-
-    def __hash__(self):
-      return hash(Pair)
-
-    def __eq__(self, other):
-      return isinstance(other, Pair)
-
-    def __repr__(self):
-      return "Pair"
 
   def f(a, b):
     pair = fusible_dtype.pack(a, b, dtype=Pair())

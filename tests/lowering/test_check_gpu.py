@@ -10,6 +10,7 @@ tests/kernels/gpu/test_gpu_checked.py.)
 import functools
 import json
 
+import example_scripts
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +22,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import mpmd
 from mpmd.kernels import gpu
 
-ROWS, COLS, SLOTS, WGS = 64, 128, 2, 2
+# The example's ring and its compute warpgroups' half of each block.
+_example = example_scripts.load("warp_specialized_copy")
+transform = _example.transform
+ROWS, SLOTS, WGS = _example.BLOCK_ROWS, _example.SLOTS, _example.COMPUTE_WGS
+COLS = 128
 memory_mesh = plgpu.Mesh(num_threads=1, thread_name="memory")
 compute_mesh = plgpu.Mesh(num_threads=WGS, thread_name="compute")
 
@@ -46,22 +51,6 @@ def stream_in(x_ref, o_ref, ring, loaded, consumed, *, wait_consumed=True):
 
     rows = pl.ds(step * ROWS, ROWS)
     plgpu.copy_gmem_to_smem(x_ref.at[rows], ring.at[slot], loaded.at[slot])
-
-
-def transform(x_ref, o_ref, ring, loaded, consumed):
-  """The compute warpgroups: ``2 x + 1`` of their half of each block."""
-  wg = jax.lax.axis_index("compute")
-  half = x_ref.shape[1] // WGS
-  cols = pl.ds(wg * half, half)
-
-  @pl.loop(0, _steps(x_ref))
-  def _(step):
-    slot = step % SLOTS
-    plgpu.barrier_wait(loaded.at[slot])
-    rows = pl.ds(step * ROWS, ROWS)
-    o_ref[rows, cols] = ring[slot, :, cols] * 2.0 + 1.0
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(consumed.at[slot])
 
 
 def ws_copy(producer=stream_in, consumer=transform, consumed_arrivals=WGS):
@@ -232,16 +221,9 @@ INJECTED = [
 @pytest.mark.parametrize("kernel, primitive, k", INJECTED)
 def test_injected_gpu_bug_is_found_and_replays(kernel, primitive, k):
   build, args, _ = KERNELS[kernel]
-  with sync_bugs.inject(primitive, k) as injected:
-    f = build()
-    report = mpmd.explore(f, *args, schedules=8, max_failures=1)
-  assert injected[0], "the kernel has no such equation: no bug was injected"
-  assert report.failures, f"{kernel}: dropped {primitive} #{k} was not found"
-  failure = report.failures[0]
-  assert isinstance(failure.error, mpmd.LaunchError)
-  with sync_bugs.inject(primitive, k):
-    with pytest.raises(type(failure.error)):
-      mpmd.replay(f, *args, schedule=failure.schedule)
+  sync_bugs.assert_found_and_replays(
+    build, args, primitive, k, sync_bugs.DROP, schedules=8
+  )
 
 
 def test_refill_before_release_is_a_race():

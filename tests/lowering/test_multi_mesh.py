@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import lowerings
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
@@ -174,12 +175,7 @@ def test_tpu_cross_lowering_of_two_tensorcore_meshes():
   x = jnp.ones(ROWS, jnp.float32)
   for target in ("v5e", "v7x"):
     with mpmd.tpu_target(target):
-      text = (
-        jax.jit(producer_consumer)
-        .trace(x)
-        .lower(lowering_platforms=("tpu",))
-        .as_text()
-      )
+      text = lowerings.tpu_text(producer_consumer, x)
     assert text.count("tpu_custom_call") == 1
 
 
@@ -413,12 +409,7 @@ def test_sparsecore_scalar_and_vector_meshes_lower_natively_and_run():
   x = jnp.arange(16, dtype=jnp.float32)
   with mpmd.tpu_target("v7x"):  # a generation with SparseCores
     np.testing.assert_array_equal(sparsecore_copy(x), x)
-    text = (
-      jax.jit(sparsecore_copy)
-      .trace(x)
-      .lower(lowering_platforms=("tpu",))
-      .as_text()
-    )
+    text = lowerings.tpu_text(sparsecore_copy, x)
   # Mosaic's own MPMD: one custom call carrying both kernels.
   assert text.count("tpu_custom_call") == 1
 

@@ -24,6 +24,11 @@ def _cuda_text(f, *args) -> str:
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _one_warpgroup(body, out_type, **kw):
+  """``body`` as a kernel of one warpgroup (a ``plgpu.Mesh()``)."""
+  return mpmd.kernel(body, out_type, mesh=plgpu.Mesh(), **kw)
+
+
 def _core_map(mesh):
   """``pl.core_map``, deprecated from jax 0.12 (its warning is not ours to
   fix: upstream's programs still call it)."""
@@ -84,13 +89,12 @@ def test_warps_copy_smem_to_gmem():
       def _():
         plgpu.copy_smem_to_gmem(threes, o_ref.at[1:2])
 
-    mpmd.mpmd_map([(plgpu.WarpMesh(axis_name="warp"), per_warp)])()
+    _our_map(plgpu.WarpMesh(axis_name="warp"))(per_warp)
     plgpu.wait_smem_to_gmem(0)
 
-  f = mpmd.kernel(
+  f = _one_warpgroup(
     body,
     jax.ShapeDtypeStruct((2, 128), jnp.int32),
-    mesh=plgpu.Mesh(),
     scratch_types=[plgpu.SMEM((1, 128), jnp.int32)] * 2,
   )
   np.testing.assert_array_equal(
@@ -114,11 +118,9 @@ def test_warp_map_reads_inputs_under_jit():
       for i in range(WARPS + 1):
         pl.when(warp == i)(functools.partial(copy, i))
 
-    mpmd.mpmd_map([(plgpu.WarpMesh(axis_name="warp"), per_warp)])()
+    _our_map(plgpu.WarpMesh(axis_name="warp"))(per_warp)
 
-  f = mpmd.kernel(
-    body, jax.ShapeDtypeStruct((5,), jnp.int32), mesh=plgpu.Mesh()
-  )
+  f = _one_warpgroup(body, jax.ShapeDtypeStruct((5,), jnp.int32))
   x = jnp.arange(1, 6, dtype=jnp.int32)
   np.testing.assert_array_equal(jax.jit(f)(x), [1, 2, 3, 4, 0])
 
@@ -142,12 +144,11 @@ def test_warps_sharing_smem_through_a_barrier():
         plgpu.barrier_wait(barrier)
         o_ref[...] = smem[...]
 
-    mpmd.mpmd_map([(plgpu.WarpMesh(axis_name="warp"), per_warp)])()
+    _our_map(plgpu.WarpMesh(axis_name="warp"))(per_warp)
 
-  f = mpmd.kernel(
+  f = _one_warpgroup(
     body,
     jax.ShapeDtypeStruct((), jnp.int32),
-    mesh=plgpu.Mesh(),
     scratch_types=[
       plgpu.SMEM((), jnp.int32),
       plgpu.Barrier(num_arrivals=1),
@@ -182,13 +183,12 @@ def test_warp_awaits_another_warps_copy():
         plgpu.barrier_wait(loaded)
         plgpu.copy_smem_to_gmem(smem, o_ref)
 
-    mpmd.mpmd_map([(plgpu.WarpMesh(axis_name="warp"), per_warp)])()
+    _our_map(plgpu.WarpMesh(axis_name="warp"))(per_warp)
     plgpu.wait_smem_to_gmem(0)
 
-  f = mpmd.kernel(
+  f = _one_warpgroup(
     body,
     jax.ShapeDtypeStruct((32, 32), jnp.float32),
-    mesh=plgpu.Mesh(),
     scratch_types=[plgpu.SMEM((32, 32), jnp.float32), plgpu.Barrier()],
   )
   x = jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32)
@@ -210,7 +210,7 @@ def test_warp_map_inside_a_warp_map_names_upstreams_error():
 
     mpmd.mpmd_map([(plgpu.WarpMesh(axis_name="warp0"), outer)])()
 
-  f = mpmd.kernel(body, jax.ShapeDtypeStruct((), jnp.int32), mesh=plgpu.Mesh())
+  f = _one_warpgroup(body, jax.ShapeDtypeStruct((), jnp.int32))
   with pytest.raises(
     ValueError,
     match="Cannot mpmd_map over WarpMesh while already mpmd_mapped",
@@ -227,7 +227,7 @@ def test_core_map_inside_a_warp_map_names_upstreams_error():
 
     mpmd.mpmd_map([(plgpu.WarpMesh(axis_name="warp0"), outer)])()
 
-  f = mpmd.kernel(body, jax.ShapeDtypeStruct((), jnp.int32), mesh=plgpu.Mesh())
+  f = _one_warpgroup(body, jax.ShapeDtypeStruct((), jnp.int32))
   # jax 0.12's simulator raises it in its own words (which name mpmd_map,
   # the primitive pl.core_map binds there), ours on 0.10.2 name core_map.
   with pytest.raises(

@@ -46,20 +46,27 @@ def test_vmap_any_batch_size_equals_separate_calls(rng, batch, in_axis):
   np.testing.assert_array_equal(got, want)
 
 
-def test_vmap_with_an_unbatched_operand(rng):
-  mesh = mpmd.tensorcore_mesh("core", num_cores=1)
+def _add(x_hbm, y_hbm, o_hbm, bx, by):
+  """``o = x + y`` through two VMEM buffers."""
+  pltpu.sync_copy(x_hbm, bx)
+  pltpu.sync_copy(y_hbm, by)
+  bx[...] += by[...]
+  pltpu.sync_copy(bx, o_hbm)
 
-  def add(x_hbm, y_hbm, o_hbm, bx, by):
-    pltpu.sync_copy(x_hbm, bx)
-    pltpu.sync_copy(y_hbm, by)
-    bx[...] += by[...]
-    pltpu.sync_copy(bx, o_hbm)
 
-  f = mpmd.mpmd_map(
-    [(mesh, add)],
+def _adder(kernel=_add, **kw):
+  """``kernel`` (by default :func:`_add`) on one TensorCore, with two f32
+  VMEM buffers of SHAPE, for an f32 output of SHAPE."""
+  return mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
     jax.ShapeDtypeStruct(SHAPE, jnp.float32),
     scratch_types=[pltpu.VMEM(SHAPE, jnp.float32)] * 2,
+    **kw,
   )
+
+
+def test_vmap_with_an_unbatched_operand(rng):
+  f = _adder()
   xs = jnp.asarray(rng.standard_normal((3, *SHAPE)), jnp.float32)
   y = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
   np.testing.assert_array_equal(jax.vmap(f, (0, None))(xs, y), xs + y[None])
@@ -216,21 +223,11 @@ def test_mutable_ref_input_is_discharged(rng):
 
 
 def test_input_output_aliases(rng):
-  mesh = mpmd.tensorcore_mesh("core", num_cores=1)
-
   def accumulate(x_hbm, acc_in, acc_out, buf, acc):
-    del acc_in  # the same buffer as acc_out
-    pltpu.sync_copy(x_hbm, buf)
-    pltpu.sync_copy(acc_out, acc)
-    acc[...] += buf[...]
-    pltpu.sync_copy(acc, acc_out)
+    del acc_in  # the same buffer as acc_out: read there, acc += x
+    _add(x_hbm, acc_out, acc_out, buf, acc)
 
-  f = mpmd.mpmd_map(
-    [(mesh, accumulate)],
-    jax.ShapeDtypeStruct(SHAPE, jnp.float32),
-    scratch_types=[pltpu.VMEM(SHAPE, jnp.float32)] * 2,
-    input_output_aliases={1: 0},
-  )
+  f = _adder(accumulate, input_output_aliases={1: 0})
   x = jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)
   acc = jnp.full(SHAPE, 10.0, jnp.float32)
   np.testing.assert_allclose(f(x, acc), x + 10.0)
