@@ -79,7 +79,6 @@ class CheckParams:
     return params_lib.owners(self)
 
 
-
 KINDS = {
   errors.DeadlockError: "deadlock",
   errors.RaceError: "race",

@@ -302,6 +302,7 @@ class TmaLoad:
       smem=self.dst,
       barrier=self.barrier,
     )
+    assert b is not None  # a load always names its barrier
     _arrive(m, b, op.clock, event, expect_bytes=self.dst.nbytes)
 
 
