@@ -3,9 +3,10 @@
 For each ring length D and shape, in one run:
   ours / XLA for  all_gather_matmul      vs shard_map(all_gather + dot)
   ours / XLA for  matmul_reduce_scatter  vs shard_map(dot + psum_scatter)
-for each kernel schedule (``direct``, the CPU fallback's default: one
+for each kernel implementation (``direct``, the CPU fallback's default: one
 exchange between the devices; ``ring``, what runs on TPU: one per ring step),
-and for the reduce-scatter, the floor of the direct schedule's exchange:
+and for the reduce-scatter, the floor of the direct implementation's
+exchange:
 plain XLA moving each block to its device by one ``ppermute`` per peer, as
 the CPU fallback moves blocks too large to gather everywhere (the large
 shape; at the small one the blocks travel in one all_gather)
@@ -50,7 +51,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mpmd._lowering import exchange  # noqa: E402
 from mpmd.kernels import all_gather_matmul, matmul_reduce_scatter  # noqa: E402
-from mpmd.kernels.collective_matmul.api import SCHEDULES  # noqa: E402
+from mpmd.kernels.collective_matmul.api import IMPLEMENTATIONS  # noqa: E402
 
 # (n, K, m): the large shape and a small one.
 LARGE = (1024, 2048, 1024)
@@ -111,7 +112,7 @@ def _shifts_floor(ring: int, shape):
   return functools.partial(_xla_matmul_reduce_scatter_by_shifts, ring=ring)
 
 
-def _cases(ring: int, shape, repeats: int, schedules):
+def _cases(ring: int, shape, repeats: int, implementations):
   n, k, m = shape
   mesh = jax.make_mesh((ring,), ("x",), devices=jax.devices()[:ring])
   key_lhs, key_rhs = jax.random.split(jax.random.key(ring * 7919 + n))
@@ -139,10 +140,10 @@ def _cases(ring: int, shape, repeats: int, schedules):
     args = (put(lhs, in_specs[0]), put(rhs, in_specs[1]))
     print(f"  D={ring} {name} n={n} K={k} m={m}:", flush=True)
     fns = {
-      schedule: _mapped(
-        functools.partial(ours, schedule=schedule), mesh, in_specs, out_spec
+      impl: _mapped(
+        functools.partial(ours, implementation=impl), mesh, in_specs, out_spec
       )
-      for schedule in schedules
+      for impl in implementations
     }
     fns["xla"] = _mapped(xla, mesh, in_specs, out_spec)
     if floor is not None:
@@ -151,15 +152,15 @@ def _cases(ring: int, shape, repeats: int, schedules):
       {key: functools.partial(fn, *args) for key, fn in fns.items()}, repeats
     )
     t_xla = statistics.median(times["xla"])
-    for schedule in schedules:
-      t_ours = statistics.median(times[schedule])
-      spread = ratio_spread(times[schedule], times["xla"])
+    for impl in implementations:
+      t_ours = statistics.median(times[impl])
+      spread = ratio_spread(times[impl], times["xla"])
       print(
-        f"    {schedule:<6} {t_ours * 1e3:8.2f} ms  XLA {t_xla * 1e3:8.2f} ms"
+        f"    {impl:<6} {t_ours * 1e3:8.2f} ms  XLA {t_xla * 1e3:8.2f} ms"
         f"  ratio {t_ours / t_xla:5.2f} [{spread[0]:.2f}-{spread[1]:.2f}]",
         flush=True,
       )
-      yield name, schedule, ring, shape, t_ours / t_xla, spread
+      yield name, impl, ring, shape, t_ours / t_xla, spread
     if floor is not None:
       t_floor = statistics.median(times["shifts"])
       spread = ratio_spread(times["shifts"], times["xla"])
@@ -221,15 +222,18 @@ def main(argv=None) -> int:
   )
   parser.add_argument("--repeats", type=int, default=9)
   parser.add_argument(
-    "--schedules",
+    "--implementations",
     default="direct,ring",
-    help="comma-separated kernel schedules to time (direct is the CPU "
-    "default, ring what runs on TPU)",
+    help="comma-separated kernel implementations to time (direct is the "
+    "CPU default, ring what runs on TPU)",
   )
   args = parser.parse_args(argv)
-  schedules = args.schedules.split(",")
-  if not set(schedules) <= set(SCHEDULES):
-    parser.error(f"--schedules: expected some of {SCHEDULES}, got {schedules}")
+  impls = args.implementations.split(",")
+  if not set(impls) <= set(IMPLEMENTATIONS.names):
+    parser.error(
+      f"--implementations: expected some of {IMPLEMENTATIONS.names}, got "
+      f"{impls}"
+    )
   rings = [int(r) for r in args.rings.split(",")]
   if any(r < 2 or r > _MAX_RING for r in rings):
     parser.error(f"--rings: expected lengths in [2, {_MAX_RING}], got {rings}")
@@ -241,14 +245,14 @@ def main(argv=None) -> int:
   results = []
   for shape in shapes:
     for ring in rings:
-      results.extend(_cases(ring, shape, args.repeats, schedules))
+      results.extend(_cases(ring, shape, args.repeats, impls))
   print(
     "\nratios ours / XLA (lower is better; shifts: plain XLA by one ring "
-    "shift per peer, the floor of the direct schedule's exchange):"
+    "shift per peer, the floor of the direct implementation's exchange):"
   )
-  for name, schedule, ring, (n, k, m), ratio, (low, high) in results:
+  for name, impl, ring, (n, k, m), ratio, (low, high) in results:
     print(
-      f"  {name:<22} {schedule:<6} D={ring} n={n} K={k} m={m}: {ratio:5.2f} "
+      f"  {name:<22} {impl:<6} D={ring} n={n} K={k} m={m}: {ratio:5.2f} "
       f"[{low:.2f}-{high:.2f}]"
     )
   print("\nanalytical TPU estimate, all_gather_matmul (bidirectional):")

@@ -9,6 +9,19 @@
   ``gmm``.
 * ``mpmd.kernels.gpu``: software-pipelined and warp-specialized Mosaic GPU
   pipelines and matmuls (CUDA).
+
+Each TPU kernel has two named implementations, picked by its
+``implementation=`` argument: the one a TPU runs and the CPU fallback's
+default. Both lower for TPU and run on the CPU fallback; ``None`` (the
+default) picks the TPU's when building for TPU (on a TPU, inside
+``mpmd.tpu_target``) or simulating one (``pltpu.InterpretParams``), else
+the CPU's. Name the TPU's to test on CPU what a TPU runs:
+
+* ``all_gather_matmul`` / ``matmul_reduce_scatter``: ``"ring"`` (TPU),
+  ``"direct"`` (CPU);
+* ``gmm`` / ``tgmm``: ``"tiled"`` (TPU; also whenever a ``tiling`` is
+  given), ``"windows"`` (CPU);
+* ``ragged_all_to_all``: ``"conditional"`` (TPU), ``"window"`` (CPU).
 """
 
 from mpmd.kernels import gpu as gpu

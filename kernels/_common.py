@@ -10,13 +10,14 @@ with a wrong value (rank, shape, range, divisibility).
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
-from mpmd import meshes
+from mpmd import meshes, targets
 
 # A remote DMA's or signal's ``device_id``: its mesh coordinate along each
 # axis (the type Pallas takes on every supported jax: 0.10's is a dict, not
@@ -160,3 +161,59 @@ def out_type(
 def single_core_mesh() -> Any:
   """The one-TensorCore mesh of the TPU kernels (its axis: ``"core"``)."""
   return meshes.tensorcore_mesh("core", num_cores=1)
+
+
+class Implementations(NamedTuple):
+  """A kernel's two named implementations (its backends, as tokamax names
+  them): ``tpu``, what a TPU runs, and ``cpu``, the CPU fallback's default.
+
+  Both lower for TPU (Mosaic) and run on the CPU fallback; which one runs
+  when a caller passes ``implementation=None`` is the one documented rule of
+  :meth:`resolve`.
+  """
+
+  tpu: str
+  cpu: str
+
+  @property
+  def names(self) -> tuple[str, str]:
+    return (self.tpu, self.cpu)
+
+  def resolve(self, fn: str, implementation: Any, interpret: Any) -> str:
+    """The implementation to run: ``implementation`` when named, else
+    ``tpu`` when building for TPU (on a TPU, inside ``mpmd.tpu_target``)
+    or simulating one (``interpret`` a ``pltpu.InterpretParams``), else
+    ``cpu``. Raises before anything is traced: ``TypeError`` for a name
+    that is not a str, ``ValueError`` for an unknown one or a platform no
+    implementation lowers for (CUDA, say) without an interpreter."""
+    if implementation is None:
+      simulated = isinstance(interpret, pltpu.InterpretParams)
+      tpu = simulated or targets.platform() == "tpu"
+      implementation = self.tpu if tpu else self.cpu
+    elif not isinstance(implementation, str):
+      raise TypeError(
+        f"{fn}: expected 'implementation' to be a str in {self.names} or "
+        f"None, got {type(implementation).__name__}: {implementation!r}"
+      )
+    elif implementation not in self.names:
+      raise ValueError(
+        f"{fn}: expected 'implementation' in {self.names} or None, got "
+        f"{implementation!r}"
+      )
+    platform = targets.platform()
+    if interpret is None and platform not in _NATIVE_PLATFORMS:
+      # Else the launch fails while lowering, deep inside mpmd_map, with
+      # "CUDA lowering needs Mosaic GPU meshes".
+      raise ValueError(
+        f"{fn}: implementation {implementation!r} lowers for TPU (Mosaic) "
+        f"and runs on the CPU fallback, as every implementation of {fn} "
+        f"does; none lowers for platform {platform!r}. Build for TPU "
+        "inside mpmd.tpu_target(), or pass "
+        "interpret=pltpu.InterpretParams() to run the TPU simulator"
+      )
+    return implementation
+
+
+# Where a TPU kernel runs without an interpreter: Mosaic, or the CPU
+# fallback.
+_NATIVE_PLATFORMS = ("tpu", "cpu")

@@ -1,9 +1,11 @@
 """Collective matmul: ring all-gather fused with matmul, and its twin.
 
 Two kernels, each one ``mpmd_map`` launch per device, called inside
-``jax.shard_map``, each with two schedules: the ring (below; what a TPU
-runs) and the direct one (the CPU fallback's default, further below). On the
-ring:
+``jax.shard_map``, each with two named implementations (``implementation=``):
+``"ring"`` (below; what a TPU runs) and ``"direct"`` (the CPU fallback's
+default, further below). Both lower for TPU and run on the CPU fallback;
+``implementation=None`` picks the ring when building for or simulating a TPU
+and the direct one otherwise. On the ring:
 
 * :func:`all_gather_matmul` computes ``all_gather(lhs, axis_name, axis=1,
   tiled=True) @ rhs`` without materialising the gathered ``lhs`` first: the
@@ -41,14 +43,14 @@ to a local staging buffer and frees the slot at once: forwarding straight
 out of the only slot would make every device wait for its neighbour to free
 a slot, all around the ring.
 
-The direct schedule (``schedule="direct"``, the CPU fallback's default):
-every device DMAs its shard of ``lhs`` (all-gather) or block ``b`` of its
-whole partial product (reduce-scatter) straight to every other device, with
-one matmul after (all-gather) or before (reduce-scatter) the exchange. It
-hides nothing, so on TPU the ring wins; on the CPU fallback, where the
-devices run in step and every exchange is a rendezvous of all of them, one
-exchange beats ``D - 1`` (see ``direct.py``). ``bidirectional`` and
-``buffering`` shape the ring only.
+The direct schedule (``implementation="direct"``, the CPU fallback's
+default): every device DMAs its shard of ``lhs`` (all-gather) or block ``b``
+of its whole partial product (reduce-scatter) straight to every other
+device, with one matmul after (all-gather) or before (reduce-scatter) the
+exchange. It hides nothing, so on TPU the ring wins; on the CPU fallback,
+where the devices run in step and every exchange is a rendezvous of all of
+them, one exchange beats ``D - 1`` (see ``direct.py``). ``bidirectional``
+and ``buffering`` shape the ring only.
 
 Memory. Operands, ring slots and accumulators stay in HBM; the local matmul
 of each step is a double-buffered pipeline of ``(block_n, block_k)`` x

@@ -4,14 +4,13 @@ pass is built from the other kernel)."""
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
 
-from mpmd import targets
 from mpmd.kernels import _common
 from mpmd.kernels.collective_matmul.all_gather import AgConfig, ag_kernel_call
 from mpmd.kernels.collective_matmul.checks import (
@@ -30,32 +29,41 @@ from mpmd.kernels.collective_matmul.ring import check_ring, make_streams
 from mpmd.kernels.collective_matmul.tiles import dot_precision
 from mpmd.types import Interpret
 
-SCHEDULES = ("ring", "direct")
+IMPLEMENTATIONS = _common.Implementations(tpu="ring", cpu="direct")
 
 
-def resolve_schedule(fn_name: str, schedule: Any, interpret: Interpret) -> str:
-  """The schedule to run: as asked, else the ring when building for TPU or
-  simulating one (``interpret`` a ``pltpu.InterpretParams``), else direct
-  (the CPU fallback, where devices run in step and nothing overlaps)."""
-  if schedule is None:
-    simulated = isinstance(interpret, pltpu.InterpretParams)
-    return "ring" if simulated or targets.platform() == "tpu" else "direct"
-  if schedule not in SCHEDULES:
-    raise ValueError(
-      f"{fn_name}: expected 'schedule' in {SCHEDULES} or None, got {schedule!r}"
+def resolve_implementation(
+  fn_name: str, implementation: Any, schedule: Any, interpret: Interpret
+) -> str:
+  """``implementation``, or ``schedule``, its deprecated alias (with a
+  warning), resolved by ``IMPLEMENTATIONS`` (None: the platform's)."""
+  if schedule is not None:
+    warnings.warn(
+      f"{fn_name}: 'schedule' is deprecated, pass "
+      f"implementation={schedule!r} instead",
+      DeprecationWarning,
+      stacklevel=3,
     )
-  return schedule
+    if implementation is not None:
+      raise TypeError(
+        f"{fn_name}: got both 'implementation' ({implementation!r}) and "
+        f"its deprecated alias 'schedule' ({schedule!r}); pass "
+        "'implementation' only"
+      )
+    implementation = schedule
+  return IMPLEMENTATIONS.resolve(fn_name, implementation, interpret)
 
 
-def _direct(schedule: str, ring) -> bool:
-  # A ring of one device exchanges nothing: every schedule is one matmul.
-  return schedule == "direct" and ring.size > 1
+def _direct(implementation: str, ring) -> bool:
+  # A ring of one device exchanges nothing: either implementation is one
+  # matmul.
+  return implementation == "direct" and ring.size > 1
 
 
 def _ag_call(
   config: AgConfig, lhs, rhs, *, return_gathered: bool
 ) -> tuple[jax.Array, jax.Array | None]:
-  if _direct(config.schedule, config.ring):
+  if _direct(config.implementation, config.ring):
     return ag_direct_call(config, lhs, rhs, return_gathered=return_gathered)
   return ag_kernel_call(config, lhs, rhs, return_gathered=return_gathered)
 
@@ -70,7 +78,7 @@ def _ag_call_gathered(
 
 
 def _rs_call(config: RsConfig, lhs, rhs):
-  if _direct(config.schedule, config.ring):
+  if _direct(config.implementation, config.ring):
     return rs_direct_call(config, lhs, rhs)
   return rs_kernel_call(config, lhs, rhs)
 
@@ -101,7 +109,7 @@ def _ag_matmul_bwd(config, residuals, d_out):
     out_dtype=jnp.dtype(jnp.float32),
     block_sizes=BlockSizes(),
     interpret=config.interpret,
-    schedule=config.schedule,
+    implementation=config.implementation,
   )
   d_lhs = _rs_matmul(rs_config, d_out, rhs.T)
   d_rhs = jnp.dot(
@@ -126,13 +134,15 @@ def all_gather_matmul(
   preferred_element_type: Any = jnp.float32,
   block_sizes: BlockSizes | None = None,
   ring: Sequence[int] | None = None,
-  schedule: str | None = None,
+  implementation: Literal["ring", "direct"] | None = None,
   interpret: Interpret = None,
+  schedule: str | None = None,
 ) -> jax.Array:
   """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs``, fused.
 
-  Call inside ``jax.shard_map``. On the ring schedule (what a TPU runs, see
-  ``schedule``) the shards of ``lhs`` travel around the ring of devices
+  Call inside ``jax.shard_map``. In the ``"ring"`` implementation (what a
+  TPU runs, see ``implementation``) the shards of ``lhs`` travel around the
+  ring of devices
   along ``axis_name`` while each device multiplies the shards that have
   arrived with the matching rows of its ``rhs``; see the module docstring.
   Differentiable: the VJP is a :func:`matmul_reduce_scatter` (for ``lhs``)
@@ -149,30 +159,35 @@ def all_gather_matmul(
       mesh, the devices that differ only along these axes form one ring.
     bidirectional: split the rows of ``lhs`` in two halves travelling in
       opposite directions (any ring length; needs ``n`` even, otherwise the
-      unidirectional schedule is used).
+      unidirectional ring is used).
     buffering: receive slots per ring direction (1, 2, 4, ...; the ring
-      schedule only, as ``bidirectional``): how far a device may run ahead
-      of its neighbour.
+      implementation only, as ``bidirectional``): how far a device may run
+      ahead of its neighbour.
     preferred_element_type: output dtype, float32 (default) or bfloat16;
       accumulation is always in float32.
     block_sizes: tiles of the local matmul pipeline (see :class:`BlockSizes`).
     ring: order in which the ring visits the devices, a permutation of
       ``range(D)`` of flattened axis indices; default ``0, 1, ..., D-1``.
       The result does not depend on it (only the communication pattern).
-    schedule: ``"ring"``: the shards travel the ring, each transfer hidden
-      behind the matmul of the shard before it (see the module docstring);
-      ``"direct"``: every device DMAs its shard straight to every other
-      device, then one matmul of the gathered ``lhs`` (on the CPU fallback,
-      where devices run in step and nothing overlaps, that is one exchange
-      between them instead of ``D - 1``, but for large shards one ring
-      shift per peer); None: the ring when building for TPU (on a TPU,
-      inside ``mpmd.tpu_target``, or with ``$MPMD_TPU_TARGET`` set) or
-      simulating one (``interpret`` a ``pltpu.InterpretParams``), else
-      direct.
+    implementation: which schedule runs; both lower for TPU and run on the
+      CPU fallback, and give the same result up to rounding.
+      ``"ring"``: the shards travel the ring, each transfer hidden behind
+      the matmul of the shard before it (see the module docstring): what a
+      TPU runs. ``"direct"``: every device DMAs its shard straight to every
+      other device, then one matmul of the gathered ``lhs``: it hides
+      nothing, but on the CPU fallback, where devices run in step and
+      nothing overlaps, it is one exchange between them instead of
+      ``D - 1`` (for large shards one ring shift per peer). None (the
+      default): ``"ring"`` when building for TPU (on a TPU, inside
+      ``mpmd.tpu_target``, or with ``$MPMD_TPU_TARGET`` set) or simulating
+      one (``interpret`` a ``pltpu.InterpretParams``), else ``"direct"``:
+      so a plain CPU run tests the direct schedule; pass
+      ``implementation="ring"`` to run on CPU what a TPU runs.
       ``bidirectional`` and ``buffering`` shape the ring only.
     interpret: passed to ``mpmd.mpmd_map``: ``None`` compiles on TPU and
       runs the CPU fallback on CPU; a ``pltpu.InterpretParams`` forces the
       TPU simulator (e.g. with ``detect_races=True``).
+    schedule: deprecated alias of ``implementation`` (warns).
 
   Returns:
     ``(n, m)`` array of ``preferred_element_type``, equal on every device of
@@ -181,8 +196,12 @@ def all_gather_matmul(
   Raises:
     ValueError: called outside ``shard_map``, ``axis_name`` not a manual
       axis of the mesh, ``rhs.shape[0] != k_local * D``, bad ``ring``,
-      ``buffering``, ``schedule`` or block sizes.
-    TypeError: unsupported or mismatched dtypes, non-array operands.
+      ``buffering`` or block sizes, an unknown ``implementation``, or a
+      platform neither implementation lowers for (CUDA) without
+      ``interpret``.
+    TypeError: unsupported or mismatched dtypes, non-array operands, an
+      ``implementation`` that is not a str, both ``implementation`` and
+      ``schedule``.
 
   Example:
     >>> mesh = jax.make_mesh((4,), ("x",))
@@ -214,10 +233,12 @@ def all_gather_matmul(
     out_dtype=out_dtype,
     block_sizes=check_block_sizes(fn_name, block_sizes),
     interpret=interpret,
-    schedule=resolve_schedule(fn_name, schedule, interpret),
+    implementation=resolve_implementation(
+      fn_name, implementation, schedule, interpret
+    ),
   )
   # Check the tiles now, not deep inside the kernel trace.
-  if _direct(config.schedule, ring_):
+  if _direct(config.implementation, ring_):
     rows, k_tiled = n, k_local * ring_.size  # one matmul of everything
   else:
     streams = make_streams(n, config.bidirectional) if ring_.size > 1 else ()
@@ -250,7 +271,7 @@ def _rs_matmul_bwd(config, residuals, d_out):
     out_dtype=jnp.dtype(jnp.float32),
     block_sizes=BlockSizes(),
     interpret=config.interpret,
-    schedule=config.schedule,
+    implementation=config.implementation,
   )
   precision = dot_precision(dtype)
   if config.scatter_dimension == 0:
@@ -283,14 +304,16 @@ def matmul_reduce_scatter(
   preferred_element_type: Any = jnp.float32,
   block_sizes: BlockSizes | None = None,
   ring: Sequence[int] | None = None,
-  schedule: str | None = None,
+  implementation: Literal["ring", "direct"] | None = None,
   interpret: Interpret = None,
+  schedule: str | None = None,
 ) -> jax.Array:
   """``psum_scatter(lhs @ rhs, axis_name, scatter_dimension, tiled=True)``.
 
   Call inside ``jax.shard_map``. Each device's partial product ``lhs @ rhs``
-  is cut into ``D`` blocks along ``scatter_dimension``; on the ring schedule
-  (what a TPU runs, see ``schedule``) the running sums of the blocks travel
+  is cut into ``D`` blocks along ``scatter_dimension``; in the ``"ring"``
+  implementation (what a TPU runs, see ``implementation``) the running sums
+  of the blocks travel
   the ring, and every device adds its own partial block to the sum passing
   by, computing the next block while the previous sum is on the wire.
   Differentiable: the VJP is an :func:`all_gather_matmul` plus a local
@@ -307,19 +330,22 @@ def matmul_reduce_scatter(
       divisible by ``D``.
     bidirectional: split each block in two halves (along the other
       dimension) travelling in opposite directions; needs that dimension
-      even, otherwise the unidirectional schedule is used.
-    buffering: receive slots per ring direction (ring schedule only, as
-      ``bidirectional``).
+      even, otherwise the unidirectional ring is used.
+    buffering: receive slots per ring direction (ring implementation only,
+      as ``bidirectional``).
     preferred_element_type: output dtype, float32 (default) or bfloat16;
       partial sums always travel and accumulate in float32.
     block_sizes: tiles of the local matmul pipeline (see :class:`BlockSizes`).
     ring: ring order, as in :func:`all_gather_matmul`.
-    schedule: ``"ring"`` (running sums travel the ring), ``"direct"``
-      (one matmul of the whole partial product, then every device DMAs
-      block ``b`` straight to device ``b`` and sums what arrives), or None
-      (as in :func:`all_gather_matmul`). The sums are added in another
+    implementation: ``"ring"`` (running sums travel the ring; what a TPU
+      runs), ``"direct"`` (one matmul of the whole partial product, then
+      every device DMAs block ``b`` straight to device ``b`` and sums what
+      arrives; the CPU fallback's default), or None: the same default as
+      :func:`all_gather_matmul`'s (``"ring"`` when building for or
+      simulating a TPU, else ``"direct"``). The sums are added in another
       order, so results differ in rounding only.
     interpret: passed to ``mpmd.mpmd_map`` (see :func:`all_gather_matmul`).
+    schedule: deprecated alias of ``implementation`` (warns).
 
   Returns:
     ``(n // D, m)`` (``scatter_dimension=0``) or ``(n, m // D)`` array of
@@ -328,9 +354,11 @@ def matmul_reduce_scatter(
   Raises:
     ValueError: called outside ``shard_map``, ``axis_name`` not a manual
       axis of the mesh, contraction mismatch, scattered dimension not
-      divisible by ``D``, bad ``scatter_dimension``, ``ring``, ``buffering``,
-      ``schedule`` or block sizes.
-    TypeError: unsupported or mismatched dtypes, non-array operands.
+      divisible by ``D``, bad ``scatter_dimension``, ``ring``, ``buffering``
+      or block sizes, an unknown ``implementation`` or a platform neither
+      implementation lowers for (as in :func:`all_gather_matmul`).
+    TypeError: unsupported or mismatched dtypes, non-array operands, as in
+      :func:`all_gather_matmul`.
 
   Example:
     >>> mesh = jax.make_mesh((4,), ("x",))
@@ -375,9 +403,11 @@ def matmul_reduce_scatter(
     out_dtype=out_dtype,
     block_sizes=check_block_sizes(fn_name, block_sizes),
     interpret=interpret,
-    schedule=resolve_schedule(fn_name, schedule, interpret),
+    implementation=resolve_implementation(
+      fn_name, implementation, schedule, interpret
+    ),
   )
-  if _direct(config.schedule, ring_):
+  if _direct(config.implementation, ring_):
     region = (n, m)  # one matmul of the whole partial product
   else:
     _, _, region = rs_geometry(config, n, m)

@@ -1,8 +1,9 @@
-"""The direct schedule: every device DMAs straight to every other device.
+"""``implementation="direct"``: every device DMAs straight to every other
+device.
 
-The ring schedule hides each transfer behind a matmul. On the CPU fallback
-nothing overlaps (the devices run in step, and every exchange between them
-is a rendezvous of all of them), so there the kernels run a schedule with
+The ring hides each transfer behind a matmul. On the CPU fallback nothing
+overlaps (the devices run in step, and every exchange between them is a
+rendezvous of all of them), so there the kernels default to a schedule with
 one exchange instead of ``D - 1`` (its data in one ``all_gather``; blocks
 too large to gather everywhere move by one ring shift per peer, each a
 rendezvous of its own, see ``mpmd._lowering.exchange``):
@@ -14,7 +15,8 @@ rendezvous of its own, see ``mpmd._lowering.exchange``):
                          sum own block + arrived blocks (upstream order)
 
 It is a valid TPU kernel too (remote DMAs to non-neighbours are routed), so
-``schedule="direct"`` also lowers for TPU, where the ring is faster.
+``implementation="direct"`` also lowers for TPU, where the ring is faster
+(and ``implementation="ring"`` runs on the CPU fallback).
 """
 
 from __future__ import annotations

@@ -26,16 +26,18 @@ shape. In ``gmm`` the K remainder is an extra input block accumulated on the
 last K step; N remainders (and, in ``tgmm``, K remainders, which are output
 dimensions there) run as a second pipeline over the strip.
 
-Per-platform choices (``tiling=None`` and the pipeline depth) follow the
-target: the abstract device of ``mpmd.tpu_target`` when cross-lowering,
-else the default backend. On TPU: megablox's (128, 128, 128) tiles, two
-buffers per operand. On the CPU fallback no tiles: each pipeline step there
-is a loop iteration around a small XLA dot, and a tile straddling a group
-boundary is computed once per group, so ``tiling=None`` runs
-``windows.py`` instead: per group, a dot per whole chunk of 256 of its
-rows, then one over a tail window (at most 15 rows more than the rest)
-under a row mask. A tiling passed explicitly runs the tiled kernel on every
-platform.
+Two named implementations (``implementation=``), both lowering for TPU and
+running on the CPU fallback: ``"tiled"``, the kernel above (what a TPU
+runs), and ``"windows"`` (``windows.py``): per group, a dot per whole chunk
+of 256 of its rows, then one over a tail window (at most 15 rows more than
+the rest) under a row mask. On the CPU fallback each pipeline step is a
+loop iteration around a small XLA dot, and a tile straddling a group
+boundary is computed once per group, so there the default
+(``implementation=None``) is ``"windows"``; building for TPU (or simulating
+one) it is ``"tiled"``, as it is whenever a ``tiling`` is passed. The
+pipeline depth follows the target (the abstract device of
+``mpmd.tpu_target`` when cross-lowering, else the default backend): two
+buffers per operand on TPU, one on the CPU fallback.
 """
 
 from mpmd.kernels.grouped_matmul.api import gmm as gmm

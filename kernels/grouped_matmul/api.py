@@ -4,7 +4,7 @@ VJP (its gradients are a ``gmm`` and a ``tgmm``)."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,12 @@ from mpmd.kernels.grouped_matmul.kernels import (
   tgmm_call,
 )
 from mpmd.kernels.grouped_matmul.metadata import group_rows
-from mpmd.kernels.grouped_matmul.tiling import Tiling, TilingFn, resolve_tiling
+from mpmd.kernels.grouped_matmul.tiling import (
+  Tiling,
+  TilingFn,
+  default_tiling,
+  resolve_tiling,
+)
 from mpmd.kernels.grouped_matmul.windows import (
   gmm_windows_call,
   tgmm_windows_call,
@@ -60,8 +65,40 @@ def _sum_over_new_axes(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
   return lax.psum(cotangent, tuple(sorted(extra)))
 
 
+IMPLEMENTATIONS = _common.Implementations(tpu="tiled", cpu="windows")
+
+
+def _resolve(
+  name: str,
+  implementation: Any,
+  tiling: Tiling | TilingFn | None,
+  interpret: Interpret,
+  m: int,
+  k: int,
+  n: int,
+) -> Tiling | None:
+  """The tiling of the implementation to run: ``tiling`` checked (the
+  TPU's default where None) for ``"tiled"``, None for ``"windows"``, which
+  runs no tiles (the configs carry the choice that way)."""
+  if implementation is None and tiling is not None:
+    implementation = "tiled"  # a tiling asks for the tiled kernel
+  implementation = IMPLEMENTATIONS.resolve(name, implementation, interpret)
+  if implementation == "windows":
+    if tiling is not None:
+      raise ValueError(
+        f"{name}: 'tiling' applies to implementation='tiled' only (the "
+        f"'windows' implementation runs no tiles), got tiling={tiling!r} "
+        "with implementation='windows'"
+      )
+    return None
+  if tiling is None:
+    # What a TPU runs, on every platform.
+    return default_tiling(m, k, n, platform="tpu")
+  return resolve_tiling(name, tiling, m, k, n)
+
+
 def _gmm_call(lhs, rhs, group_sizes, group_offset, existing_out, cfg):
-  """The tiled kernel, or the CPU window schedule where the tiling is None."""
+  """The tiled kernel, or the windows one where the tiling is None."""
   call = gmm_windows_call if cfg.tiling is None else gmm_call
   return call(lhs, rhs, group_sizes, group_offset, existing_out, cfg)
 
@@ -150,6 +187,7 @@ def gmm(
   existing_out: jax.Array | None = None,
   transpose_rhs: bool = False,
   interpret: Interpret = None,
+  implementation: Literal["tiled", "windows"] | None = None,
 ) -> jax.Array:
   """Grouped matmul: ``out[rows_i] = lhs[rows_i] @ rhs[i]`` for each group.
 
@@ -173,11 +211,12 @@ def gmm(
       products of every group holding a row and gmm takes the first group.
     preferred_element_type: dtype of the output (float32, bfloat16, float16);
       accumulation is always float32.
-    tiling: ``(tm, tk, tn)``; a function ``(m, k, n) -> (tm, tk, tn)``; or
-      None for ``default_tiling`` of the target platform (on TPU megablox's
-      tiles; on the CPU fallback no tiles but a few dots per group over its
-      rows, see ``grouped_matmul.windows``). ``tm`` must divide ``m``; K
-      and N may be ragged (the remainders are separate strips).
+    tiling: tiles of the ``"tiled"`` implementation: ``(tm, tk, tn)``; a
+      function ``(m, k, n) -> (tm, tk, tn)``; or None for the TPU's
+      (``default_tiling(m, k, n, platform="tpu")``, megablox's). ``tm``
+      must divide ``m``; K and N may be ragged (the remainders are
+      separate strips). Passing one with ``implementation=None`` selects
+      ``"tiled"``.
     group_offset: int32 scalar: the first global group held by ``rhs``.
     existing_out: ``(m, n)`` of ``preferred_element_type``: rows outside the
       local groups keep these values (the result of other shards).
@@ -185,6 +224,21 @@ def gmm(
     interpret: passed to ``mpmd_map``: None runs natively on TPU and on the
       CPU fallback on CPU; True or ``pltpu.InterpretParams()`` forces the
       interpreters.
+    implementation: which kernel runs; both lower for TPU and run on the
+      CPU fallback, and agree up to rounding. ``"tiled"``: megablox's
+      pipeline of ``tiling`` tiles, one small dot per (row tile, group)
+      visit: what a TPU runs. ``"windows"``: per group, a dot per whole
+      chunk of 256 of its rows and one over a masked tail window (see
+      ``grouped_matmul.windows``): a few large dots, for the CPU
+      fallback, where every tile is a loop iteration around an XLA dot
+      (the tiled kernel measured 2-3x one dense matmul of the same FLOPs
+      there on MoE-like groups). None (the default): ``"tiled"`` when a
+      ``tiling``
+      is given or when building for TPU (on a TPU, inside
+      ``mpmd.tpu_target``) or simulating one (``interpret`` a
+      ``pltpu.InterpretParams``), else ``"windows"``: so a plain CPU run
+      tests the windows kernel; pass ``implementation="tiled"`` to run on
+      CPU what a TPU runs.
 
   Returns:
     ``(m, n)`` array of ``preferred_element_type``.
@@ -192,7 +246,9 @@ def gmm(
   Raises:
     TypeError: an argument of the wrong kind or dtype.
     ValueError: wrong ranks or shapes, mismatched K, a tiling that does not
-      fit, negative (concrete) ``group_sizes``.
+      fit or comes with ``implementation="windows"``, negative (concrete)
+      ``group_sizes``, an unknown ``implementation``, or a platform neither
+      implementation lowers for (CUDA) without ``interpret``.
 
   Example:
     >>> lhs = jnp.ones((256, 64), jnp.float32)
@@ -232,7 +288,7 @@ def gmm(
   offset = check_group_offset(name, group_offset, num_groups, rhs.shape[0])
   check_existing_out(name, existing_out, (m, n), out_dtype)
   cfg = GmmConfig(
-    tiling=resolve_tiling(name, tiling, m, k, n),
+    tiling=_resolve(name, implementation, tiling, interpret, m, k, n),
     preferred_element_type=out_dtype,
     transpose_rhs=transpose_rhs,
     interpret=interpret,
@@ -258,6 +314,7 @@ def tgmm(
   num_actual_groups: int | None = None,
   existing_out: jax.Array | None = None,
   interpret: Interpret = None,
+  implementation: Literal["tiled", "windows"] | None = None,
 ) -> jax.Array:
   """Transposed grouped matmul: ``out[i] = lhs[:, rows_i] @ rhs[rows_i]``.
 
@@ -272,14 +329,17 @@ def tgmm(
       concrete array is checked; rows past m do not exist; after a traced
       negative size, a row in several groups' ranges belongs to the first.
     preferred_element_type: output dtype; accumulation is float32.
-    tiling: ``(tm, tk, tn)``, a function ``(m, k, n) -> tiling``, or None for
-      ``default_tiling``; ``tm`` must divide ``m``, K and N may be ragged.
+    tiling: as for ``gmm``: tiles of the ``"tiled"`` implementation,
+      ``(tm, tk, tn)``, a function ``(m, k, n) -> tiling``, or None for the
+      TPU's; ``tm`` must divide ``m``, K and N may be ragged.
     group_offset: int32 scalar: the first group computed (expert sharding).
     num_actual_groups: groups computed, from ``group_offset``; defaults to
       all ``num_groups``.
     existing_out: ``(num_actual_groups, k, n)`` of
       ``preferred_element_type``, added to the result.
     interpret: as for ``gmm``.
+    implementation: ``"tiled"`` (what a TPU runs), ``"windows"`` (the CPU
+      fallback's default) or None, chosen as for ``gmm``.
 
   Returns:
     ``(num_actual_groups, k, n)`` array of ``preferred_element_type``.
@@ -287,8 +347,10 @@ def tgmm(
   Raises:
     TypeError: an argument of the wrong kind or dtype.
     ValueError: wrong ranks or shapes, mismatched M, a tiling that does not
-      fit, ``num_actual_groups`` out of range, negative (concrete)
-      ``group_sizes``.
+      fit or comes with ``implementation="windows"``,
+      ``num_actual_groups`` out of range, negative (concrete)
+      ``group_sizes``, an unknown ``implementation`` or an unsupported
+      platform (as for ``gmm``).
 
   Example:
     >>> lhs = jnp.ones((64, 256), jnp.float32)
@@ -329,7 +391,7 @@ def tgmm(
     name, existing_out, (int(num_actual_groups), k, n), out_dtype
   )
   cfg = TgmmConfig(
-    tiling=resolve_tiling(name, tiling, m, k, n),
+    tiling=_resolve(name, implementation, tiling, interpret, m, k, n),
     preferred_element_type=out_dtype,
     num_actual_groups=int(num_actual_groups),
     interpret=interpret,

@@ -76,7 +76,7 @@ class _KernelRefs(NamedTuple):
 class GmmConfig(NamedTuple):
   """Static parameters of one gmm call (hashable: a custom_vjp closure key)."""
 
-  # None: the CPU window schedule (``windows.py``), which runs no tiles.
+  # None: implementation="windows" (``windows.py``), which runs no tiles.
   tiling: Tiling | None
   preferred_element_type: jnp.dtype
   transpose_rhs: bool
@@ -95,7 +95,7 @@ def gmm_call(
   m, k = lhs.shape
   num_local = rhs.shape[0]
   n = rhs.shape[1] if cfg.transpose_rhs else rhs.shape[2]
-  assert cfg.tiling is not None  # else the window schedule runs
+  assert cfg.tiling is not None  # else the windows implementation runs
   tm, tk, tn = cfg.tiling
   out_dtype = cfg.preferred_element_type
   in_dtype = input_dtype(lhs, rhs)
@@ -288,7 +288,7 @@ def tgmm_call(
 ) -> jax.Array:
   k, m = lhs.shape
   n = rhs.shape[1]
-  assert cfg.tiling is not None  # else the window schedule runs
+  assert cfg.tiling is not None  # else the windows implementation runs
   tm, tk, tn = cfg.tiling
   num_local = cfg.num_actual_groups
   out_dtype = cfg.preferred_element_type

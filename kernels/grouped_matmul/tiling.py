@@ -28,12 +28,13 @@ _TPU_SUBLANES = 8
 def default_tiling(
   m: int, k: int, n: int, *, platform: str | None = None
 ) -> Tiling | None:
-  """The tiling ``gmm``/``tgmm`` use when ``tiling=None``.
+  """The tiles of ``gmm``/``tgmm`` with ``tiling=None``, per platform.
 
-  On TPU, megablox's tiles. Elsewhere None: the CPU fallback runs no tiles
-  but, per group, a dot per whole chunk of its rows and one over a tail
-  window (``mpmd.kernels.grouped_matmul.windows``); pass a tiling to run
-  the tiled kernel there instead.
+  On TPU, megablox's tiles: what ``implementation="tiled"`` runs with on
+  every platform. Elsewhere None: there the default implementation is
+  ``"windows"``, which runs no tiles but, per group, a dot per whole chunk
+  of its rows and one over a tail window
+  (``mpmd.kernels.grouped_matmul.windows``).
 
   Args:
     m: rows of ``lhs`` (the grouped dimension).
@@ -72,15 +73,13 @@ def _largest_divisor_tile(m: int, tm: int) -> int:
 
 def resolve_tiling(
   name: str,
-  tiling: Tiling | TilingFn | None,
+  tiling: Tiling | TilingFn,
   m: int,
   k: int,
   n: int,
-) -> Tiling | None:
-  """A user's ``tiling`` checked against the operands; None (the default)
-  becomes ``default_tiling``'s answer, None off TPU."""
-  if tiling is None:
-    return default_tiling(m, k, n)
+) -> Tiling:
+  """A user's ``tiling`` (a tuple or a function) checked against the
+  operands."""
   if callable(tiling):
     got = tiling(m, k, n)
     if got is None:

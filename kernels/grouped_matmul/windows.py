@@ -1,5 +1,5 @@
-"""The CPU fallback's schedule of ``gmm`` / ``tgmm``: whole chunks of each
-group's rows, then one tail window.
+"""``implementation="windows"`` of ``gmm`` / ``tgmm`` (the CPU fallback's
+default): whole chunks of each group's rows, then one tail window.
 
 A tiled kernel runs one small dot per (row tile, group) visit, and a tile
 that straddles a group boundary is computed once per group that owns rows
@@ -25,8 +25,9 @@ buffers that every branch saw would be carried (and copied) through each
 of them. tgmm runs the tail first, so that a group of fewer rows than a
 chunk (most of them) stores its one product with no zeros to add it to.
 
-The TPU keeps the tiled megablox kernels (``kernels.py``); this schedule
-runs where the target is not a TPU and ``tiling=None``.
+The TPU runs the tiled megablox kernels (``kernels.py``,
+``implementation="tiled"``); this one runs by default where the target is
+not a TPU and no ``tiling`` is given, and wherever it is named.
 """
 
 from __future__ import annotations

@@ -191,8 +191,11 @@ def moe(
   w_in[e]) @ w_out[e])``, the weights being the softmax of the chosen
   logits. Tokens travel to their experts' devices by
   :func:`ragged_all_to_all` and back by the reverse exchange; each device
-  runs ``gmm`` over its local experts. Differentiable in ``x``,
-  ``router_logits``, ``w_in`` and ``w_out``.
+  runs ``gmm`` over its local experts. Both run their default
+  ``implementation`` (what a TPU runs when building for or simulating one:
+  ``"conditional"`` and ``"tiled"``; on the CPU fallback ``"window"`` and
+  ``"windows"``). Differentiable in ``x``, ``router_logits``, ``w_in`` and
+  ``w_out``.
 
   With ``fused=True`` the dispatch, the experts' matmuls and the return
   exchange are one ``mpmd_map`` launch of two meshes per device: a dispatch

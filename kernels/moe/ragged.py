@@ -5,9 +5,10 @@
 slice of ``operand`` straight into ``output`` on its receiver by remote DMA.
 
 A DMA has a static shape and a slice has a size known only at run time.
-Two schedules deal with that:
+Two named implementations (``implementation=``) deal with that, both
+lowering for TPU and running on the CPU fallback:
 
-* ``"window"`` (the CPU fallback's): every slice moves as one window of
+* ``"window"`` (the CPU fallback's default): every slice moves as one window of
   ``R = min(N, M)`` rows (the largest valid slice) that starts at the
   slice, or earlier where the window would run past ``operand`` (its
   ``shift`` says where the slice starts in it), into a staging slot of its
@@ -23,7 +24,7 @@ Two schedules deal with that:
   peer whatever the slices' sizes, and as many rows of staging per peer:
   what a CPU can afford, and each exchange is a few collectives that
   compile quickly.
-* ``"conditional"`` (TPU's): a slice of ``size`` rows moves as binary
+* ``"conditional"`` (what a TPU runs): a slice of ``size`` rows moves as binary
   chunks straight into ``output`` (aliased): chunk ``b`` (``2**b`` rows)
   carries rows ``[prefix_b, prefix_b + 2**b)`` of the slice when bit ``b``
   of ``size`` is set, ``prefix_b`` being ``size`` with bits ``0..b``
@@ -49,7 +50,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,6 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mpmd import targets
 from mpmd.kernels import _common
 from mpmd.kernels.moe import peers as peers_lib
 from mpmd.kernels.moe.peers import Groups as Groups
@@ -65,7 +65,7 @@ from mpmd.kernels.moe.peers import check_groups as check_groups
 from mpmd.types import Interpret
 
 _FN = "ragged_all_to_all"
-SCHEDULES = ("window", "conditional")
+IMPLEMENTATIONS = _common.Implementations(tpu="conditional", cpu="window")
 # Rows of the metadata the kernel reads: one per argument, each of length
 # ``k * group_size``.
 _IN_OFF, _SEND, _OUT_OFF, _RECV = range(4)
@@ -75,7 +75,7 @@ class Config(NamedTuple):
   """Static parameters of one exchange (hashable)."""
 
   groups: Groups
-  schedule: str
+  implementation: str  # "window" or "conditional"
   interpret: Interpret = None
 
 
@@ -126,20 +126,6 @@ def check_arguments(
       f"for each of the {d} devices that exchange), got length {length}"
     )
   return length // d
-
-
-def resolve_schedule(schedule: str | None, interpret: Interpret) -> str:
-  """As asked, else ``"conditional"`` when building for TPU or simulating
-  one, else ``"window"`` (the CPU fallback's lockstep path)."""
-  if schedule is None:
-    simulated = isinstance(interpret, pltpu.InterpretParams)
-    tpu = simulated or targets.platform() == "tpu"
-    return "conditional" if tpu else "window"
-  if schedule not in SCHEDULES:
-    raise ValueError(
-      f"{_FN}: expected 'schedule' in {SCHEDULES} or None, got {schedule!r}"
-    )
-  return schedule
 
 
 def _valid(in_off, size, out_off, n: int, m: int):
@@ -384,7 +370,7 @@ def exchange(config: Config, operand, output, meta) -> jax.Array:
   n, m = operand.shape[0], output.shape[0]
   if n == 0 or m == 0 or math.prod(output.shape[1:]) == 0:
     return output  # no row can move
-  if config.schedule == "window":
+  if config.implementation == "window":
     return _window_exchange(config, operand, output, meta)
   return _conditional_exchange(config, operand, output, meta)
 
@@ -447,6 +433,7 @@ def ragged_all_to_all(
   *,
   axis_name: str | tuple[str, ...],
   axis_index_groups: Sequence[Sequence[int]] | None = None,
+  implementation: Literal["conditional", "window"] | None = None,
 ) -> jax.Array:
   """``jax.lax.ragged_all_to_all`` as remote DMAs, on every platform.
 
@@ -483,6 +470,18 @@ def ragged_all_to_all(
     axis_index_groups: optional groups of axis indices that exchange
       separately (each a list of ``D`` indices; together they cover the
       axis once), as in JAX.
+    implementation: how slices of run-time sizes move (see the module
+      docstring); both lower for TPU and run on the CPU fallback, with the
+      same result. ``"conditional"``: each slice as binary chunks sent only
+      when they carry rows, straight into ``output``: what a TPU runs.
+      ``"window"``: each slice as one window of ``min(N, M)`` rows into a
+      staging slot, every device's DMAs the same and unconditional, so the
+      CPU fallback runs them as a few XLA collectives (a remote DMA under
+      a condition would send the launch to the much slower threaded
+      simulator). None (the default): ``"conditional"`` when building for
+      TPU (on a TPU, inside ``mpmd.tpu_target``), else ``"window"``: so a
+      plain CPU run tests the window exchange; pass
+      ``implementation="conditional"`` to run on CPU what a TPU runs.
 
   Returns:
     (M, ...) array of ``output``'s dtype: ``output`` with the received
@@ -493,7 +492,9 @@ def ragged_all_to_all(
       differ in dtype, or an offset / size array is not of an integer dtype.
     ValueError: trailing dimensions differ, the offsets and sizes differ in
       length or are not ``k * D`` long, the call is not inside
-      ``shard_map`` over ``axis_name``, or the groups are not a partition.
+      ``shard_map`` over ``axis_name``, the groups are not a partition,
+      ``implementation`` is unknown, or neither implementation lowers for
+      the platform (CUDA).
 
   Example:
     >>> import numpy as np
@@ -528,6 +529,7 @@ def ragged_all_to_all(
     send_sizes,
     output_offsets,
     recv_sizes,
+    implementation=implementation,
   )
 
 
@@ -540,13 +542,18 @@ def checked_call(
   output_offsets,
   recv_sizes,
   *,
-  schedule: str | None = None,
+  implementation: str | None = None,
   interpret: Interpret = None,
 ) -> jax.Array:
   """The ragged all-to-all over resolved ``groups``, its arguments checked:
-  what ``ragged_all_to_all`` and the MoE layer call. ``schedule`` /
-  ``interpret`` force a schedule or a CPU path."""
-  config = Config(groups, resolve_schedule(schedule, interpret), interpret)
+  what ``ragged_all_to_all`` and the MoE layer call. ``implementation`` /
+  ``interpret`` as for ``mpmd_map``: force an implementation or a CPU
+  path."""
+  config = Config(
+    groups,
+    IMPLEMENTATIONS.resolve(_FN, implementation, interpret),
+    interpret,
+  )
   meta = jnp.stack(
     [
       jnp.asarray(x).astype(jnp.int32)

@@ -1,14 +1,19 @@
 """Collective matmul kernels vs plain-JAX references, under jax.shard_map.
 
 ``CollectiveMatmulTest`` is the test base: the correctness cases, built on
-``KernelRunner``, which binds the kernels to one execution path through its
-``interpret``; each case compares a kernel with the f32 HIGHEST-precision
-product of the global operands (or, for gradients, with a plain-JAX
-collective). One class per execution path:
+``KernelRunner``, which binds the kernels to one implementation and one
+execution path through its ``implementation`` and ``interpret``; each case
+compares a kernel with the f32 HIGHEST-precision product of the global
+operands (or, for gradients, with a plain-JAX collective). One subclass per
+implementation, each run on simulated CPU devices with interpret=None (their
+devices exchange data in step, so the CPU fallback runs them on the lockstep
+path: remote DMAs as XLA collectives):
 
-* ``TestCpuFallback`` runs every case on simulated CPU devices with
-  interpret=None: their devices exchange data in step, so the CPU fallback
-  runs them on the lockstep path (remote DMAs as XLA collectives);
+* ``TestDirect``: ``implementation="direct"``, the CPU fallback's default;
+* ``TestRing``: ``implementation="ring"``, what a TPU runs;
+
+and one class per other execution path:
+
 * ``TestTpuSimulator`` reruns a selection of the base's cases in the threaded
   TPU simulator with its race detector on (every case there would take many
   minutes, so it reuses the base's methods rather than subclassing it);
@@ -55,13 +60,13 @@ from mpmd.kernels.collective_matmul import checks
 
 class KernelRunner:
   """The kernels, partially applied with this class's ``interpret`` and
-  ``schedule`` (None: the platform's default)."""
+  ``implementation`` (None: the platform's default)."""
 
   interpret = None
-  schedule = None
+  implementation = None
 
   def ag(self, **kwargs):
-    kwargs = {"schedule": self.schedule, **kwargs}
+    kwargs = {"implementation": self.implementation, **kwargs}
     return functools.partial(
       all_gather_matmul,
       interpret=self.interpret,
@@ -69,7 +74,7 @@ class KernelRunner:
     )
 
   def rs(self, **kwargs):
-    kwargs = {"schedule": self.schedule, **kwargs}
+    kwargs = {"implementation": self.implementation, **kwargs}
     return functools.partial(
       matmul_reduce_scatter,
       interpret=self.interpret,
@@ -78,7 +83,8 @@ class KernelRunner:
 
 
 class CollectiveMatmulTest(KernelRunner):
-  """The correctness cases; subclasses pick the execution path."""
+  """The correctness cases; subclasses pick the implementation and the
+  execution path."""
 
   # -- all_gather_matmul ----------------------------------------------------
 
@@ -412,9 +418,11 @@ def top_level_collectives(fn, *args) -> list[str]:
   return re.findall(r"= \S+ (all-gather|collective-permute)\(", entry)
 
 
-class TestCpuFallback(CollectiveMatmulTest):
-  """Every case on simulated CPU devices (interpret=None: CPU fallback),
-  with the CPU's default schedule (direct)."""
+class TestDirect(CollectiveMatmulTest):
+  """Every case with ``implementation="direct"`` (the CPU's default) on
+  simulated CPU devices (interpret=None: the CPU fallback)."""
+
+  implementation = "direct"
 
   @pytest.mark.parametrize("kernel", ["ag", "rs"])
   def test_takes_lockstep_path(self, kernel):
@@ -423,9 +431,9 @@ class TestCpuFallback(CollectiveMatmulTest):
     assert path.kind == paths.LOCKSTEP, path
     assert path.manual_axes == ("x",), path
 
-  @pytest.mark.parametrize("schedule", ["direct", "ring"])
+  @pytest.mark.parametrize("implementation", ["direct", "ring"])
   @pytest.mark.parametrize("kernel", ["ag", "rs"])
-  def test_exchanges_per_launch(self, rng, kernel, schedule):
+  def test_exchanges_per_launch(self, rng, kernel, implementation):
     """The direct schedule's handshake and data travel in one exchange, the
     ring's data in one per ring step (the handshake with the first)."""
     ring = 4
@@ -435,7 +443,7 @@ class TestCpuFallback(CollectiveMatmulTest):
     in_specs = (P(None, "x"), rhs_spec)
     fn = jax.jit(
       jax.shard_map(
-        getattr(self, kernel)(axis_name="x", schedule=schedule),
+        getattr(self, kernel)(axis_name="x", implementation=implementation),
         mesh=mesh,
         in_specs=in_specs,
         out_specs=P("x"),
@@ -447,32 +455,14 @@ class TestCpuFallback(CollectiveMatmulTest):
       for a, spec in zip((lhs, rhs), in_specs, strict=True)
     ]
     exchanges = len(top_level_collectives(fn, *args))
-    assert exchanges == (1 if schedule == "direct" else ring - 1)
+    assert exchanges == (1 if implementation == "direct" else ring - 1)
 
 
-class TestCpuRing(CollectiveMatmulTest):
-  """Every case on simulated CPU devices with the ring schedule (what
-  runs on TPU)."""
+class TestRing(CollectiveMatmulTest):
+  """Every case with ``implementation="ring"`` (what a TPU runs) on
+  simulated CPU devices."""
 
-  schedule = "ring"
-
-
-def test_default_schedule_follows_the_platform(monkeypatch):
-  # $MPMD_TPU_TARGET would build for TPU (the ring) on this host too.
-  monkeypatch.delenv("MPMD_TPU_TARGET", raising=False)
-  resolve = cm.api.resolve_schedule
-  assert resolve("f", None, None) == "direct"  # the CPU fallback
-  assert resolve("f", None, True) == "direct"
-  assert resolve("f", None, pltpu.InterpretParams()) == "ring"
-  with mpmd.tpu_target():
-    assert resolve("f", None, None) == "ring"
-  assert resolve("f", "ring", None) == "ring"
-  with pytest.raises(
-    ValueError,
-    match=r"f: expected 'schedule' in \('ring', 'direct'\) or "
-    r"None, got 'fast'",
-  ):
-    resolve("f", "fast", None)
+  implementation = "ring"
 
 
 class TestTpuSimulator(KernelRunner):
@@ -501,9 +491,9 @@ class TestTpuSimulator(KernelRunner):
       self, rng, 4, 0, True, buffering, jnp.float32
     )
 
-  def test_direct_schedule_no_race(self, rng):
+  def test_direct_implementation_no_race(self, rng):
     direct = TestTpuSimulator()
-    direct.schedule = "direct"
+    direct.implementation = "direct"
     CollectiveMatmulTest.test_all_gather_matmul(
       direct, rng, 4, True, 2, jnp.float32, 16
     )
@@ -577,8 +567,8 @@ jax.effects_barrier()
 
 class TestTpuLowering:
   """The kernels lower to Mosaic with the collective set up, built for TPU
-  (``tpu_target``: the ring schedule, TPU tiles) unless a case names its
-  schedule."""
+  (``tpu_target``: the ring, TPU tiles) unless a case names its
+  implementation."""
 
   def lower(self, fn, mesh, in_specs, out_specs, *shapes) -> str:
     with mpmd.tpu_target():
@@ -595,7 +585,7 @@ class TestTpuLowering:
     assert re.search(r"collective_id\\22: 0", text)
 
   @pytest.mark.parametrize(
-    "mesh_shape,ring_axis,schedule",
+    "mesh_shape,ring_axis,implementation",
     [
       ((4,), "x", None),
       ((2, 4), "y", None),
@@ -603,13 +593,15 @@ class TestTpuLowering:
       ((2, 4), "y", "direct"),
     ],
   )
-  def test_all_gather_matmul(self, mesh_shape, ring_axis, schedule):
+  def test_all_gather_matmul(self, mesh_shape, ring_axis, implementation):
     names = ("x", "y")[: len(mesh_shape)]
     mesh = make_mesh(mesh_shape, names)
     ring = mesh.shape[ring_axis]
     text = self.lower(
       functools.partial(
-        all_gather_matmul, axis_name=ring_axis, schedule=schedule
+        all_gather_matmul,
+        axis_name=ring_axis,
+        implementation=implementation,
       ),
       mesh,
       (P(None, ring_axis), P()),
@@ -619,16 +611,16 @@ class TestTpuLowering:
     )
     self.assert_collective_kernel(text)
 
-  @pytest.mark.parametrize("schedule", [None, "direct"])
+  @pytest.mark.parametrize("implementation", [None, "direct"])
   @pytest.mark.parametrize("scatter_dimension", [0, 1])
-  def test_matmul_reduce_scatter(self, scatter_dimension, schedule):
+  def test_matmul_reduce_scatter(self, scatter_dimension, implementation):
     mesh = make_mesh((2, 4), ("x", "y"))
     text = self.lower(
       functools.partial(
         matmul_reduce_scatter,
         axis_name="y",
         scatter_dimension=scatter_dimension,
-        schedule=schedule,
+        implementation=implementation,
       ),
       mesh,
       (P(None, "y"), P("y")),

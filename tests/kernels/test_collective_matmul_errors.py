@@ -161,7 +161,7 @@ ERRORS = [
       ((8, 256), F32),
       ((256, 128), F32),
       block_sizes=cm.BlockSizes(block_k=96),
-      schedule="ring",
+      implementation="ring",
     ),
     ValueError,
     # The ring's local matmuls contract one shard (k_local = 256 / 2).
@@ -174,10 +174,10 @@ ERRORS = [
       ((8, 256), F32),
       ((256, 128), F32),
       block_sizes=cm.BlockSizes(block_k=96),
-      schedule="direct",
+      implementation="direct",
     ),
     ValueError,
-    # The direct schedule's one matmul contracts the gathered K.
+    # The direct implementation's one matmul contracts the gathered K.
     r"block_sizes.block_k to divide the dimension .*\(256\), got 96",
   ),
   (
@@ -239,6 +239,14 @@ def in_shard_map(fn, lhs, rhs, **kw):
 
 ag = functools.partial(in_shard_map, cm.all_gather_matmul)
 rs = functools.partial(in_shard_map, cm.matmul_reduce_scatter)
+
+
+def _deprecated(kernel, *args, **kwargs):
+  """``kernel(*args, **kwargs)``, which must warn that ``schedule`` is
+  deprecated (before anything else it raises)."""
+  with pytest.warns(DeprecationWarning, match=r"'schedule' is deprecated"):
+    return kernel(*args, **kwargs)
+
 
 COLLECTIVE_MATMUL_CASES = [
   Case(
@@ -335,7 +343,7 @@ COLLECTIVE_MATMUL_CASES = [
       B[:128],
       axis_name="x",
       block_sizes=cm.BlockSizes(block_m=100),
-      schedule="ring",
+      implementation="ring",
     ),
     ValueError,
     # Each ring direction carries half of the 128 columns.
@@ -343,11 +351,34 @@ COLLECTIVE_MATMUL_CASES = [
     r"\(64\), got 100",
   ),
   Case(
-    "bad_schedule",
-    lambda: rs(A, B[:128], axis_name="x", schedule="tree"),
+    "unknown_implementation",
+    lambda: rs(A, B[:128], axis_name="x", implementation="tree"),
     ValueError,
-    r"matmul_reduce_scatter: expected 'schedule' in \('ring', 'direct'\) "
-    r"or None, got 'tree'",
+    r"matmul_reduce_scatter: expected 'implementation' in \('ring', "
+    r"'direct'\) or None, got 'tree'",
+  ),
+  Case(
+    "implementation_not_a_str",
+    lambda: ag(A, B, axis_name="x", implementation=1),
+    TypeError,
+    r"all_gather_matmul: expected 'implementation' to be a str in \('ring', "
+    r"'direct'\) or None, got int: 1",
+  ),
+  Case(
+    "implementation_and_its_deprecated_alias",
+    lambda: _deprecated(
+      ag, A, B, axis_name="x", implementation="ring", schedule="direct"
+    ),
+    TypeError,
+    r"all_gather_matmul: got both 'implementation' \('ring'\) and its "
+    r"deprecated alias 'schedule' \('direct'\); pass 'implementation' only",
+  ),
+  Case(
+    "deprecated_alias_unknown_name",
+    lambda: _deprecated(rs, A, B[:128], axis_name="x", schedule="tree"),
+    ValueError,
+    r"matmul_reduce_scatter: expected 'implementation' in \('ring', "
+    r"'direct'\) or None, got 'tree'",
   ),
   Case(
     "ring_not_a_permutation",

@@ -2,12 +2,20 @@
 
 ``GroupedMatmulTest`` is the test base: the correctness cases of gmm, tgmm
 and their gradients (the custom VJP runs both kernels), built on
-``KernelRunner``, which binds the kernels to one execution path through its
-``interpret``. One subclass per execution path:
+``KernelRunner``, which binds the kernels to one implementation and one
+execution path through its ``implementation`` and ``interpret``. One
+subclass per implementation, each running every case on the CPU fallback
+(interpret=None; the fast path, as the kernels have no cross-program
+synchronisation):
 
-* ``TestCpuFallback`` runs every case on the CPU fallback (interpret=None; the
-  fast path, as the kernels have no cross-program synchronisation) and also
-  checks that path choice and that a second call does not recompile;
+* ``TestTiled``: ``implementation="tiled"`` (what a TPU runs), at CPU-sized
+  tiles; also its tiling forms, the path choice, and that a second call
+  does not recompile;
+* ``TestWindows``: ``implementation="windows"`` (the CPU fallback's
+  default); also its chunks and tail windows.
+
+Other execution paths:
+
 * ``TestTpuSimulator`` runs small ragged cases in the TPU simulator
   (``pltpu.InterpretParams``), slow;
 * ``TestTpuCrossLowering`` lowers the kernels for TPU from this CPU host.
@@ -52,20 +60,24 @@ from mpmd.kernels.grouped_matmul import windows
 
 
 class KernelRunner:
-  """gmm and tgmm, partially applied with this class's ``interpret``."""
+  """gmm and tgmm, partially applied with this class's ``interpret`` and
+  ``implementation`` (None: the default)."""
 
   interpret = None
+  implementation = None
 
   def gmm(self, **kwargs):
+    kwargs = {"implementation": self.implementation, **kwargs}
     return functools.partial(gm.gmm, interpret=self.interpret, **kwargs)
 
   def tgmm(self, **kwargs):
+    kwargs = {"implementation": self.implementation, **kwargs}
     return functools.partial(gm.tgmm, interpret=self.interpret, **kwargs)
 
 
 class GroupedMatmulTest(KernelRunner):
-  """The correctness cases; subclasses pick the execution path and the
-  tiling (None: the platform's default schedule)."""
+  """The correctness cases; subclasses pick the implementation and its
+  ``tiling`` (None for ``"windows"``, which runs no tiles)."""
 
   tiling = TILING
 
@@ -300,9 +312,11 @@ class GroupedMatmulTest(KernelRunner):
     )
 
 
-class TestCpuFallback(GroupedMatmulTest):
-  """Every case on the CPU fallback (interpret=None on a CPU host), with
-  the tiled kernel (the TPU's, at CPU-sized tiles)."""
+class TestTiled(GroupedMatmulTest):
+  """Every case with ``implementation="tiled"`` (what a TPU runs) at
+  CPU-sized tiles, on the CPU fallback (interpret=None on a CPU host)."""
+
+  implementation = "tiled"
 
   @pytest.mark.parametrize(
     "tiling",
@@ -311,7 +325,7 @@ class TestCpuFallback(GroupedMatmulTest):
       pytest.param((32, 40, 48), id="ragged-K-and-N"),
       pytest.param((64, 512, 512), id="tile-larger-than-dims"),
       pytest.param(lambda m, k, n: (m // 4, k, n // 2), id="callable"),
-      pytest.param(None, id="default"),
+      pytest.param(None, id="default-the-tpus"),
     ],
   )
   def test_gmm_tiling_forms(self, rng, tiling):
@@ -327,7 +341,7 @@ class TestCpuFallback(GroupedMatmulTest):
     [
       pytest.param((16, 32, 16), id="aligned"),
       pytest.param(lambda m, k, n: (m, k // 2, n), id="callable"),
-      pytest.param(None, id="default"),
+      pytest.param(None, id="default-the-tpus"),
     ],
   )
   def test_tgmm_tiling_forms(self, rng, tiling):
@@ -371,14 +385,15 @@ class TestCpuFallback(GroupedMatmulTest):
     assert not compiles, [r.getMessage() for r in compiles]
 
 
-class TestCpuWindows(GroupedMatmulTest):
-  """Every case with the CPU fallback's default schedule (tiling=None): per
-  group, whole chunks of its rows, then one tail window
+class TestWindows(GroupedMatmulTest):
+  """Every case with ``implementation="windows"`` (the CPU fallback's
+  default): per group, whole chunks of its rows, then one tail window
   (``grouped_matmul.windows``)."""
 
+  implementation = "windows"
   tiling = None
 
-  def test_default_is_chunks_then_a_tail_window(self, rng):
+  def test_chunks_then_a_tail_window(self, rng):
     lhs, rhs = operands(rng, M, K, N, G)
     sizes = jnp.full((G,), M // G, jnp.int32)
     # One branch per tail size, and one for no tail.
@@ -546,19 +561,19 @@ class TestTpuSimulator(KernelRunner):
       out, tgmm_ref(lhs.T, dy, sizes), **tolerances(jnp.float32)
     )
 
-  def test_cpu_window_schedule(self, rng):
-    # tiling=None on a CPU host: the window schedule, run by the simulator.
+  def test_windows_implementation(self, rng):
+    # Named, the CPU fallback's default runs in the simulator too.
     m, k, n = 32, 40, 24
     lhs, rhs = operands(rng, m, k, n, 3)
     sizes = jnp.asarray([9, 0, 17], jnp.int32)
     np.testing.assert_allclose(
-      self.gmm()(lhs, rhs, sizes),
+      self.gmm(implementation="windows")(lhs, rhs, sizes),
       ragged_dot_ref(lhs, rhs, sizes),
       **tolerances(jnp.float32),
     )
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
     np.testing.assert_allclose(
-      self.tgmm()(lhs.T, dy, sizes),
+      self.tgmm(implementation="windows")(lhs.T, dy, sizes),
       tgmm_ref(lhs.T, dy, sizes),
       **tolerances(jnp.float32),
     )

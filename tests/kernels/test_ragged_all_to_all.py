@@ -3,17 +3,24 @@
 XLA:CPU cannot run ``jax.lax.ragged_all_to_all``, so the reference is the
 all-gather of every device's arguments and one gather per slice
 (``ragged_all_to_all_util.reference``), on arrays stacked along a leading
-device axis. One class per execution path:
+device axis. ``RaggedAllToAllTest`` is the test base, one subclass per
+implementation on simulated CPU devices (the CPU fallback): routings with
+empty slots, devices that send nothing, packed and padded layouts, 1-D and
+2-D meshes, groups, offset dtypes, gradients, vmap:
 
-* ``TestCpuFallback``: the CPU fallback's schedule (windows of rows, the
-  lockstep path) on simulated CPU devices: routings with empty slots,
-  devices that send nothing, packed and padded layouts, 1-D and 2-D meshes,
-  groups, offset dtypes, gradients, run-time bounds errors.
-* ``TestTpuSimulator``: TPU's schedule (conditional chunks) in the threaded
-  TPU simulator, with its race detector.
-* ``TestChecker``: both schedules under the checking executor's explore.
-* ``TestTpuLowering``: both schedules, and the gradient, cross-lowered for
-  TPU from this CPU host.
+* ``TestWindow``: ``implementation="window"`` (the CPU fallback's default:
+  windows of rows, the lockstep path), also its window modes and run-time
+  bounds errors;
+* ``TestConditional``: ``implementation="conditional"`` (what a TPU runs:
+  conditional chunks).
+
+Other execution paths:
+
+* ``TestTpuSimulator``: both implementations in the threaded TPU simulator,
+  with its race detector.
+* ``TestChecker``: both under the checking executor's explore.
+* ``TestTpuLowering``: both, and the gradient, cross-lowered for TPU from
+  this CPU host.
 
 Errors raised before lowering are at the end.
 """
@@ -51,14 +58,14 @@ def ragged_fn(axis_name="x", **kwargs):
   )
 
 
-def forced(schedule, interpret=None, axis_name="x"):
-  """The kernel with its schedule / CPU path forced (the public function
-  picks them from the platform)."""
+def forced(implementation, interpret=None, axis_name="x"):
+  """The kernel with its implementation and CPU path forced (the public
+  function takes no ``interpret``)."""
 
   def fn(*args):
     groups = ragged.check_groups("test", axis_name, None)
     return ragged.checked_call(
-      groups, *args, schedule=schedule, interpret=interpret
+      groups, *args, implementation=implementation, interpret=interpret
     )
 
   return fn
@@ -71,7 +78,15 @@ def assert_equal(got, want):
   )
 
 
-class TestCpuFallback:
+class RaggedAllToAllTest:
+  """The cases every implementation runs on simulated CPU devices
+  (interpret=None: the CPU fallback); subclasses pick the implementation."""
+
+  implementation = None
+
+  def fn(self, axis_name="x", **kwargs):
+    return ragged_fn(axis_name, implementation=self.implementation, **kwargs)
+
   @pytest.mark.parametrize(
     "devices,k,trailing,dtype",
     [
@@ -88,17 +103,7 @@ class TestCpuFallback:
       rng, devices=devices, k=k, rows=13, trailing=trailing, dtype=dtype
     )
     mesh = stacked_mesh((devices,), ("x",))
-    assert_equal(run_stacked(ragged_fn(), mesh, *r.args), r.expected())
-
-  @pytest.mark.parametrize("rows,whole", [(8, True), (60, False)])
-  def test_window_modes(self, rng, rows, whole):
-    # Few operand rows: the whole operand moves once per peer; many (and a
-    # short output): a window per slice.
-    r = random_routing(rng, devices=2, k=2, rows=rows, max_size=2)
-    n, m = r.operand.shape[1], r.output.shape[1]
-    assert ragged.moves_whole_operand(n, m, 2) == whole
-    mesh = stacked_mesh((2,), ("x",))
-    assert_equal(run_stacked(ragged_fn(), mesh, *r.args), r.expected())
+    assert_equal(run_stacked(self.fn(), mesh, *r.args), r.expected())
 
   @pytest.mark.parametrize(
     "pad", [False, pytest.param(True, marks=pytest.mark.slow)]
@@ -109,12 +114,12 @@ class TestCpuFallback:
     assert not np.asarray(r.send_sizes[2]).any()
     assert not np.asarray(r.recv_sizes[:, 4:6]).any()
     mesh = stacked_mesh((4,), ("x",))
-    assert_equal(run_stacked(ragged_fn(), mesh, *r.args), r.expected())
+    assert_equal(run_stacked(self.fn(), mesh, *r.args), r.expected())
 
   def test_unwritten_rows_keep_their_values(self, rng):
     r = random_routing(rng, devices=2, k=2, rows=8)
     mesh = stacked_mesh((2,), ("x",))
-    got = np.asarray(run_stacked(ragged_fn(), mesh, *r.args))
+    got = np.asarray(run_stacked(self.fn(), mesh, *r.args))
     written = np.zeros(got.shape[:2], bool)
     for t in range(2):
       for i in range(4):
@@ -127,7 +132,7 @@ class TestCpuFallback:
     silent = r._replace(
       send_sizes=0 * r.send_sizes, recv_sizes=0 * r.recv_sizes
     )
-    got = run_stacked(ragged_fn(), mesh, *silent.args)
+    got = run_stacked(self.fn(), mesh, *silent.args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(r.output))
 
   @pytest.mark.parametrize(
@@ -142,7 +147,7 @@ class TestCpuFallback:
     r = random_routing(rng, devices=2, k=2, rows=10)
     metadata = [jnp.asarray(np.asarray(x).astype(dtype)) for x in r.metadata]
     mesh = stacked_mesh((2,), ("x",))
-    got = run_stacked(ragged_fn(), mesh, r.operand, r.output, *metadata)
+    got = run_stacked(self.fn(), mesh, r.operand, r.output, *metadata)
     assert_equal(got, r.expected())
 
   @pytest.mark.parametrize(
@@ -158,14 +163,14 @@ class TestCpuFallback:
     # Devices stacked in mesh order: global index 2 * x + y.
     r = random_routing(rng, devices=4, k=2, rows=9, groups=groups)
     mesh = stacked_mesh((2, 2), ("x", "y"))
-    got = run_stacked(ragged_fn(axis_name), mesh, *r.args)
+    got = run_stacked(self.fn(axis_name), mesh, *r.args)
     assert_equal(got, r.expected())
 
   def test_axis_index_groups(self, rng):
     groups = [[0, 3], [2, 1]]
     r = random_routing(rng, devices=4, k=1, rows=7, groups=groups)
     mesh = stacked_mesh((4,), ("x",))
-    fn = ragged_fn(axis_index_groups=groups)
+    fn = self.fn(axis_index_groups=groups)
     assert_equal(run_stacked(fn, mesh, *r.args), r.expected())
 
   @pytest.mark.parametrize(
@@ -175,7 +180,7 @@ class TestCpuFallback:
     r = random_routing(rng, devices=4, k=2, rows=9, pad=pad, trailing=(3,))
     mesh = stacked_mesh((4,), ("x",))
     weights = jnp.asarray(rng.standard_normal(r.output.shape), jnp.float32)
-    fn = stacked(ragged_fn(), mesh)
+    fn = stacked(self.fn(), mesh)
     metadata = place(mesh, *r.metadata)
 
     def ours(operand, output):
@@ -210,7 +215,7 @@ class TestCpuFallback:
     ]
     r = Routing(operand, output, *metadata, groups=[[0, 1]])
     mesh = stacked_mesh((2,), ("x",))
-    fn = stacked(ragged_fn(), mesh)
+    fn = stacked(self.fn(), mesh)
     placed = place(mesh, *metadata)
     weights = jnp.asarray(rng.standard_normal(output.shape), jnp.float32)
 
@@ -223,7 +228,7 @@ class TestCpuFallback:
     written[1, 1:3] = True
     want = np.where(written[..., None], 0.0, np.asarray(weights))
     np.testing.assert_array_equal(np.asarray(d_output), want)
-    assert_equal(run_stacked(ragged_fn(), mesh, *r.args), r.expected())
+    assert_equal(run_stacked(self.fn(), mesh, *r.args), r.expected())
 
   def test_vmap(self, rng):
     first = random_routing(rng, devices=2, k=1, rows=6, pad=False)
@@ -237,7 +242,7 @@ class TestCpuFallback:
     batch = [first, second]
     mesh = stacked_mesh((2,), ("x",))
     args = [jnp.stack([b.args[i] for b in batch], axis=1) for i in range(6)]
-    got = run_stacked(jax.vmap(ragged_fn()), mesh, *args)
+    got = run_stacked(jax.vmap(self.fn()), mesh, *args)
     for i, b in enumerate(batch):
       assert_equal(got[:, i], b.expected())
 
@@ -248,7 +253,7 @@ class TestCpuFallback:
       send_sizes=first.send_sizes // 2, recv_sizes=first.recv_sizes // 2
     )
     mesh = stacked_mesh((2,), ("x",))
-    fn = jax.jit(stacked(ragged_fn(), mesh))
+    fn = jax.jit(stacked(self.fn(), mesh))
     jax.block_until_ready(fn(*place(mesh, *first.args)))
     args = jax.block_until_ready(place(mesh, *second.args))
     records = []
@@ -265,9 +270,26 @@ class TestCpuFallback:
     assert not [m for m in compiles if "Compiling" in m], compiles
     assert_equal(got, second.expected())
 
+
+class TestWindow(RaggedAllToAllTest):
+  """Every case with ``implementation="window"`` (the CPU fallback's
+  default), and what only its windows do."""
+
+  implementation = "window"
+
+  @pytest.mark.parametrize("rows,whole", [(8, True), (60, False)])
+  def test_window_modes(self, rng, rows, whole):
+    # Few operand rows: the whole operand moves once per peer; many (and a
+    # short output): a window per slice.
+    r = random_routing(rng, devices=2, k=2, rows=rows, max_size=2)
+    n, m = r.operand.shape[1], r.output.shape[1]
+    assert ragged.moves_whole_operand(n, m, 2) == whole
+    mesh = stacked_mesh((2,), ("x",))
+    assert_equal(run_stacked(self.fn(), mesh, *r.args), r.expected())
+
   def test_takes_lockstep_path(self):
     mesh = stacked_mesh((2,), ("x",))
-    f = jax.shard_map(ragged_fn(), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    f = jax.shard_map(self.fn(), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     shapes = [(16, 8), (12, 8), (4,), (4,), (4,), (4,)]
     args = [
       jax.ShapeDtypeStruct(
@@ -304,14 +326,22 @@ class TestCpuFallback:
       pytest.raises(mpmd.OutOfBoundsError, match="source window"),
       mpmd.typed_errors(),
     ):
-      jax.block_until_ready(run_stacked(ragged_fn(), mesh, *r.args))
+      jax.block_until_ready(run_stacked(self.fn(), mesh, *r.args))
+
+
+class TestConditional(RaggedAllToAllTest):
+  """Every case with ``implementation="conditional"`` (what a TPU runs)
+  on the CPU fallback."""
+
+  implementation = "conditional"
 
 
 class TestTpuSimulator:
-  """TPU's schedule: chunks sent only when they carry rows."""
+  """Both implementations, no race; conditional chunks are sent only when
+  they carry rows."""
 
   @pytest.mark.parametrize("devices,k", [(2, 2), (4, 1)])
-  def test_conditional_schedule_no_race(self, rng, devices, k):
+  def test_conditional_no_race(self, rng, devices, k):
     r = random_routing(rng, devices=devices, k=k, rows=9, pad=False)
     mesh = stacked_mesh((devices,), ("x",))
     fn = forced(
@@ -322,7 +352,7 @@ class TestTpuSimulator:
       assert_equal(got, r.expected())
       assert not mpmd.get_races().races_found
 
-  def test_window_schedule_no_race(self, rng):
+  def test_window_no_race(self, rng):
     r = random_routing(rng, devices=2, k=2, rows=9)
     mesh = stacked_mesh((2,), ("x",))
     fn = forced("window", interpret=pltpu.InterpretParams(detect_races=True))
@@ -333,15 +363,15 @@ class TestTpuSimulator:
 
 
 class TestChecker:
-  """Both schedules under the checking executor (``mpmd.explore``): no
-  deadlock, race or leftover semaphore under several schedules of the
+  """Both implementations under the checking executor (``mpmd.explore``):
+  no deadlock, race or leftover semaphore under several schedules of the
   devices' programs, and a replayed schedule gives the reference."""
 
-  @pytest.mark.parametrize("schedule", ragged.SCHEDULES)
-  def test_clean_under_explore(self, rng, schedule):
+  @pytest.mark.parametrize("implementation", ragged.IMPLEMENTATIONS.names)
+  def test_clean_under_explore(self, rng, implementation):
     r = random_routing(rng, devices=2, k=2, rows=9, pad=False)
     mesh = stacked_mesh((2,), ("x",))
-    f = jax.jit(stacked(forced(schedule), mesh))
+    f = jax.jit(stacked(forced(implementation), mesh))
     args = place(mesh, *r.args)
     report = mpmd.explore(f, *args, schedules=4)
     assert report.failures == [], str(report)
@@ -375,12 +405,12 @@ class TestTpuLowering:
     assert text.count("tpu_custom_call") == count
     assert re.search(r"has_communication\\22: true", text)
 
-  @pytest.mark.parametrize("schedule", [None, "window"])
+  @pytest.mark.parametrize("implementation", [None, "window"])
   @pytest.mark.parametrize(
     "mesh_shape,axis_name,trailing",
     [((4,), "x", (128,)), ((2, 4), "y", (8, 128)), ((2, 2), "x", ())],
   )
-  def test_lowers(self, schedule, mesh_shape, axis_name, trailing):
+  def test_lowers(self, implementation, mesh_shape, axis_name, trailing):
     names = ("x", "y")[: len(mesh_shape)]
     mesh = stacked_mesh(mesh_shape, names)
     d = mesh.shape[axis_name]
@@ -389,7 +419,7 @@ class TestTpuLowering:
       ((count * 64, *trailing), jnp.bfloat16),
       ((count * 96, *trailing), jnp.bfloat16),
     ] + [((count * 2 * d,), jnp.int32)] * 4
-    fn = forced(schedule, axis_name=axis_name)
+    fn = forced(implementation, axis_name=axis_name)
     self.assert_collective_kernel(self.lower(fn, mesh, names, shapes))
 
   def test_export_serializes(self):
@@ -405,14 +435,6 @@ class TestTpuLowering:
     restored = jax.export.deserialize(exported.serialize())
     assert restored.platforms == ("tpu",)
     assert "tpu_custom_call" in restored.mlir_module()
-
-  def test_default_schedule_follows_the_platform(self):
-    assert ragged.resolve_schedule(None, None) == "window"
-    assert ragged.resolve_schedule(None, pltpu.InterpretParams()) == (
-      "conditional"
-    )
-    with mpmd.tpu_target():
-      assert ragged.resolve_schedule(None, None) == "conditional"
 
   def test_grad_lowers(self):
     mesh = stacked_mesh((4,), ("x",))
