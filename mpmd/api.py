@@ -8,7 +8,6 @@ import jax
 
 from mpmd import warp_map
 from mpmd._jax import (
-  FrozenDict,
   api_util,
   core,
   lu,
@@ -21,22 +20,13 @@ from mpmd._jax import (
 from mpmd._lowering import external, paths
 from mpmd._primitives import mpmd_map as prim
 from mpmd.arguments import (
-  as_out_type,
-  canonical_owner,
   check_aliases,
-  check_aliases_arg,
   check_consts,
   check_consts_not_passed,
-  check_interpret,
   check_lojax,
-  check_meshes_and_fns,
-  check_options,
   check_refs_passed_once,
-  check_scratch_owners,
-  check_scratch_spaces,
   kernel_aval,
   output_avals,
-  scratch_aval,
 )
 from mpmd.kernel_checks import (
   Roles,
@@ -45,6 +35,7 @@ from mpmd.kernel_checks import (
   raise_if_fixed_window_leaves,
   raise_if_unbound_axis,
 )
+from mpmd.launch import Kernels, Launch, check_launch
 from mpmd.types import Interpret, MeshAndFn
 
 
@@ -171,104 +162,42 @@ def mpmd_map(
       scratch_types=scratch_types,
       input_output_aliases=input_output_aliases,
     )
-  meshes, fns = check_meshes_and_fns(meshes_and_fns)
-  gpu = paths.is_gpu_mesh(meshes[0])
-  flat_out_types, out_tree = _flat_out_types(out_types)
-  scratch_avals, scratch_tree = _checked_scratch(scratch_types, meshes, gpu)
-  check_options(
-    name=name,
+  launch = check_launch(
+    meshes_and_fns,
+    out_types,
+    scratch_types=scratch_types,
+    input_output_aliases=input_output_aliases,
     compiler_params=compiler_params,
-    cost_estimate=cost_estimate,
-    metadata=metadata,
-    gpu=gpu,
-  )
-  launch = _Launch(
-    meshes=meshes,
-    input_output_aliases=check_aliases_arg(input_output_aliases),
-    compiler_params=compiler_params,
-    interpret=_checked_interpret(interpret, meshes),
+    interpret=interpret,
     debug=debug,
     cost_estimate=cost_estimate,
     name=name,
     metadata=metadata,
-    scratch_transforms=_scratch_transforms(scratch_avals),
-  )
-  spec = dict(
-    meshes=meshes,
-    fns=tuple(fns),
-    out_tree=out_tree,
-    is_output_sequence=isinstance(out_types, Sequence),
-    scratch_avals=tuple(scratch_avals),
-    scratch_tree=scratch_tree,
-    name=name,
   )
 
   def wrapper(*args):
-    flat_args, in_tree = tree_util.tree_flatten(args)
-    flat_args, views = _split_views(flat_args)
-    flat_avals = _input_avals(flat_args)
-    out_avals = output_avals(flat_out_types)
-    check_aliases(launch.input_output_aliases, flat_avals, out_avals)
-    kernels = _KernelSpec(out_avals=out_avals, **spec)
-    jaxprs, consts = _trace(kernels, flat_avals, in_tree, views)
-    check_consts_not_passed(consts, flat_args)
-    cpu_path = _choose_cpu_path(jaxprs, launch)
-    flat_outs = _bind(
-      launch, (*flat_args, *consts), jaxprs, out_avals, cpu_path
-    )
-    return out_tree.unflatten(flat_outs)
+    return _call(launch, args)
 
   return wrapper
 
 
-# -- the steps of mpmd_map, in the order it takes them ----------------------
+# -- one call of mpmd_map's function, in the order it takes its steps --------
 
 
-def _flat_out_types(out_types):
-  """The output types, flattened and each checked; their tree."""
-  flat, tree = tree_util.tree_flatten(out_types)
-  return [as_out_type(t, i) for i, t in enumerate(flat)], tree
-
-
-def _checked_scratch(scratch_types, meshes, gpu: bool):
-  """The scratch types as avals (owned where they must be), checked against
-  the meshes and the platform's memory spaces; their tree."""
-  flat, tree = tree_util.tree_flatten(scratch_types)
-  avals = [canonical_owner(scratch_aval(t, i)) for i, t in enumerate(flat)]
-  check_scratch_owners(avals, meshes)
-  check_scratch_spaces(avals, gpu)
-  return avals, tree
-
-
-def _checked_interpret(interpret: Interpret, meshes) -> Interpret:
-  if interpret is False:
-    interpret = None  # CPU has no native path: False means "the default".
-  check_interpret(interpret, meshes)
-  return interpret
-
-
-def _scratch_transforms(scratch_avals) -> tuple[Any, ...]:
-  # Layout transforms of scratch (swizzled / tiled SMEM): the simulators
-  # allocate the logical buffer and need them.
-  return tuple(
-    a.transforms if isinstance(a, state_types.TransformedRef) else ()
-    for a in scratch_avals
-  )
-
-
-class _Launch(NamedTuple):
-  """What ``mpmd_map`` was given besides the kernels, checked; the same for
-  every call of the function it returns."""
-
-  meshes: tuple[Any, ...]
-  input_output_aliases: Any
-  compiler_params: Any
-  interpret: Interpret
-  debug: bool
-  cost_estimate: Any
-  name: str | None
-  metadata: Mapping[str, str] | None
-  scratch_transforms: tuple[Any, ...]
+def _call(launch: Launch, args: tuple[Any, ...]) -> Any:
+  """The outputs of ``launch`` on ``args``: the operands checked, the
+  kernels traced for their types, the CPU path chosen, the launch bound."""
+  flat_args, in_tree = tree_util.tree_flatten(args)
+  flat_args, views = _split_views(flat_args)
+  flat_avals = _input_avals(flat_args)
+  # Per call: under shard_map the output avals say how the outputs vary.
+  out_avals = output_avals(launch.out_types)
+  check_aliases(launch.input_output_aliases, flat_avals, out_avals)
+  jaxprs, consts = _trace(launch.kernels, out_avals, flat_avals, in_tree, views)
+  check_consts_not_passed(consts, flat_args)
+  cpu_path = _choose_cpu_path(jaxprs, launch)
+  flat_outs = _bind(launch, (*flat_args, *consts), jaxprs, out_avals, cpu_path)
+  return launch.kernels.out_tree.unflatten(flat_outs)
 
 
 def _split_views(flat_args) -> tuple[list[Any], tuple[Any, ...]]:
@@ -297,7 +226,7 @@ def _input_avals(flat_args) -> tuple[Any, ...]:
   return flat_avals
 
 
-def _choose_cpu_path(jaxprs, launch: _Launch):
+def _choose_cpu_path(jaxprs, launch: Launch):
   if launch.interpret is not None:
     # Interpreted on every platform: what no CPU path runs fails now.
     paths.check_simulable(jaxprs)
@@ -309,11 +238,10 @@ def _choose_cpu_path(jaxprs, launch: _Launch):
   )
 
 
-def _bind(launch: _Launch, operands, jaxprs, out_avals, cpu_path):
+def _bind(launch: Launch, operands, jaxprs, out_avals, cpu_path):
   if launch.debug:
     for mesh, jaxpr in zip(launch.meshes, jaxprs, strict=True):
       print(f"mpmd_map: kernel jaxpr for mesh {dict(mesh.shape)}:\n{jaxpr}")
-  metadata = launch.metadata
   scope = (
     jax.named_scope(launch.name) if launch.name else contextlib.nullcontext()
   )
@@ -330,23 +258,12 @@ def _bind(launch: _Launch, operands, jaxprs, out_avals, cpu_path):
       debug=launch.debug,
       cost_estimate=launch.cost_estimate,
       name=launch.name,
-      metadata=FrozenDict(metadata) if metadata is not None else None,
+      metadata=launch.metadata,
       scratch_transforms=launch.scratch_transforms,
     )
 
 
 # -- tracing the kernels ------------------------------------------------------
-
-
-class _KernelSpec(NamedTuple):
-  meshes: tuple[Any, ...]
-  fns: tuple[Callable[..., None], ...]
-  out_avals: tuple[Any, ...]
-  out_tree: Any
-  is_output_sequence: bool
-  scratch_avals: tuple[Any, ...]
-  scratch_tree: Any
-  name: str | None
 
 
 class _Traced:
@@ -358,25 +275,28 @@ class _Traced:
     self.value: tuple[tuple[core.Jaxpr, ...], list[Any]] | None = None
 
 
-# Traced kernels by (kernels, operand types): the same kernel functions on
+# Traced kernels by (kernels, output and operand types): the same kernel
+# functions on
 # the same shapes give the same jaxprs, hence one compilation (jit's cache
 # and the primitive's impl cache key on them). Tracing depends on the
 # context too (the axis env inside shard_map or not, the abstract mesh, the
 # TPU target): JAX's trace context is in the key. A JAX cache, so that
 # jax.clear_caches() lets go of the user's kernel functions.
 @util.cache(max_size=512, trace_context_in_key=True)
-def _traced(spec: "_KernelSpec", flat_in_avals, in_tree) -> _Traced:
+def _traced(kernels: Kernels, out_avals, flat_in_avals, in_tree) -> _Traced:
   return _Traced()
 
 
-def _trace(spec: _KernelSpec, flat_in_avals, in_tree, views):
+def _trace(kernels: Kernels, out_avals, flat_in_avals, in_tree, views):
   if any(v is not None for v in views):
     # A view's indices may be tracers of the enclosing trace: not cached.
-    return _trace_uncached(spec, flat_in_avals, in_tree, views)
-  slot = _traced(spec, tuple(flat_in_avals), in_tree)
+    return _trace_uncached(kernels, out_avals, flat_in_avals, in_tree, views)
+  slot = _traced(kernels, out_avals, tuple(flat_in_avals), in_tree)
   if slot.value is not None:
     return slot.value
-  jaxprs, consts = _trace_uncached(spec, flat_in_avals, in_tree, views)
+  jaxprs, consts = _trace_uncached(
+    kernels, out_avals, flat_in_avals, in_tree, views
+  )
   # Kernels that close over values are not kept: what they capture may be
   # a tracer of an enclosing trace.
   if not consts:
@@ -384,24 +304,26 @@ def _trace(spec: _KernelSpec, flat_in_avals, in_tree, views):
   return jaxprs, consts
 
 
-def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree, in_views):
-  views = _kernel_views(spec, flat_in_avals, in_tree, in_views)
+def _trace_uncached(
+  kernels: Kernels, out_avals, flat_in_avals, in_tree, in_views
+):
+  views = _kernel_views(kernels, out_avals, flat_in_avals, in_tree, in_views)
   # Meshes whose memory holds an operand (`VMEM @ tc_mesh`) but that run
   # nothing here: the kernels may name their programs in a device_id.
-  outside = external.external_meshes(spec.meshes, views.flat_avals)
-  reach = (*spec.meshes, *outside)
+  outside = external.external_meshes(kernels.meshes, views.flat_avals)
+  reach = (*kernels.meshes, *outside)
   traced = [
-    _trace_kernel(spec, caller, views, len(flat_in_avals), reach)
-    for caller in range(len(spec.meshes))
+    _trace_kernel(kernels, caller, views, reach)
+    for caller in range(len(kernels.meshes))
   ]
   jaxprs, all_consts = _unify_consts(
-    traced, spec.meshes, len(flat_in_avals), views.flat_avals, reach
+    traced, kernels.meshes, views.num_in, views.flat_avals, reach
   )
   check_static_windows(
     jaxprs,
-    spec.meshes,
-    len(flat_in_avals) + len(all_consts),
-    len(spec.out_avals),
+    kernels.meshes,
+    views.num_in + len(all_consts),
+    views.num_out,
   )
   return jaxprs, all_consts
 
@@ -409,29 +331,32 @@ def _trace_uncached(spec: _KernelSpec, flat_in_avals, in_tree, in_views):
 class _Views(NamedTuple):
   """What every kernel is called with: ``(*inputs, *outputs, *scratch)``
   as the kernel sees them (``flat``, unflattened by ``tree``), and as they
-  are traced (``flat_avals``)."""
+  are traced (``flat_avals``); ``num_in`` inputs, then ``num_out``
+  outputs, then scratch."""
 
   flat: list[Any]
   tree: Any
   flat_avals: list[Any]
+  num_in: int
+  num_out: int
 
 
 def _kernel_views(
-  spec: _KernelSpec, flat_in_avals, in_tree, in_views
+  kernels: Kernels, out_avals, flat_in_avals, in_tree, in_views
 ) -> _Views:
-  meshes = spec.meshes
+  meshes = kernels.meshes
   kernel_avals = [
     kernel_aval(a, meshes)
     if view is None
     else state_types.TransformedRef(kernel_aval(a, meshes), view)
     for a, view in zip(flat_in_avals, in_views, strict=True)
   ]
-  out_refs = [kernel_aval(a, meshes) for a in spec.out_avals]
-  if spec.is_output_sequence:
-    out_args = list(spec.out_tree.unflatten(out_refs))
+  out_refs = [kernel_aval(a, meshes) for a in out_avals]
+  if kernels.is_output_sequence:
+    out_args = list(kernels.out_tree.unflatten(out_refs))
   else:
-    out_args = [spec.out_tree.unflatten(out_refs)]
-  scratch = spec.scratch_tree.unflatten(spec.scratch_avals)
+    out_args = [kernels.out_tree.unflatten(out_refs)]
+  scratch = kernels.scratch_tree.unflatten(kernels.scratch_avals)
   if isinstance(scratch, Mapping):
     args, kwargs = [*in_tree.unflatten(kernel_avals), *out_args], scratch
   else:
@@ -444,20 +369,46 @@ def _kernel_views(
     v.ref if isinstance(v, state_types.TransformedRef) else v
     for v in flat_views
   ]
-  return _Views(flat_views, kernel_tree, flat_kernel_avals)
+  return _Views(
+    flat_views,
+    kernel_tree,
+    flat_kernel_avals,
+    num_in=len(flat_in_avals),
+    num_out=len(out_avals),
+  )
 
 
-def _trace_kernel(
-  spec: _KernelSpec, caller: int, views: _Views, num_in: int, reach
-):
+def _trace_kernel(kernels: Kernels, caller: int, views: _Views, reach):
   """The jaxpr of mesh ``caller``'s kernel, checked, and its consts;
   ``reach``: the launch's meshes, then the external meshes it addresses."""
-  mesh, fn, meshes = spec.meshes[caller], spec.fns[caller], reach
+  fn = kernels.fns[caller]
   debug_info = api_util.debug_info("mpmd_map", fn, views.flat_avals, {})
-  if spec.name is not None:
-    debug_info = debug_info.replace_func_name(spec.name)
-  returned = []
+  if kernels.name is not None:
+    debug_info = debug_info.replace_func_name(kernels.name)
+  jaxpr, consts = _trace_to_jaxpr(
+    fn, kernels.meshes[caller], reach, views, debug_info
+  )
+  check_consts(consts, debug_info)
+  check_kernel(
+    jaxpr,
+    caller,
+    reach,
+    Roles(
+      debug_info,
+      views.num_in,
+      views.num_out,
+      num_consts=len(jaxpr.invars) - len(views.flat_avals),
+    ),
+  )
+  return jaxpr, consts
 
+
+def _trace_to_jaxpr(fn, mesh, reach, views: _Views, debug_info):
+  """``fn`` traced on ``views`` with ``mesh``'s axes bound (and those of
+  the meshes it can ``reach``), the errors of tracing it said in terms of
+  the kernel: an axis it cannot name, a fixed window that leaves its Ref,
+  a value it returns."""
+  returned = []
   traced_refs = []  # the kernel's Refs while it is traced, to name them
 
   def flat_fn(*refs):
@@ -474,16 +425,16 @@ def _trace_kernel(
     return []
 
   try:
-    with prim.tracing_context(mesh, meshes):
+    with prim.tracing_context(mesh, reach):
       jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
         lu.wrap_init(flat_fn, debug_info=debug_info), views.flat_avals
       )
   except NameError as e:
-    raise_if_unbound_axis(e, mesh, meshes, debug_info)
+    raise_if_unbound_axis(e, mesh, reach, debug_info)
     raise
   except ValueError as e:
     raise_if_fixed_window_leaves(
-      e, traced_refs, debug_info, num_in, len(spec.out_avals)
+      e, traced_refs, debug_info, views.num_in, views.num_out
     )
     raise
   if returned[0] is not None:
@@ -492,18 +443,6 @@ def _trace_kernel(
       "(write to its output refs), but it returned "
       f"{tree_util.tree_structure(returned[0])}"
     )
-  check_consts(consts, debug_info)
-  check_kernel(
-    jaxpr,
-    caller,
-    meshes,
-    Roles(
-      debug_info,
-      num_in,
-      len(spec.out_avals),
-      num_consts=len(jaxpr.invars) - len(views.flat_avals),
-    ),
-  )
   return jaxpr, consts
 
 

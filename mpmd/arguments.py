@@ -1,7 +1,8 @@
 """Checks of ``mpmd_map``'s arguments before any kernel is traced: meshes and
-functions, out and scratch types, options, aliases, operands."""
+functions, out and scratch types, options, aliases (each run once, by
+``mpmd.launch.check_launch``), and per call the operands."""
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -28,7 +29,11 @@ def _is_mesh(mesh: Any) -> bool:
   )
 
 
-def check_meshes_and_fns(meshes_and_fns) -> tuple[tuple[Any, ...], list]:
+def check_meshes_and_fns(
+  meshes_and_fns: Any,
+) -> tuple[tuple[Any, ...], tuple[Callable[..., None], ...]]:
+  """``mpmd_map``'s ``meshes_and_fns``: its meshes (one object per
+  distinct mesh) and its functions, checked pair by pair, then together."""
   if isinstance(meshes_and_fns, (str, bytes)) or not isinstance(
     meshes_and_fns, Sequence
   ):
@@ -41,37 +46,54 @@ def check_meshes_and_fns(meshes_and_fns) -> tuple[tuple[Any, ...], list]:
       "mpmd_map: expected at least one (mesh, fn) pair in "
       "'meshes_and_fns', got an empty sequence"
     )
-  meshes, fns = [], []
-  for i, pair in enumerate(meshes_and_fns):
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-      raise TypeError(
-        f"mpmd_map: expected meshes_and_fns[{i}] to be a (mesh, fn) pair, "
-        f"got {pair!r}"
-      )
-    mesh, fn = pair
-    if not _is_mesh(mesh):
-      raise TypeError(
-        f"mpmd_map: expected meshes_and_fns[{i}][0] to be a Pallas mesh "
-        "(e.g. mpmd.tensorcore_mesh(...) or plgpu.Mesh(...)), got "
-        f"{type(mesh).__name__}"
-      )
-    if not callable(fn):
-      raise TypeError(
-        f"mpmd_map: expected meshes_and_fns[{i}][1] to be callable, got "
-        f"{type(fn).__name__}"
-      )
-    shape = dict(mesh.shape)
-    if not all(
-      isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 1
-      for n in shape.values()
-    ):
-      raise ValueError(
-        f"mpmd_map: expected meshes_and_fns[{i}][0] to be a mesh with at "
-        f"least one program along every axis, got axis sizes {shape}"
-      )
-    meshes.append(_canonical_mesh(mesh))
-    fns.append(fn)
+  pairs = [_checked_pair(i, pair) for i, pair in enumerate(meshes_and_fns)]
+  meshes = tuple(mesh for mesh, _ in pairs)
   _check_sparsecore_meshes(meshes)
+  _check_shared_axes(meshes)
+  kinds = {paths.is_gpu_mesh(m) for m in meshes}
+  if len(kinds) > 1:
+    raise ValueError(
+      "mpmd_map: cannot mix GPU meshes (plgpu.Mesh) with TPU meshes in one "
+      f"launch, got {[type(m).__name__ for m in meshes]}"
+    )
+  return meshes, tuple(fn for _, fn in pairs)
+
+
+def _checked_pair(i: int, pair: Any) -> tuple[Any, Callable[..., None]]:
+  """``meshes_and_fns[i]``: a Pallas mesh of at least one program along
+  every axis (the canonical object for it), and a callable."""
+  if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+    raise TypeError(
+      f"mpmd_map: expected meshes_and_fns[{i}] to be a (mesh, fn) pair, "
+      f"got {pair!r}"
+    )
+  mesh, fn = pair
+  if not _is_mesh(mesh):
+    raise TypeError(
+      f"mpmd_map: expected meshes_and_fns[{i}][0] to be a Pallas mesh "
+      "(e.g. mpmd.tensorcore_mesh(...) or plgpu.Mesh(...)), got "
+      f"{type(mesh).__name__}"
+    )
+  if not callable(fn):
+    raise TypeError(
+      f"mpmd_map: expected meshes_and_fns[{i}][1] to be callable, got "
+      f"{type(fn).__name__}"
+    )
+  shape = dict(mesh.shape)
+  if not all(
+    isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 1
+    for n in shape.values()
+  ):
+    raise ValueError(
+      f"mpmd_map: expected meshes_and_fns[{i}][0] to be a mesh with at "
+      f"least one program along every axis, got axis sizes {shape}"
+    )
+  return _canonical_mesh(mesh), fn
+
+
+def _check_shared_axes(meshes: Sequence[Any]) -> None:
+  """Meshes may share an axis name (a program then names the other mesh's
+  program by its own index along it) only where the sizes agree."""
   sizes: dict[Any, tuple[int, int]] = {}
   for i, mesh in enumerate(meshes):
     for axis, size in mesh.shape.items():
@@ -83,13 +105,6 @@ def check_meshes_and_fns(meshes_and_fns) -> tuple[tuple[Any, ...], list]:
           "with the same size"
         )
       sizes.setdefault(axis, (i, size))
-  kinds = {paths.is_gpu_mesh(m) for m in meshes}
-  if len(kinds) > 1:
-    raise ValueError(
-      "mpmd_map: cannot mix GPU meshes (plgpu.Mesh) with TPU meshes in one "
-      f"launch, got {[type(m).__name__ for m in meshes]}"
-    )
-  return tuple(meshes), fns
 
 
 def _check_sparsecore_meshes(meshes: Sequence[Any]) -> None:

@@ -155,6 +155,12 @@ def kernel(
       return launch([(mesh, _checked_body(fn, "the decorated function"))])
 
     return decorator
+  return launch(_meshes_and_fns(body, mesh))
+
+
+def _meshes_and_fns(body, mesh) -> list[tuple[Any, Callable]]:
+  """``mpmd_map``'s pairs for ``mpmd.kernel(body, mesh=mesh)``: one body
+  over one mesh, or a sequence of bodies over as many meshes."""
   if _is_sequence(body):
     bodies = [_checked_body(b, f"'body[{i}]'") for i, b in enumerate(body)]
     if not bodies:
@@ -170,7 +176,7 @@ def kernel(
         "mpmd.kernel: body and mesh sequences must have the same length; "
         f"got {len(bodies)} bodies and {len(mesh)} meshes"
       )
-    return launch(list(zip(mesh, bodies, strict=True)))
+    return list(zip(mesh, bodies, strict=True))
   fn = _checked_body(body, "'body'")
   if _is_sequence(mesh):
     raise ValueError(
@@ -178,7 +184,7 @@ def kernel(
       f"callable; got {_describe(mesh)}. Pass one body per mesh: "
       "mpmd.kernel(body=[f, g], mesh=[m1, m2], ...)"
     )
-  return launch([(mesh, fn)])
+  return [(mesh, fn)]
 
 
 def _renamed(name: str, value, old_name: str, old_value, default):

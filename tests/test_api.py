@@ -90,6 +90,24 @@ def test_tpu_cross_lowering():
   assert "tpu_custom_call" in text
 
 
+def test_launch_takes_the_arguments_as_checked():
+  # mpmd_map checks its arguments once, when it is called, and its function
+  # launches with what was checked: a metadata dict changed afterwards (to
+  # a value the check refuses) does not reach the lowering.
+  metadata = {"owner": "test"}
+  f = mpmd.mpmd_map(
+    [(tc_mesh(), scale_kernel)],
+    jax.ShapeDtypeStruct(SHAPE, jnp.float32),
+    scratch_types=[pltpu.VMEM(SHAPE, jnp.float32)],
+    metadata=metadata,
+  )
+  metadata["owner"] = 1
+  x = jnp.ones(SHAPE, jnp.float32)
+  text = jax.jit(f).trace(x).lower(lowering_platforms=("tpu",)).as_text()
+  [found] = re.findall(r'kernel_metadata = "([^"]*)"', text)
+  assert r"\22owner\22:\22test\22" in found
+
+
 def test_multi_platform_lowering_and_export():
   x = jnp.ones(SHAPE, jnp.float32)
   text = (
