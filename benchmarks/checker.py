@@ -63,7 +63,7 @@ def _ring(devices: int, m: int, k: int, n: int, interpret):
   f = jax.jit(
     jax.shard_map(
       lambda a, b: all_gather_matmul(
-        a, b, axis_name="x", schedule="ring", interpret=interpret
+        a, b, axis_name="x", implementation="ring", interpret=interpret
       ),
       mesh=mesh,
       in_specs=(P(None, "x"), P()),

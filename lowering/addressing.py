@@ -18,7 +18,7 @@ programs of one launch name each other, and we follow it on every path:
   mesh lacks is an error, as upstream's.
 * Naming an axis that the target mesh lacks is an error.
 
-The checks run when the kernels are traced (``mpmd.kernel_checks``), so
+The checks run when the kernels are traced (``mpmd._kernel_checks``), so
 every path reports the same error; the CPU fallback's merge
 (``mpmd._lowering.merge``) computes the target program from the same
 resolution.

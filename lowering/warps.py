@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from mpmd import _jax, warp_map
+from mpmd import _jax
+from mpmd import _warp_map as warp_map
 from mpmd._jax import core, lax_parallel, pallas_core
 from mpmd._lowering import jaxpr_util
 

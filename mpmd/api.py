@@ -6,7 +6,16 @@ from typing import Any, NamedTuple
 
 import jax
 
-from mpmd import warp_map
+from mpmd import _warp_map as warp_map
+from mpmd._arguments import (
+  check_aliases,
+  check_consts,
+  check_consts_not_passed,
+  check_lojax,
+  check_refs_passed_once,
+  kernel_aval,
+  output_avals,
+)
 from mpmd._jax import (
   api_util,
   core,
@@ -17,25 +26,16 @@ from mpmd._jax import (
   tree_util,
   util,
 )
-from mpmd._lowering import external, paths
-from mpmd._primitives import mpmd_map as prim
-from mpmd.arguments import (
-  check_aliases,
-  check_consts,
-  check_consts_not_passed,
-  check_lojax,
-  check_refs_passed_once,
-  kernel_aval,
-  output_avals,
-)
-from mpmd.kernel_checks import (
+from mpmd._kernel_checks import (
   Roles,
   check_kernel,
   check_static_windows,
   raise_if_fixed_window_leaves,
   raise_if_unbound_axis,
 )
-from mpmd.launch import Kernels, Launch, check_launch
+from mpmd._launch import Kernels, Launch, check_launch
+from mpmd._lowering import external, paths
+from mpmd._primitives import mpmd_map as prim
 from mpmd.types import Interpret, MeshAndFn
 
 
@@ -81,7 +81,7 @@ def mpmd_map(
       several TensorCore meshes (upstream accepts one), and several GPU
       meshes, in one launch. Inside a GPU kernel body,
       ``mpmd_map([(plgpu.WarpMesh(axis_name=...), fn)])()`` runs ``fn``
-      on each warp of the warpgroup, as upstream's (:mod:`mpmd.warp_map`).
+      on each warp of the warpgroup, as upstream's (:mod:`mpmd._warp_map`).
     out_types: a pytree of ``jax.ShapeDtypeStruct``, JAX types
       (``jax.typeof(x)``; under ``shard_map`` the output varies like the
       type says) or arrays (standing for their type), or memory-space

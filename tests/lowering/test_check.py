@@ -273,13 +273,13 @@ def _ring(kind, schedule="ring"):
     specs, out = (P(None, "x"), P()), P("x")
 
     def fn(a, b):
-      return all_gather_matmul(a, b, axis_name="x", schedule=schedule)
+      return all_gather_matmul(a, b, axis_name="x", implementation=schedule)
   else:
     m, k, n = 8 * D, 128 * D, 128
     specs, out = (P(None, "x"), P("x")), P("x")
 
     def fn(a, b):
-      return matmul_reduce_scatter(a, b, axis_name="x", schedule=schedule)
+      return matmul_reduce_scatter(a, b, axis_name="x", implementation=schedule)
 
   lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
   rhs = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)

@@ -68,11 +68,11 @@ def _collective(kind):
   rhs = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
   if kind == "all_gather_matmul":
     specs, out = (P(None, "x"), P()), P("x")
-    fn = functools.partial(all_gather_matmul, axis_name="x", schedule="ring")
+    fn = functools.partial(all_gather_matmul, axis_name="x", implementation="ring")
   else:
     specs, out = (P(None, "x"), P("x")), P("x")
     fn = functools.partial(
-      matmul_reduce_scatter, axis_name="x", schedule="ring"
+      matmul_reduce_scatter, axis_name="x", implementation="ring"
     )
   args = tuple(_put(a, s) for a, s in zip((lhs, rhs), specs, strict=True))
   return _sharded(fn, specs, out), args, paths.LOCKSTEP

@@ -12,6 +12,7 @@ import jax
 from jax.experimental import pallas as pl
 
 from mpmd import _jax, _pallas_ops
+from mpmd._arguments import short
 from mpmd._jax import (
   core,
   pallas_core,
@@ -19,7 +20,6 @@ from mpmd._jax import (
 from mpmd._lowering import addressing, bounds, errors, jaxpr_util, paths
 from mpmd._pallas_ops import Sync
 from mpmd._primitives import mpmd_map as prim
-from mpmd.arguments import short
 
 _UNBOUND_AXIS = re.compile(r"unbound axis name: (.+?)(?:\. |\.?$)", re.M)
 

@@ -1,6 +1,6 @@
 """Checks of ``mpmd_map``'s arguments before any kernel is traced: meshes and
 functions, out and scratch types, options, aliases (each run once, by
-``mpmd.launch.check_launch``), and per call the operands."""
+``mpmd._launch.check_launch``), and per call the operands."""
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any

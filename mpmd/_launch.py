@@ -13,9 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mpmd._jax import FrozenDict, state_types, tree_util
-from mpmd._lowering import paths
-from mpmd.arguments import (
+from mpmd._arguments import (
   as_out_type,
   canonical_owner,
   check_aliases_arg,
@@ -26,6 +24,8 @@ from mpmd.arguments import (
   check_scratch_spaces,
   scratch_aval,
 )
+from mpmd._jax import FrozenDict, state_types, tree_util
+from mpmd._lowering import paths
 from mpmd.types import Interpret, Mesh
 
 
