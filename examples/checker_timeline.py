@@ -49,7 +49,9 @@ def collective_matmul():
   w = jax.device_put(w, NamedSharding(mesh, P(None, None)))
   f = jax.jit(
     jax.shard_map(
-      lambda a, b: all_gather_matmul(a, b, axis_name="y", implementation="ring"),
+      lambda a, b: all_gather_matmul(
+        a, b, axis_name="y", implementation="ring"
+      ),
       mesh=mesh,
       in_specs=(P("x", "y"), P(None, None)),
       out_specs=P("x", None),

@@ -68,7 +68,9 @@ def _collective(kind):
   rhs = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
   if kind == "all_gather_matmul":
     specs, out = (P(None, "x"), P()), P("x")
-    fn = functools.partial(all_gather_matmul, axis_name="x", implementation="ring")
+    fn = functools.partial(
+      all_gather_matmul, axis_name="x", implementation="ring"
+    )
   else:
     specs, out = (P(None, "x"), P("x")), P("x")
     fn = functools.partial(
