@@ -7,7 +7,6 @@ race detector's verdict into an error.
 
 import contextlib
 import re
-import threading
 from typing import Any
 
 from mpmd import _jax, _patches
@@ -30,23 +29,21 @@ def _watched(barrier, device, program, logging_info):
   where = ""
   if logging_info is not None and logging_info.source_info is not None:
     where = source_info_util.summarize(logging_info.source_info)
-
-  def notify():
-    with barrier.cv:
-      barrier.cv.notify_all()
-
-  raise_here = watchdog.raise_in_thread(threading.get_ident(), notify)
-
-  with (
-    watchdog.reraise_with_message(),
-    watchdog.waiting(
-      f"device {device} {watchdog.describe_program(program)}",
-      f"on a barrier (phase {barrier.phase})",
-      where,
-      raise_here,
-    ),
+  with watchdog.waiting(
+    f"device {device} {watchdog.describe_program(program)}",
+    f"on a barrier (phase {barrier.phase})",
+    where,
+    lambda message: _jax.abort_gpu_barrier(barrier),
   ):
-    yield
+    try:
+      yield
+    except Exception:
+      # The watchdog ended the wait (the barrier raises for its waiters):
+      # the launch's deadlock is this wait's error.
+      deadlock = watchdog.running_deadlock()
+      if deadlock is None:
+        raise
+      raise deadlock from None
 
 
 def _watch_wait(barrier, device, program, logging_info):
@@ -154,7 +151,8 @@ def _operand_labels(params, num_in: int) -> list[str]:
   launch; where meshes name one differently, their names together."""
   num_out = len(params["out_avals"])
   per_mesh = [
-    bounds.operand_names(j, num_in, num_out) for j in _user_jaxprs(params)
+    bounds.operand_names(j, num_in, num_out, params["input_output_aliases"])
+    for j in _user_jaxprs(params)
   ]
   labels = []
   for names in zip(*per_mesh, strict=True):

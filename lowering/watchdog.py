@@ -23,7 +23,6 @@ threads queue there; only the launch that hangs fails.
 """
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import math
@@ -31,9 +30,12 @@ import threading
 import time
 from collections.abc import Callable, Generator
 
+import jax
+import numpy as np
+
 from mpmd import _jax, simulators
 from mpmd._jax import callback, core, mlir
-from mpmd.lowering import errors
+from mpmd.lowering import errors, jaxpr_util
 from mpmd.simulators import (
   DEFAULT_DEADLOCK_TIMEOUT_S as DEFAULT_DEADLOCK_TIMEOUT_S,
 )
@@ -89,7 +91,7 @@ class _Launch:
   info: LaunchInfo
   num_devices: int
   original_failure: Callable[[], BaseException | None]
-  entered: int = 0
+  devices: set = dataclasses.field(default_factory=set)  # those that entered
   left: int = 0
   active: int = 0  # simulator callbacks running now
   reports: int = 0  # device threads that reported a failure
@@ -97,23 +99,22 @@ class _Launch:
   failure: errors.LaunchError | None = None
 
   def over(self) -> bool:
-    """Every device left; or it failed and no callback of it ran lately
-    (a failure ends each device's part in some callback of the simulator,
-    and the device threads of several simulated cores may fail at once)."""
-    if self.left >= self.num_devices:
-      return True
+    """Every device left (each leaves, having failed or not)."""
+    return self.left >= self.num_devices
+
+  def admits(self, info: LaunchInfo, device: tuple) -> bool:
+    """Whether ``device``'s part of a run of ``info`` belongs to this run
+    (a device that took part in it already starts the next one)."""
     return (
-      self.failure is not None
-      and self.active == 0
-      and time.monotonic() - self.idle_since > _SETTLE_S
+      self.info is info
+      and device not in self.devices
+      and len(self.devices) < self.num_devices
     )
 
 
-_SETTLE_S = 0.2
 _REPORTS_S = 5.0
 _turn = threading.Condition()
 _running: list[_Launch] = []  # the launch holding the simulator, if any
-_last_failure: list[errors.LaunchError] = []
 
 
 def enter(
@@ -121,8 +122,10 @@ def enter(
   num_devices: int,
   reset: Callable[[], None],
   original_failure: Callable[[], BaseException | None],
+  device: tuple = (),
 ) -> None:
-  """A device thread starts launch ``info``: it waits for the simulator.
+  """Device ``device`` (its coordinates) starts launch ``info``: it waits
+  for the simulator.
 
   A new launch starts from a clean simulator (``reset``: a failed one
   leaves its state behind for post-mortem inspection).
@@ -133,13 +136,12 @@ def enter(
         _running.clear()
       if not _running:
         reset()
-        _last_failure.clear()
         _running.append(_Launch(info, num_devices, original_failure))
       launch = _running[0]
-      if launch.info is info and launch.entered < launch.num_devices:
-        launch.entered += 1
+      if launch.admits(info, device):
+        launch.devices.add(device)
         return
-      _turn.wait(_POLL_S)
+      _turn.wait()
 
 
 def leave(info: LaunchInfo, failure: errors.LaunchError | None):
@@ -187,7 +189,7 @@ def failed(error: BaseException) -> errors.LaunchError:
   """
   with _turn:
     if not _running:
-      return _last_failure[0] if _last_failure else _as_launch_error(error)
+      return _as_launch_error(error)
     launch = _running[0]
     launch.reports += 1
     if launch.failure is None:
@@ -206,7 +208,6 @@ def failed(error: BaseException) -> errors.LaunchError:
     )
     if launch.failure is None:
       launch.failure = _as_launch_error(error, launch.info)
-    _last_failure[:] = [launch.failure]
     _turn.notify_all()
     return launch.failure
 
@@ -240,7 +241,6 @@ def _fail_running(error: errors.LaunchError) -> None:
   with _turn:
     if _running and _running[0].failure is None:
       _running[0].failure = error
-      _last_failure[:] = [error]
       _turn.notify_all()
 
 
@@ -348,36 +348,14 @@ def _watch() -> None:
       w.abort(message)
 
 
-_messages: dict[int, str] = {}
-
-
-def raise_in_thread(ident: int, notify: Callable[[], None]) -> Callable:
-  """An ``abort`` for a thread blocked on a condition variable.
-
-  Python can only raise an exception class asynchronously in another thread;
-  it fires when ``notify`` wakes the thread, and ``reraise_with_message``
-  (around the wait) gives it the message.
-  """
-
-  def abort(message: str) -> None:
-    _messages[ident] = message
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-      ctypes.c_ulong(ident), ctypes.py_object(DeadlockError)
-    )
-    notify()
-
-  return abort
-
-
-@contextlib.contextmanager
-def reraise_with_message() -> Generator[None]:
-  try:
-    yield
-  except DeadlockError as e:
-    message = _messages.pop(threading.get_ident(), None)
-    if message is None or e.args:
-      raise
-    raise DeadlockError(message) from None
+def running_deadlock() -> DeadlockError | None:
+  """The running launch's failure, if the watchdog ended it."""
+  with _turn:
+    failure = _running[0].failure if _running else None
+  if not isinstance(failure, DeadlockError):
+    return None
+  # A copy: several simulated programs may raise it at once.
+  return DeadlockError(*failure.args)
 
 
 def lower_supervised(
@@ -412,9 +390,8 @@ def lower_supervised(
     simulators.get_race_policy(),
   )
 
-  def finish():
-    failure = None
-    if detect_races:
+  def finish(failure):
+    if failure is None and detect_races:
       found = races_found()
       simulators.record_races(found)
       if found and races_are_errors and info.race_policy == "raise":
@@ -424,22 +401,25 @@ def lower_supervised(
           "mpmd.set_race_policy('record') records races for "
           "mpmd.get_races() instead"
         )
-    failure = leave(info, failure)
-    if failure is not None:
-      raise failure
+    return leave(info, failure)
 
   def launch(*args):
     # As the simulators count them: one device thread per device of the
     # enclosing shard_map.
-    num_devices = math.prod(core.get_axis_env().axis_sizes.values())
-    callback.io_callback(
-      functools.partial(enter, info, num_devices, reset, original_failure),
-      None,
+    axis_sizes = dict(core.get_axis_env().axis_sizes)
+    num_devices = math.prod(axis_sizes.values())
+    coords = [jax.lax.axis_index(name) for name in axis_sizes]
+    program = _DeviceProgram(
+      jax.make_jaxpr(run)(*map(_shape_of, args)), tuple(axis_sizes)
+    )
+    device = _OnDevice(info, num_devices, reset, original_failure, finish)
+    return callback.io_callback(
+      functools.partial(_run_on_device, device, program),
+      [_shape_of(a) for a in program.closed.out_avals],
+      *coords,
+      *args,
       ordered=True,
     )
-    results = run(*args)
-    callback.io_callback(finish, None, ordered=True)
-    return results
 
   # The launch's ordered callbacks (ours and the simulator's) run on a token
   # chain of their own, started here. Were they on JAX's runtime token, a
@@ -455,3 +435,96 @@ def lower_supervised(
   # checked with vma, the simulator's axis_index would read as mistyped.
   with _jax.no_vma_check():
     return mlir.lower_fun(launch, multiple_results=True)(inner, *in_nodes)
+
+
+# -- one device's part of a launch, as a computation of its own ---------------
+
+
+def _shape_of(x) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+class _DeviceProgram:
+  """A launch's simulation for one device: ``run`` as traced in the
+  launch's ``shard_map``, compiled (on first use) as a computation of its
+  own that takes the device's coordinates as arguments.
+
+  The simulators call back into Python at every simulated operation. Were
+  those callbacks part of the caller's computation, XLA:CPU, which runs the
+  host callbacks of one execution on one thread, could interleave two
+  launches of one ``jax.jit`` that do not depend on each other: the
+  second's first callback would take the thread, waiting for the simulator,
+  while the first launch still needs it. The caller's computation holds
+  one callback per device and launch instead, which runs this one through
+  (docs/design.md, "One launch at a time").
+  """
+
+  def __init__(self, closed, axis_names: tuple):
+    self.closed = closed
+    self._axis_names = axis_names
+    self._lock = threading.Lock()
+    self._compiled = None
+
+  def _evaluate(self, consts, coords, args):
+    where = dict(zip(self._axis_names, coords, strict=True))
+
+    def rule(eqn, invals):
+      if eqn.primitive is _jax.lax_parallel.axis_index_p:
+        return [where[eqn.params["axis_name"]]]
+      if eqn.primitive is _jax.callback.io_callback_p and eqn.params["ordered"]:
+        # Ordered among themselves by the simulator's token values already;
+        # an ordered callback would put this computation on JAX's runtime
+        # token, which a failed launch would leave failed for every later
+        # ordered callback of the process.
+        return eqn.primitive.bind(*invals, **dict(eqn.params, ordered=False))
+      return None
+
+    jaxpr = self.closed.jaxpr
+    with _jax.no_vma_check():
+      return jaxpr_util.eval_with_rule(jaxpr, consts, args, rule)
+
+  def __call__(self, coords, args) -> list:
+    operands = (self.closed.consts, list(coords), list(args))
+    # Compiled once, before any device runs it: a device that called the
+    # jitted function while another's first call still ran would wait for
+    # that call, which waits for it in the simulator.
+    with self._lock:
+      if self._compiled is None:
+        traced = jax.jit(self._evaluate).trace(*operands)
+        self._compiled = traced.lower().compile()
+    return [np.asarray(o) for o in self._compiled(*operands)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _OnDevice:
+  """What a device's part of a launch needs besides its program."""
+
+  info: LaunchInfo
+  num_devices: int
+  reset: Callable[[], None]
+  original_failure: Callable[[], BaseException | None]
+  finish: Callable[[errors.LaunchError | None], errors.LaunchError | None]
+
+
+def _run_on_device(device: _OnDevice, program: _DeviceProgram, *operands):
+  """One device's part of a launch, in one host callback: waits for the
+  simulator, runs the device's simulation to its end, and leaves the
+  simulator to the next launch, having failed or not."""
+  num_coords = len(program._axis_names)
+  coords, args = operands[:num_coords], operands[num_coords:]
+  enter(
+    device.info,
+    device.num_devices,
+    device.reset,
+    device.original_failure,
+    tuple(int(c) for c in coords),
+  )
+  try:
+    outs = program(coords, args)
+  except Exception as e:  # noqa: BLE001 (every failure leaves the launch)
+    failure = device.finish(errors.launch_error(e) or failed(e))
+    raise failure from None
+  failure = device.finish(None)
+  if failure is not None:
+    raise failure
+  return outs

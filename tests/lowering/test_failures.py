@@ -123,8 +123,8 @@ def test_an_eager_launch_raises_its_own_error_short():
 
 def _simulated_launch(num_devices):
   key = watchdog.LaunchInfo((), None, 10.0, "raise")
-  for _ in range(num_devices):
-    watchdog.enter(key, num_devices, lambda: None, lambda: None)
+  for d in range(num_devices):
+    watchdog.enter(key, num_devices, lambda: None, lambda: None, (d,))
   return key
 
 
@@ -167,8 +167,8 @@ def test_any_other_simulator_failure_is_a_launch_error_that_ends_the_launch():
     "mpmd_map: the simulated kernel failed: "
     "ValueError: unsupported by the simulator"
   )
-  # The device never leaves (its callback failed), yet the next launch runs.
-  del key
+  # The device leaves, having failed, and the next launch runs.
+  assert watchdog.leave(key, failure) is failure
   f, x = _per_device(_copy)
   np.testing.assert_array_equal(f(x), x)
 
