@@ -12,7 +12,6 @@ from typing import Any
 from mpmd import _jax, _patches
 from mpmd._jax import core, gpu, mlir, pallas_core, source_info_util
 from mpmd.lowering import (
-  bounds,
   callbacks,
   common,
   errors,
@@ -146,44 +145,11 @@ def lower(
   )
 
 
-def _operand_labels(params, num_in: int) -> list[str]:
-  """``'x_ref' (input 0, f32[256])`` for each operand and scratch of the
-  launch; where meshes name one differently, their names together."""
-  num_out = len(params["out_avals"])
-  per_mesh = [
-    bounds.operand_names(j, num_in, num_out, params["input_output_aliases"])
-    for j in _user_jaxprs(params)
-  ]
-  labels = []
-  for names in zip(*per_mesh, strict=True):
-    # "'x' (input 0, f32[256])": the same role and type in every mesh.
-    named = [n.partition(" (") for n in names if not n.startswith("(")]
-    if not named:
-      labels.append(names[0])
-      continue
-    refs = " / ".join(dict.fromkeys(n for n, _, _ in named))
-    labels.append(f"{refs} ({named[0][2]}")
-  return labels
-
-
-def _user_jaxprs(params):
-  """The launch's kernels as traced, one per mesh (not merged)."""
-  return params.get("user_jaxprs", params["jaxprs"])
-
-
-def _kernel_name(params) -> str:
-  if params.get("name"):
-    return params["name"]
-  return " + ".join(
-    str(j.debug_info.func_src_info) for j in _user_jaxprs(params)
-  )
-
-
 def _out_of_bounds_in_user_terms(params, num_in: int, invars, kept):
   """The launch's ``describe`` for the watchdog: the simulator's
   out-of-bounds report, naming the operand (its Ref's name, role and type)
   and the kernel instead of the simulator's buffer key."""
-  labels = _operand_labels(params, num_in)
+  labels = common.operand_labels(params, num_in)
   num_out = len(params["out_avals"])
   num_operands = num_in + num_out
   aliased = set(dict(params["input_output_aliases"]).values())
@@ -200,7 +166,7 @@ def _out_of_bounds_in_user_terms(params, num_in: int, invars, kept):
   order += [labels[num_operands + i] for i in scoped]
   first = FIRST_BUFFER_ID
   by_id = {first + n: label for n, label in enumerate(order)}
-  kernel = _kernel_name(params)
+  kernel = common.kernel_name(params)
 
   def describe(error):
     found = _out_of_bounds(error)

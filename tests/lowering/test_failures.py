@@ -93,7 +93,8 @@ def _healthy() -> None:
     (
       _oob,
       mpmd.OutOfBoundsError,
-      r"out of bounds \(hardware faults\): "
+      r"out of bounds \(hardware faults\) in kernel _oob, on 'x_hbm' "
+      r"\(input 0, f32\[8,128\]\): "
       r"Out-of-bounds read .* buffer has shape \(8, 128\)",
     ),
   ],
