@@ -33,6 +33,7 @@ from mpmd.lowering import (
   host_programs,
   jaxpr_util,
   paths,
+  tpu_semaphores,
   watchdog,
 )
 from mpmd.primitives import mpmd_map as prim
@@ -72,6 +73,16 @@ def _watch_wait(semaphore, value, global_core_id, has_tasks, logging_info):
   if logging_info is not None and logging_info.source_info is not None:
     where = source_info_util.summarize(logging_info.source_info)
   kind = "DMA semaphore" if has_tasks else "semaphore"
+  named = watchdog.name_semaphore(semaphore.id)
+  if named is not None:
+    kind = f"the {kind} {named.label}"
+    if not where and named.lines:
+      # The kernel lines that wait on this semaphore (the simulator does not
+      # say which one waits).
+      lines = named.lines
+      where = lines[0] if len(lines) == 1 else f"one of {', '.join(lines)}"
+  else:
+    kind = f"a {kind}"
 
   def abort(message):
     _jax.fail_tpu_simulation(
@@ -87,7 +98,7 @@ def _watch_wait(semaphore, value, global_core_id, has_tasks, logging_info):
     finally:
       if locked:
         semaphore.cv.release()
-    return f"on a {kind} for {value} (it holds {holds} now)"
+    return f"on {kind} for {value} (it holds {holds} now)"
 
   return watchdog.waiting(
     f"device {device} {watchdog.describe_program(core)}",
@@ -143,6 +154,7 @@ def lower(
   hidden = [i for i, v in enumerate(scratch) if _is_hbm(v.aval)]
   kept = [i for i, v in enumerate(scratch) if not _is_hbm(v.aval)]
   describe = _out_of_bounds_in_user_terms(params, num_in, scratch, hidden)
+  semaphore_name = tpu_semaphores.namer(params, num_in, scratch)
   if hidden:
     moved = [scratch[i] for i in hidden]
     jaxpr = jaxpr.replace(
@@ -175,6 +187,7 @@ def lower(
     orders="semaphores or DMA waits",
     simulator_effects=pallas_core.get_interpret_effects(interpret),
     describe=describe,
+    semaphore_name=semaphore_name,
   )
 
 

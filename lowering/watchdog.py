@@ -29,6 +29,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Generator
+from typing import Any
 
 import jax
 import numpy as np
@@ -82,6 +83,8 @@ class LaunchInfo:
   describe: Describe | None
   timeout_s: float
   race_policy: str
+  # A semaphore id -> the user's name of it (tpu_semaphores.Named), if known.
+  semaphore_name: Callable[[int], Any] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -348,6 +351,15 @@ def _watch() -> None:
       w.abort(message)
 
 
+def name_semaphore(semaphore_id: int) -> Any:
+  """The running launch's name of a simulator semaphore, if it has one."""
+  with _turn:
+    info = _running[0].info if _running else None
+  if info is None or info.semaphore_name is None:
+    return None
+  return info.semaphore_name(semaphore_id)
+
+
 def running_deadlock() -> DeadlockError | None:
   """The running launch's failure, if the watchdog ended it."""
   with _turn:
@@ -372,6 +384,7 @@ def lower_supervised(
   orders,
   simulator_effects,
   describe: Describe | None = None,
+  semaphore_name: Callable[[int], Any] | None = None,
 ):
   """Lowers a simulator ``run`` between two ordered bookkeeping callbacks.
 
@@ -388,6 +401,7 @@ def lower_supervised(
     describe,
     simulators.get_deadlock_timeout(),
     simulators.get_race_policy(),
+    semaphore_name,
   )
 
   def finish(failure):

@@ -89,7 +89,12 @@ def _healthy() -> None:
 @pytest.mark.parametrize(
   "body, error, words",
   [
-    (_hang, mpmd.DeadlockError, "waits on a semaphore for 1"),
+    (
+      _hang,
+      mpmd.DeadlockError,
+      r"waits on the semaphore 'sem' \(scratch 0, semaphore\[\]\) for 1 "
+      r"\(it holds 0 now\) at .*test_failures.py:\d+",
+    ),
     (
       _oob,
       mpmd.OutOfBoundsError,
@@ -115,7 +120,9 @@ def test_an_eager_launch_raises_its_own_error_short():
       _launch(_hang)(jnp.ones((ROWS, COLS), jnp.float32))
   message = str(caught.value)
   assert message.startswith("mpmd_map deadlock: a simulated program waited")
-  assert "device 0 mesh 0 program 0 (core=0) waits on a semaphore" in message
+  assert (
+    "device 0 mesh 0 program 0 (core=0) waits on the semaphore 'sem'" in message
+  )
   assert "Traceback" not in message
   # Still JAX's runtime error, for code that catches that.
   assert isinstance(caught.value, jax.errors.JaxRuntimeError)
@@ -265,7 +272,7 @@ def test_a_deadlock_in_one_thread_spares_another_threads_launch():
   np.testing.assert_array_equal(results["copy"], x)
   assert isinstance(results["hang"], jax.errors.JaxRuntimeError)
   assert "mpmd_map deadlock" in str(results["hang"])
-  assert str(results["hang"]).count("waits on a semaphore") == 1
+  assert str(results["hang"]).count("waits on the semaphore") == 1
   _healthy()
 
 
