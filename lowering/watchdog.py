@@ -17,9 +17,18 @@ the timeout without one simulated operation (a long stretch of pure math)
 needs a longer one (``mpmd.deadlock_timeout``).
 
 The simulators keep one global state per process, so their launches take
-turns: a launch holds the simulator from its first device's entry until
-every device has left or failed (``_Launch``). Launches from several
-threads queue there; only the launch that hangs fails.
+turns (``_Simulator``, the one object of the process): a run of a launch
+holds the simulator from its first device's entry until every device has
+left, having failed or not. Everything else belongs to the run
+(``_Launch``): who took part, its failure, its programs' waits, and its
+watchdog thread, which ends with it. Launches from several threads queue;
+only the launch that hangs fails. A wait the watchdog ends is ended
+cooperatively: the simulator's own failure path (TPU), or the barrier
+woken and made to raise (GPU), never an exception injected into a thread.
+
+Each device's part of a launch is one host callback of the caller's
+computation, which runs the device's simulation as a computation of its
+own (``_DeviceProgram``; docs/design.md, "One launch at a time").
 """
 
 import contextlib
@@ -87,23 +96,32 @@ class LaunchInfo:
   semaphore_name: Callable[[int], Any] | None = None
 
 
+@dataclasses.dataclass
+class _Wait:
+  who: str
+  # What it waits for, worded when the deadlock is reported (a count it
+  # holds is then the count that has reached it, not the one it began at).
+  what: Callable[[], str]
+  where: str
+  since: float
+  abort: Callable[[str], None]
+
+
 @dataclasses.dataclass(eq=False)
 class _Launch:
-  """One run of a lowered launch, on ``num_devices`` device threads."""
+  """One run of a lowered launch, on ``num_devices`` device threads: who
+  took part, who left, its failure, its programs' waits and its watchdog."""
 
   info: LaunchInfo
   num_devices: int
   original_failure: Callable[[], BaseException | None]
   devices: set = dataclasses.field(default_factory=set)  # those that entered
   left: int = 0
-  active: int = 0  # simulator callbacks running now
   reports: int = 0  # device threads that reported a failure
   idle_since: float = dataclasses.field(default_factory=time.monotonic)
   failure: errors.LaunchError | None = None
-
-  def over(self) -> bool:
-    """Every device left (each leaves, having failed or not)."""
-    return self.left >= self.num_devices
+  waits: dict[int, _Wait] = dataclasses.field(default_factory=dict)
+  over: threading.Event = dataclasses.field(default_factory=threading.Event)
 
   def admits(self, info: LaunchInfo, device: tuple) -> bool:
     """Whether ``device``'s part of a run of ``info`` belongs to this run
@@ -115,9 +133,21 @@ class _Launch:
     )
 
 
-_REPORTS_S = 5.0
-_turn = threading.Condition()
-_running: list[_Launch] = []  # the launch holding the simulator, if any
+class _Simulator:
+  """Which launch holds the simulator. Upstream's simulators keep one state
+  per process, so this is one object per process; all else belongs to the
+  launch that holds it (``_Launch``)."""
+
+  def __init__(self):
+    self.turn = threading.Condition()
+    self.launch: _Launch | None = None
+
+  def running(self) -> _Launch | None:
+    with self.turn:
+      return self.launch
+
+
+_SIMULATOR = _Simulator()
 
 
 def enter(
@@ -131,55 +161,60 @@ def enter(
   for the simulator.
 
   A new launch starts from a clean simulator (``reset``: a failed one
-  leaves its state behind for post-mortem inspection).
+  leaves its state behind for post-mortem inspection), with a watchdog of
+  its own, which ends with it.
   """
-  with _turn:
+  sim = _SIMULATOR
+  with sim.turn:
     while True:
-      if _running and _running[0].over():
-        _running.clear()
-      if not _running:
+      if sim.launch is None:
         reset()
-        _running.append(_Launch(info, num_devices, original_failure))
-      launch = _running[0]
+        sim.launch = _Launch(info, num_devices, original_failure)
+        threading.Thread(
+          target=_watch,
+          args=(sim.launch,),
+          name="mpmd-deadlock-watchdog",
+          daemon=True,
+        ).start()
+      launch = sim.launch
       if launch.admits(info, device):
         launch.devices.add(device)
         return
-      _turn.wait()
+      sim.turn.wait()
 
 
 def leave(info: LaunchInfo, failure: errors.LaunchError | None):
-  """A device thread finished its part of launch ``info``; returns the
-  launch's failure (``failure``, or an earlier one), if any."""
-  with _turn:
-    if not _running or _running[0].info is not info:
+  """A device thread finished its part of launch ``info``, having failed
+  or not; returns the launch's failure (``failure``, or an earlier one)."""
+  sim = _SIMULATOR
+  with sim.turn:
+    launch = sim.launch
+    if launch is None or launch.info is not info:
       return failure
-    launch = _running[0]
     launch.failure = launch.failure or failure
     launch.left += 1
-    if launch.over():
-      _running.clear()
-      _turn.notify_all()
+    if launch.left >= launch.num_devices:
+      launch.over.set()
+      sim.launch = None
+      sim.turn.notify_all()
     return launch.failure
 
 
 def launch_running() -> bool:
   """Whether a launch of ours holds the simulator."""
-  return bool(_running)
+  return _SIMULATOR.running() is not None
 
 
 @contextlib.contextmanager
 def callback_running() -> Generator[None]:
-  """Marks a simulator callback of the running launch as running."""
-  with _turn:
-    launch = _running[0] if _running else None
-    if launch is not None:
-      launch.active += 1
+  """Marks a simulator callback of the running launch as running: its end
+  is progress (the watchdog times out only a launch that does not move)."""
+  launch = _SIMULATOR.running()
   try:
     yield
   finally:
     if launch is not None:
-      with _turn:
-        launch.active -= 1
+      with _SIMULATOR.turn:
         launch.idle_since = time.monotonic()
 
 
@@ -190,10 +225,11 @@ def failed(error: BaseException) -> errors.LaunchError:
   watchdog's), which the callback raises instead of the simulator's
   wrapping of it.
   """
-  with _turn:
-    if not _running:
+  sim = _SIMULATOR
+  with sim.turn:
+    launch = sim.launch
+    if launch is None:
       return _as_launch_error(error)
-    launch = _running[0]
     launch.reports += 1
     if launch.failure is None:
       original = launch.original_failure()
@@ -201,17 +237,18 @@ def failed(error: BaseException) -> errors.LaunchError:
         launch.failure = _as_launch_error(original or error, launch.info)
     # A device that only saw another device's failure (the simulator's
     # barrier broken, or its "computation failed" check) waits for that
-    # device's report: the simulator may have cleared its record of it.
-    _turn.notify_all()
-    _turn.wait_for(
+    # device's report (the simulator may have cleared its record of it), as
+    # long as a program may wait: the launch's deadlock timeout.
+    sim.turn.notify_all()
+    sim.turn.wait_for(
       lambda: (
         launch.failure is not None or launch.reports >= launch.num_devices
       ),
-      _REPORTS_S,
+      launch.info.timeout_s,
     )
     if launch.failure is None:
       launch.failure = _as_launch_error(error, launch.info)
-    _turn.notify_all()
+    sim.turn.notify_all()
     return launch.failure
 
 
@@ -240,16 +277,10 @@ def _as_launch_error(
   )
 
 
-def _fail_running(error: errors.LaunchError) -> None:
-  with _turn:
-    if _running and _running[0].failure is None:
-      _running[0].failure = error
-      _turn.notify_all()
-
-
 def describe_program(program: int) -> str:
   """``"mesh 1 program 0 (core=0)"`` for a flat program index."""
-  for r in _running[0].info.ranges if _running else ():
+  launch = _SIMULATOR.running()
+  for r in launch.info.ranges if launch is not None else ():
     if r.offset <= program < r.offset + r.size:
       local, coords = program - r.offset, []
       for name, size in reversed(r.shape.items()):
@@ -262,26 +293,7 @@ def describe_program(program: int) -> str:
   return f"program {program}"
 
 
-# -- races --------------------------------------------------------------------
-
-
 # -- waits --------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Wait:
-  who: str
-  # What it waits for, worded when the deadlock is reported (a count it
-  # holds is then the count that has reached it, not the one it began at).
-  what: Callable[[], str]
-  where: str
-  since: float
-  abort: Callable[[str], None]
-
-
-_waits: dict[int, _Wait] = {}
-_lock = threading.Lock()
-_watchdog: list[threading.Thread] = []
 
 
 @contextlib.contextmanager
@@ -291,51 +303,38 @@ def waiting(
   where: str,
   abort: Callable[[str], None],
 ):
-  """Records that the calling simulator thread waits, while it does;
-  ``what`` (or ``what()``, called when a deadlock is reported) says on
-  what."""
+  """Records that the calling simulator thread waits, while it does, in
+  the running launch; ``what`` (or ``what()``, called when a deadlock is
+  reported) says on what, ``abort(message)`` ends the wait."""
   ident = threading.get_ident()
   describe = what if callable(what) else (lambda: what)
-  with _lock:
-    _waits[ident] = _Wait(who, describe, where, time.monotonic(), abort)
-    if not _watchdog:
-      thread = threading.Thread(
-        target=_watch, name="mpmd-deadlock-watchdog", daemon=True
-      )
-      _watchdog.append(thread)
-      thread.start()
+  wait = _Wait(who, describe, where, time.monotonic(), abort)
+  sim = _SIMULATOR
+  with sim.turn:
+    launch = sim.launch
+    if launch is not None:
+      launch.waits[ident] = wait
   try:
     yield
   finally:
-    with _lock:
-      _waits.pop(ident, None)
+    if launch is not None:
+      with sim.turn:
+        launch.waits.pop(ident, None)
 
 
-def _running_launch() -> tuple[float, float] | None:
-  """(when a simulated operation of the running launch last completed,
-  its deadlock timeout), if one runs."""
-  with _turn:
-    if not _running:
-      return None
-    return _running[0].idle_since, _running[0].info.timeout_s
-
-
-def _watch() -> None:
-  while True:
-    time.sleep(_POLL_S)
+def _watch(launch: _Launch) -> None:
+  """The watchdog of ``launch``: ends it once a program has waited longer
+  than its timeout while nothing else of it moved. Ends with the launch."""
+  timeout_s = launch.info.timeout_s
+  while not launch.over.wait(_POLL_S):
     now = time.monotonic()
-    running = _running_launch()
-    if running is None:
-      continue
-    progress, timeout_s = running
-    if now - progress <= timeout_s:
-      continue  # the launch moves: whoever waits may still be woken
-    with _lock:
-      stuck = [w for w in _waits.values() if now - w.since > timeout_s]
-      if not stuck:
+    with _SIMULATOR.turn:
+      if now - launch.idle_since <= timeout_s:
+        continue  # the launch moves: whoever waits may still be woken
+      if not any(now - w.since > timeout_s for w in launch.waits.values()):
         continue
-      waits = list(_waits.values())
-      _waits.clear()
+      waits = list(launch.waits.values())
+      launch.waits.clear()
     lines = "\n".join(
       f"  {w.who} waits {w.what()}" + (f" at {w.where}" if w.where else "")
       for w in waits
@@ -346,24 +345,26 @@ def _watch() -> None:
       f"can wake it. Still waiting:\n{lines}\n"
       "(set the limit with mpmd.set_deadlock_timeout)"
     )
-    _fail_running(errors.remember(DeadlockError(message)))
+    with _SIMULATOR.turn:
+      if launch.failure is None:
+        launch.failure = errors.remember(DeadlockError(message))
+        _SIMULATOR.turn.notify_all()
     for w in waits:
       w.abort(message)
 
 
 def name_semaphore(semaphore_id: int) -> Any:
   """The running launch's name of a simulator semaphore, if it has one."""
-  with _turn:
-    info = _running[0].info if _running else None
-  if info is None or info.semaphore_name is None:
+  launch = _SIMULATOR.running()
+  if launch is None or launch.info.semaphore_name is None:
     return None
-  return info.semaphore_name(semaphore_id)
+  return launch.info.semaphore_name(semaphore_id)
 
 
 def running_deadlock() -> DeadlockError | None:
   """The running launch's failure, if the watchdog ended it."""
-  with _turn:
-    failure = _running[0].failure if _running else None
+  launch = _SIMULATOR.running()
+  failure = None if launch is None else launch.failure
   if not isinstance(failure, DeadlockError):
     return None
   # A copy: several simulated programs may raise it at once.
@@ -475,12 +476,12 @@ class _DeviceProgram:
 
   def __init__(self, closed, axis_names: tuple):
     self.closed = closed
-    self._axis_names = axis_names
+    self.axis_names = axis_names
     self._lock = threading.Lock()
     self._compiled = None
 
   def _evaluate(self, consts, coords, args):
-    where = dict(zip(self._axis_names, coords, strict=True))
+    where = dict(zip(self.axis_names, coords, strict=True))
 
     def rule(eqn, invals):
       if eqn.primitive is _jax.lax_parallel.axis_index_p:
@@ -524,7 +525,7 @@ def _run_on_device(device: _OnDevice, program: _DeviceProgram, *operands):
   """One device's part of a launch, in one host callback: waits for the
   simulator, runs the device's simulation to its end, and leaves the
   simulator to the next launch, having failed or not."""
-  num_coords = len(program._axis_names)
+  num_coords = len(program.axis_names)
   coords, args = operands[:num_coords], operands[num_coords:]
   enter(
     device.info,
