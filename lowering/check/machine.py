@@ -225,7 +225,7 @@ class Machine:
     memory.check_access(
       view, comp, clock[comp], clock, False, describe, mask, self.name_comp
     )
-    return view.buffer.flat[view.ids].copy()
+    return view.read()
 
   def store(self, ctx, view: View, value, eqn, mask=None):
     describe = self.describe(ctx, "store", ctx.where)
@@ -237,8 +237,8 @@ class Machine:
     b = view.buffer
     value = np.broadcast_to(np.asarray(value, b.data.dtype), view.shape)
     if mask is None:
-      b.flat[view.ids] = value
-      b.init[view.ids] = True
+      view.write(value)
+      view.set_init(True)
     else:
       mask = np.broadcast_to(np.asarray(mask), view.shape)
       b.flat[view.ids[mask]] = value[mask]

@@ -10,16 +10,15 @@ land -> wait orders them.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable
 
 import numpy as np
 
 from mpmd.lowering import errors
+from mpmd.lowering.check.shadow import NOBODY, Shadow
 
 Clock = dict[int, int]
-
-# No access yet.
-NOBODY = -1
 
 
 def join(a: Clock, b: Clock) -> Clock:
@@ -119,15 +118,16 @@ class Buffer:
       self.data = np.array(data, dtype=dtype, copy=True).reshape(shape)
     self.flat = self.data.reshape(-1)
     self.ids = ids(shape)
+    # The flat arange that ``ids`` and the windows cut from it view.
+    self.root = self.ids if self.ids.base is None else self.ids.base
     self.init = np.full(size, data is not None or semaphore)
     # comp -> a description of its latest access (for race reports).
     self.who: dict[int, Text] = {}
-    if semaphore:  # no data accesses: signals and waits order themselves
-      return
-    self.w_comp = np.full(size, NOBODY, np.int64)
-    self.w_time = np.zeros(size, np.int64)
-    self.r_comp = np.full(size, NOBODY, np.int64)
-    self.r_time = np.zeros(size, np.int64)
+    # Last write and last read per element (semaphores have no data
+    # accesses: signals and waits order themselves).
+    self.writes = self.reads = None
+    if not semaphore:
+      self.writes, self.reads = Shadow(size), Shadow(size)
 
   def __repr__(self):
     return f"Buffer({self.label})"
@@ -152,6 +152,43 @@ class View:
     """The same elements of another program's copy of the buffer."""
     return View(buffer, self.ids)
 
+  @functools.cached_property
+  def slab(self) -> slice | None:
+    """``slice(start, stop)`` if the view's elements, in order, are the
+    buffer's flat elements ``start..stop-1`` (most windows: a tile of whole
+    rows, a slot), else None. Such a view reads and writes by slicing, and
+    its race checks take runs (``shadow``) rather than elements."""
+    ids = self.ids
+    root = self.buffer.root
+    if (ids.base is root or ids is root) and ids.flags.c_contiguous:
+      start = int(ids.reshape(-1)[0]) if ids.size else 0
+      return slice(start, start + ids.size)
+    return None
+
+  def read(self) -> np.ndarray:
+    """The view's values (shaped as the view; a new array)."""
+    s = self.slab
+    if s is None:
+      return self.buffer.flat[self.ids]
+    return self.buffer.flat[s].reshape(self.ids.shape).copy()
+
+  def write(self, values) -> None:
+    """Stores ``values`` (broadcast to the view's shape) in its elements."""
+    s = self.slab
+    if s is None:
+      self.buffer.flat[self.ids] = values
+    else:
+      self.buffer.flat[s].reshape(self.ids.shape)[...] = values
+
+  def init_of(self) -> np.ndarray:
+    """Per element of the view: whether something wrote it (flat)."""
+    s = self.slab
+    return self.buffer.init[self.ids.reshape(-1) if s is None else s]
+
+  def set_init(self, values) -> None:
+    s = self.slab
+    self.buffer.init[self.ids.reshape(-1) if s is None else s] = values
+
 
 def _first(mask: np.ndarray, ids: np.ndarray, shape) -> tuple[int, ...]:
   flat = int(ids[np.argmax(mask)])
@@ -171,15 +208,37 @@ def check_access(
   """Raises ``RaceError`` if this access and an earlier one of someone else
   touch the same element unordered (at least one writing); records it."""
   b = view.buffer
+  s = view.slab if mask is None else None
+  if s is not None and b.writes.arrays is None:
+    if s.start == s.stop:
+      return
+    if not (
+      b.writes.unordered(s.start, s.stop, comp, clock)
+      or (write and b.reads.unordered(s.start, s.stop, comp, clock))
+    ):
+      (b.writes if write else b.reads).set(s.start, s.stop, comp, time)
+      b.who[comp] = describe
+      return
+    # A race: the element-wise pass below finds and reports it.
+  _check_elements(view, comp, time, clock, write, describe, mask, describe_comp)
+
+
+def _check_elements(
+  view, comp, time, clock, write, describe, mask, describe_comp
+) -> None:
+  """``check_access`` element by element, on the shadows' arrays."""
+  b = view.buffer
   ids = view.ids.reshape(-1)
   if mask is not None:
     ids = ids[np.broadcast_to(mask, view.shape).reshape(-1)]
   if ids.size == 0:
     return
   where = _slab(ids)
-  earlier = [(b.w_comp, b.w_time, "write")]
+  w_comp, w_time = b.writes.as_arrays()
+  r_comp, r_time = b.reads.as_arrays()
+  earlier = [(w_comp, w_time, "write")]
   if write:
-    earlier.append((b.r_comp, b.r_time, "read"))
+    earlier.append((r_comp, r_time, "read"))
   for comps, times, kind in earlier:
     c = comps[where]
     low, high = c.min(), c.max()
@@ -206,11 +265,11 @@ def check_access(
           "-> wait) ordering them"
         )
   if write:
-    b.w_comp[where] = comp
-    b.w_time[where] = time
+    w_comp[where] = comp
+    w_time[where] = time
   else:
-    b.r_comp[where] = comp
-    b.r_time[where] = time
+    r_comp[where] = comp
+    r_time[where] = time
   b.who[comp] = describe
 
 
@@ -232,6 +291,8 @@ def _ids(where) -> np.ndarray:
 
 def check_initialized(view: View, describe: Text, mask=None) -> None:
   b = view.buffer
+  if mask is None and view.slab is not None and view.init_of().all():
+    return
   init = b.init[view.ids]
   if mask is not None:
     init = init | ~np.broadcast_to(mask, view.shape)

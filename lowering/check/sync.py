@@ -311,13 +311,13 @@ def _land(m, dma: machine_lib.Dma) -> None:
     dma.dst, comp, time, dma.clock, True, describe, describe_comp=m.name_comp
   )
   src, dst = dma.src, dma.dst
-  data = src.buffer.flat[src.ids]
+  data = src.read()
   if dma.start.add:
     memory.check_initialized(dst, describe)
-    dst.buffer.flat[dst.ids] = dst.buffer.flat[dst.ids] + data
+    dst.write(dst.read() + data)
   else:
-    dst.buffer.flat[dst.ids] = data
-  dst.buffer.init[dst.ids] = src.buffer.init[src.ids]
+    dst.write(data)
+  dst.set_init(src.init_of())
   clock = memory.join(dma.clock, {comp: time})
   m.events.append(
     machine_lib.Event(
