@@ -46,13 +46,15 @@ class Plan:
     return len(self.program_names)
 
   def device_coords(self, device: int) -> dict[Hashable, int]:
-    sizes = [s for _, s in self.device_axes]
-    if not sizes:
-      return {}
-    coords = np.unravel_index(device, sizes)
-    return {
-      a: int(c) for (a, _), c in zip(self.device_axes, coords, strict=True)
-    }
+    """``{axis: coordinate}`` of a device (a new dict: callers edit it)."""
+    key = ("coords", device)
+    if key not in self.memo:
+      sizes = [s for _, s in self.device_axes]
+      coords = np.unravel_index(device, sizes) if sizes else ()
+      self.memo[key] = {
+        a: int(c) for (a, _), c in zip(self.device_axes, coords, strict=True)
+      }
+    return dict(self.memo[key])
 
   def device_name(self, device: int) -> str:
     if not self.device_axes:
