@@ -262,10 +262,30 @@ def _steps(jaxpr: core.Jaxpr, memo: dict) -> list[Any]:
       run.append((i, eqn))
       continue
     flush()
-    steps.append((eqn, where(eqn)))
+    steps.append(_Step(eqn))
   flush()
   memo[key] = steps
   return steps
+
+
+class _Step:
+  """An equation to interpret, with what running it needs looked up once:
+  its source line, operands (literals on the host already) and the
+  outputs it defines. (Its rule is looked up as it runs: the GPU rules
+  join the table when a GPU launch is first lowered.)"""
+
+  __slots__ = ("eqn", "place", "ins", "outs")
+
+  def __init__(self, eqn: core.JaxprEqn):
+    self.eqn = eqn
+    self.place = where(eqn)
+    self.ins = [
+      (True, _host(v.val)) if isinstance(v, core.Literal) else (False, v)
+      for v in eqn.invars
+    ]
+    self.outs = [
+      None if isinstance(v, core.DropVar) else v for v in eqn.outvars
+    ]
 
 
 def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
@@ -282,25 +302,24 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
   )
   enclosing = ctx.where
   for step in _steps(jaxpr, memo):
-    if isinstance(step, _Segment):
+    if type(step) is _Segment:
       outs = step.fn(own_client, *[env[v] for v in step.invars])
       for v, x in zip(step.outvars, outs, strict=True):
         env[v] = x
       continue
-    eqn, place = step
-    ctx.where = place or enclosing
-    invals = [_read(env, v) for v in eqn.invars]
-    rule = RULES.get(eqn.primitive)
+    ctx.where = step.place or enclosing
+    invals = [x if literal else env[x] for literal, x in step.ins]
+    rule = RULES.get(step.eqn.primitive)
     if rule is None:  # pure equations are segments
       raise NotImplementedError(
-        f"mpmd checker: {eqn.primitive.name!r} (at {ctx.where}) is not "
-        "supported by the checking executor; run the launch with "
+        f"mpmd checker: {step.eqn.primitive.name!r} (at {ctx.where}) is "
+        "not supported by the checking executor; run the launch with "
         "interpret=None (the CPU fallback's default paths) or "
         "pltpu.InterpretParams()"
       )
-    outs = yield from rule(ctx, eqn, invals)
-    for v, x in zip(eqn.outvars, outs, strict=True):
-      if not isinstance(v, core.DropVar):
+    outs = yield from rule(ctx, step.eqn, invals)
+    for v, x in zip(step.outs, outs, strict=True):
+      if v is not None:
         env[v] = x
     ctx.where = enclosing
   return [_read(env, v) for v in jaxpr.outvars]

@@ -71,6 +71,9 @@ class Deferred:
 # What names an operation in a message: text, or text made on demand.
 Text = str | Deferred
 
+# Windows a buffer remembers (``index_view``; past them, it makes new ones).
+MAX_WINDOWS = 1024
+
 # Which buffer of a program's memory: ("operand", k), ("barrier",),
 # ("scoped", ...): the programs that share a buffer share its key.
 Key = tuple[Hashable, ...]
@@ -121,6 +124,8 @@ class Buffer:
     # The flat arange that ``ids`` and the windows cut from it view.
     self.root = self.ids if self.ids.base is None else self.ids.base
     self.init = np.full(size, data is not None or semaphore)
+    # Windows of the whole buffer taken so far (``index_view``).
+    self.windows: dict[tuple[Hashable, ...], View] = {}
     # comp -> a description of its latest access (for race reports).
     self.who: dict[int, Text] = {}
     # Last write and last read per element (semaphores have no data
@@ -308,7 +313,9 @@ def check_initialized(view: View, describe: Text, mask=None) -> None:
 def index_view(view: View, indexer, describe: Text) -> View:
   """``view`` narrowed by an ``NDIndexer``; out-of-bounds windows raise
   ``OutOfBoundsError`` (hardware faults; JAX would clamp)."""
+  b = view.buffer
   index: list[slice | int | np.ndarray] = []
+  key: list[Hashable] = []
   for dim, (idx, size) in enumerate(
     zip(indexer.indices, view.shape, strict=True)
   ):
@@ -319,15 +326,32 @@ def index_view(view: View, indexer, describe: Text) -> View:
       if length and (start < 0 or stop >= size):
         raise errors.OutOfBoundsError(
           f"{describe}: window [{start}:{stop + 1}:{stride}] of dimension "
-          f"{dim} of {view.buffer.label} (size {size}) is out of bounds"
+          f"{dim} of {b.label} (size {size}) is out of bounds"
         )
       index.append(slice(start, start + length * stride, stride))
-    else:
-      i = np.asarray(idx)
-      if i.size and (i.min() < 0 or i.max() >= size):
-        raise errors.OutOfBoundsError(
-          f"{describe}: index {i.tolist()} of dimension {dim} of "
-          f"{view.buffer.label} (size {size}) is out of bounds"
-        )
-      index.append(int(i) if i.ndim == 0 else i)
-  return View(view.buffer, view.ids[tuple(index)])
+      key.append((start, length, stride))
+      continue
+    i = np.asarray(idx)
+    scalar = i.ndim == 0
+    if (
+      (int(i) < 0 or int(i) >= size)
+      if scalar
+      else (i.size and (i.min() < 0 or i.max() >= size))
+    ):
+      raise errors.OutOfBoundsError(
+        f"{describe}: index {i.tolist()} of dimension {dim} of "
+        f"{b.label} (size {size}) is out of bounds"
+      )
+    index.append(int(i) if scalar else i)
+    key.append(int(i) if scalar else None)
+  if view.ids is not b.ids or None in key:
+    return View(b, view.ids[tuple(index)])
+  # A window of the whole buffer: kernels take the same few again and
+  # again, and a View (with its slab) is immutable.
+  window = tuple(key)
+  found = b.windows.get(window)
+  if found is None:
+    found = View(b, b.ids[tuple(index)])
+    if len(b.windows) < MAX_WINDOWS:
+      b.windows[window] = found
+  return found
