@@ -344,14 +344,15 @@ def index_view(view: View, indexer, describe: Text) -> View:
       )
     index.append(int(i) if scalar else i)
     key.append(int(i) if scalar else None)
-  if view.ids is not b.ids or None in key:
+  windows = getattr(b, "windows", None)  # the static checks' have none
+  if windows is None or view.ids is not b.ids or None in key:
     return View(b, view.ids[tuple(index)])
   # A window of the whole buffer: kernels take the same few again and
   # again, and a View (with its slab) is immutable.
   window = tuple(key)
-  found = b.windows.get(window)
+  found = windows.get(window)
   if found is None:
     found = View(b, b.ids[tuple(index)])
-    if len(b.windows) < MAX_WINDOWS:
-      b.windows[window] = found
+    if len(windows) < MAX_WINDOWS:
+      windows[window] = found
   return found
