@@ -349,6 +349,34 @@ def opened(j):
 # -- rules: each returns a generator of Sync that returns the outputs -------
 
 
+def _remembered(ctx, eqn, values, make):
+  """``make()``, a function of ``eqn`` and integer scalar ``values`` (an
+  unflattened pytree of indexers), made once per kernel for the same
+  values: Pallas' pytree nodes cost far more to build than to look up.
+  Other values are not remembered."""
+  key: list[Any] = [id(eqn)]
+  for x in values:
+    if isinstance(x, (np.ndarray, np.generic)) and x.shape == ():
+      if x.dtype.kind not in "biu":
+        return make()
+      key.append((x.dtype.str, int(x)))
+    elif type(x) is int or x is None:
+      key.append((None, x))
+    else:
+      return make()
+  table = ctx.machine.plan.memo
+  entry = table.get(tuple(key))
+  if entry is None:
+    entry = (make(), eqn)  # eqn: its id stays its own
+    if len(table) < MAX_REMEMBERED:
+      table[tuple(key)] = entry
+  return entry[0]
+
+
+# Entries ``_remembered`` keeps per kernel (past them, it makes anew).
+MAX_REMEMBERED = 1 << 16
+
+
 def _sync(ctx, eqn, invals):
   record = records.record_types()[eqn.primitive]
   result = yield Sync(record.of(eqn, invals), ctx.where)
@@ -367,9 +395,14 @@ def _nothing(ctx, eqn, invals):
   yield
 
 
+def _transforms(ctx, eqn, flat):
+  tree = eqn.params["tree"]
+  return _remembered(ctx, eqn, flat, lambda: tree.unflatten(flat))
+
+
 def _get(ctx, eqn, invals):
   ref, *flat = invals
-  transforms = eqn.params["tree"].unflatten(flat)
+  transforms = _transforms(ctx, eqn, flat)
   view = ctx.machine.view(ctx, ref, transforms, eqn)
   return [ctx.machine.load(ctx, view, eqn)]
   yield
@@ -377,7 +410,7 @@ def _get(ctx, eqn, invals):
 
 def _swap(ctx, eqn, invals):
   ref, value, *flat = invals
-  transforms = eqn.params["tree"].unflatten(flat)
+  transforms = _transforms(ctx, eqn, flat)
   view = ctx.machine.view(ctx, ref, transforms, eqn)
   old = ctx.machine.load(ctx, view, eqn, check_init=False)
   ctx.machine.store(ctx, view, value, eqn)
@@ -387,7 +420,7 @@ def _swap(ctx, eqn, invals):
 
 def _addupdate(ctx, eqn, invals):
   ref, value, *flat = invals
-  transforms = eqn.params["tree"].unflatten(flat)
+  transforms = _transforms(ctx, eqn, flat)
   view = ctx.machine.view(ctx, ref, transforms, eqn)
   old = ctx.machine.load(ctx, view, eqn)
   ctx.machine.store(ctx, view, np.asarray(old + np.asarray(value)), eqn)
@@ -478,7 +511,10 @@ def _while(ctx, eqn, invals):
 
 def _scan(ctx, eqn, invals):
   p = eqn.params
-  num_consts, num_carry = _jax.scan_layout(p)
+  memo = ctx.machine.plan.memo
+  if ("scan", id(eqn)) not in memo:  # 0.12 unpacks a flat tree for it
+    memo[("scan", id(eqn))] = (_jax.scan_layout(p), eqn)  # eqn: keep id
+  (num_consts, num_carry), _ = memo[("scan", id(eqn))]
   jaxpr, jconsts = opened(p["jaxpr"])
   consts = invals[:num_consts]
   carry = invals[num_consts : num_consts + num_carry]

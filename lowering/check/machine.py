@@ -256,7 +256,7 @@ class Machine:
         self.semaphores.append(buffer)
         m[key] = buffer
     b = mine[key]
-    return View(b, b.ids)
+    return b.whole
 
   def allocate_scoped(self, ctx, eqn, avals_vars) -> tuple[View, ...]:
     mine = self.memory[(ctx.device, ctx.program)]
@@ -268,7 +268,7 @@ class Machine:
       # into the peer's scoped buffer).
       key = ("scoped", id(eqn), k, ctx.scope_depth)
       if key in mine:
-        views.append(View(mine[key], mine[key].ids))
+        views.append(mine[key].whole)
         continue
       label = memory.Lazy(
         lambda k=k, d=ctx.device, g=ctx.program, at=ctx.where: (
@@ -277,7 +277,7 @@ class Machine:
       )
       buffer = self._new(label, key, v.aval)
       mine[key] = buffer
-      views.append(View(buffer, buffer.ids))
+      views.append(buffer.whole)
     return tuple(views)
 
   def _like(self, buffer: Buffer, device: int, program: int) -> Buffer:

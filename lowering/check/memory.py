@@ -137,6 +137,11 @@ class Buffer:
   def __repr__(self):
     return f"Buffer({self.label})"
 
+  @functools.cached_property
+  def whole(self) -> "View":
+    """The view of all its elements (one, shared: a View is immutable)."""
+    return View(self, self.ids)
+
 
 @dataclasses.dataclass(frozen=True)
 class View:
