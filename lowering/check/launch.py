@@ -98,17 +98,18 @@ class Launch:
   def __call__(self, *inputs):
     devices = self.plan.num_devices
     token = self.check.token()
-    inputs = tuple(np.ascontiguousarray(x) for x in inputs)
+    # (ascontiguousarray makes a 0-d input 1-d: for comparing only.)
+    flat = tuple(np.ascontiguousarray(x) for x in inputs)
     with self.lock:
       for k, entry in enumerate(self.waiting):
-        if entry[0] == token and _same(entry[1], inputs):
+        if entry[0] == token and _same(entry[1], flat):
           entry[3] -= 1
           if entry[3] == 0:
             del self.waiting[k]
           return _deliver(entry[2])
       result = self._run(inputs)
       if devices > 1:
-        self.waiting.append([token, inputs, result, devices - 1])
+        self.waiting.append([token, flat, result, devices - 1])
       return _deliver(result)
 
   def _run(self, inputs):
