@@ -6,7 +6,9 @@ wrote it (reads of what nothing wrote are errors, as on hardware they read
 garbage), and the last write and read as *epochs* (who, at which of its
 clock ticks). An access races with an earlier one by someone else that its
 vector clock does not cover: no chain of signal -> wait or DMA start ->
-land -> wait orders them.
+land -> wait orders them. The epochs live in ``shadow.Shadow`` (runs of
+elements while accesses are windows of consecutive elements, which views
+with a ``slab`` also read and write by slicing).
 """
 
 import dataclasses
