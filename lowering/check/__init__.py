@@ -7,6 +7,7 @@ over all programs, its devices), outputs and an event log out:
 * ``interp``: one program as a generator that stops at each
   synchronisation point;
 * ``memory``: simulated buffers and the race / uninitialised-read checks;
+  ``shadow``: who accessed each element last, as runs of elements;
 * ``machine``: one launch's whole state; ``sync``: the scheduling loop and
   the synchronisation operations; ``schedule``: strategies and schedule
   strings;

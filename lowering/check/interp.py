@@ -262,10 +262,30 @@ def _steps(jaxpr: core.Jaxpr, memo: dict) -> list[Any]:
       run.append((i, eqn))
       continue
     flush()
-    steps.append((eqn, where(eqn)))
+    steps.append(_Step(eqn))
   flush()
   memo[key] = steps
   return steps
+
+
+class _Step:
+  """An equation to interpret, with what running it needs looked up once:
+  its source line, operands (literals on the host already) and the
+  outputs it defines. (Its rule is looked up as it runs: the GPU rules
+  join the table when a GPU launch is first lowered.)"""
+
+  __slots__ = ("eqn", "place", "ins", "outs")
+
+  def __init__(self, eqn: core.JaxprEqn):
+    self.eqn = eqn
+    self.place = where(eqn)
+    self.ins = [
+      (True, _host(v.val)) if isinstance(v, core.Literal) else (False, v)
+      for v in eqn.invars
+    ]
+    self.outs = [
+      None if isinstance(v, core.DropVar) else v for v in eqn.outvars
+    ]
 
 
 def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
@@ -282,25 +302,24 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
   )
   enclosing = ctx.where
   for step in _steps(jaxpr, memo):
-    if isinstance(step, _Segment):
+    if type(step) is _Segment:
       outs = step.fn(own_client, *[env[v] for v in step.invars])
       for v, x in zip(step.outvars, outs, strict=True):
         env[v] = x
       continue
-    eqn, place = step
-    ctx.where = place or enclosing
-    invals = [_read(env, v) for v in eqn.invars]
-    rule = RULES.get(eqn.primitive)
+    ctx.where = step.place or enclosing
+    invals = [x if literal else env[x] for literal, x in step.ins]
+    rule = RULES.get(step.eqn.primitive)
     if rule is None:  # pure equations are segments
       raise NotImplementedError(
-        f"mpmd checker: {eqn.primitive.name!r} (at {ctx.where}) is not "
-        "supported by the checking executor; run the launch with "
+        f"mpmd checker: {step.eqn.primitive.name!r} (at {ctx.where}) is "
+        "not supported by the checking executor; run the launch with "
         "interpret=None (the CPU fallback's default paths) or "
         "pltpu.InterpretParams()"
       )
-    outs = yield from rule(ctx, eqn, invals)
-    for v, x in zip(eqn.outvars, outs, strict=True):
-      if not isinstance(v, core.DropVar):
+    outs = yield from rule(ctx, step.eqn, invals)
+    for v, x in zip(step.outs, outs, strict=True):
+      if v is not None:
         env[v] = x
     ctx.where = enclosing
   return [_read(env, v) for v in jaxpr.outvars]
@@ -330,6 +349,34 @@ def opened(j):
 # -- rules: each returns a generator of Sync that returns the outputs -------
 
 
+def _remembered(ctx, eqn, values, make):
+  """``make()``, a function of ``eqn`` and integer scalar ``values`` (an
+  unflattened pytree of indexers), made once per kernel for the same
+  values: Pallas' pytree nodes cost far more to build than to look up.
+  Other values are not remembered."""
+  key: list[Any] = [id(eqn)]
+  for x in values:
+    if isinstance(x, (np.ndarray, np.generic)) and x.shape == ():
+      if x.dtype.kind not in "biu":
+        return make()
+      key.append((x.dtype.str, int(x)))
+    elif type(x) is int or x is None:
+      key.append((None, x))
+    else:
+      return make()
+  table = ctx.machine.plan.memo
+  entry = table.get(tuple(key))
+  if entry is None:
+    entry = (make(), eqn)  # eqn: its id stays its own
+    if len(table) < MAX_REMEMBERED:
+      table[tuple(key)] = entry
+  return entry[0]
+
+
+# Entries ``_remembered`` keeps per kernel (past them, it makes anew).
+MAX_REMEMBERED = 1 << 16
+
+
 def _sync(ctx, eqn, invals):
   record = records.record_types()[eqn.primitive]
   result = yield Sync(record.of(eqn, invals), ctx.where)
@@ -348,9 +395,14 @@ def _nothing(ctx, eqn, invals):
   yield
 
 
+def _transforms(ctx, eqn, flat):
+  tree = eqn.params["tree"]
+  return _remembered(ctx, eqn, flat, lambda: tree.unflatten(flat))
+
+
 def _get(ctx, eqn, invals):
   ref, *flat = invals
-  transforms = eqn.params["tree"].unflatten(flat)
+  transforms = _transforms(ctx, eqn, flat)
   view = ctx.machine.view(ctx, ref, transforms, eqn)
   return [ctx.machine.load(ctx, view, eqn)]
   yield
@@ -358,7 +410,7 @@ def _get(ctx, eqn, invals):
 
 def _swap(ctx, eqn, invals):
   ref, value, *flat = invals
-  transforms = eqn.params["tree"].unflatten(flat)
+  transforms = _transforms(ctx, eqn, flat)
   view = ctx.machine.view(ctx, ref, transforms, eqn)
   old = ctx.machine.load(ctx, view, eqn, check_init=False)
   ctx.machine.store(ctx, view, value, eqn)
@@ -368,7 +420,7 @@ def _swap(ctx, eqn, invals):
 
 def _addupdate(ctx, eqn, invals):
   ref, value, *flat = invals
-  transforms = eqn.params["tree"].unflatten(flat)
+  transforms = _transforms(ctx, eqn, flat)
   view = ctx.machine.view(ctx, ref, transforms, eqn)
   old = ctx.machine.load(ctx, view, eqn)
   ctx.machine.store(ctx, view, np.asarray(old + np.asarray(value)), eqn)
@@ -459,7 +511,10 @@ def _while(ctx, eqn, invals):
 
 def _scan(ctx, eqn, invals):
   p = eqn.params
-  num_consts, num_carry = _jax.scan_layout(p)
+  memo = ctx.machine.plan.memo
+  if ("scan", id(eqn)) not in memo:  # 0.12 unpacks a flat tree for it
+    memo[("scan", id(eqn))] = (_jax.scan_layout(p), eqn)  # eqn: keep id
+  (num_consts, num_carry), _ = memo[("scan", id(eqn))]
   jaxpr, jconsts = opened(p["jaxpr"])
   consts = invals[:num_consts]
   carry = invals[num_consts : num_consts + num_carry]

@@ -46,13 +46,15 @@ class Plan:
     return len(self.program_names)
 
   def device_coords(self, device: int) -> dict[Hashable, int]:
-    sizes = [s for _, s in self.device_axes]
-    if not sizes:
-      return {}
-    coords = np.unravel_index(device, sizes)
-    return {
-      a: int(c) for (a, _), c in zip(self.device_axes, coords, strict=True)
-    }
+    """``{axis: coordinate}`` of a device (a new dict: callers edit it)."""
+    key = ("coords", device)
+    if key not in self.memo:
+      sizes = [s for _, s in self.device_axes]
+      coords = np.unravel_index(device, sizes) if sizes else ()
+      self.memo[key] = {
+        a: int(c) for (a, _), c in zip(self.device_axes, coords, strict=True)
+      }
+    return dict(self.memo[key])
 
   def device_name(self, device: int) -> str:
     if not self.device_axes:
@@ -225,7 +227,7 @@ class Machine:
     memory.check_access(
       view, comp, clock[comp], clock, False, describe, mask, self.name_comp
     )
-    return view.buffer.flat[view.ids].copy()
+    return view.read()
 
   def store(self, ctx, view: View, value, eqn, mask=None):
     describe = self.describe(ctx, "store", ctx.where)
@@ -237,8 +239,8 @@ class Machine:
     b = view.buffer
     value = np.broadcast_to(np.asarray(value, b.data.dtype), view.shape)
     if mask is None:
-      b.flat[view.ids] = value
-      b.init[view.ids] = True
+      view.write(value)
+      view.set_init(True)
     else:
       mask = np.broadcast_to(np.asarray(mask), view.shape)
       b.flat[view.ids[mask]] = value[mask]
@@ -254,7 +256,7 @@ class Machine:
         self.semaphores.append(buffer)
         m[key] = buffer
     b = mine[key]
-    return View(b, b.ids)
+    return b.whole
 
   def allocate_scoped(self, ctx, eqn, avals_vars) -> tuple[View, ...]:
     mine = self.memory[(ctx.device, ctx.program)]
@@ -266,7 +268,7 @@ class Machine:
       # into the peer's scoped buffer).
       key = ("scoped", id(eqn), k, ctx.scope_depth)
       if key in mine:
-        views.append(View(mine[key], mine[key].ids))
+        views.append(mine[key].whole)
         continue
       label = memory.Lazy(
         lambda k=k, d=ctx.device, g=ctx.program, at=ctx.where: (
@@ -275,7 +277,7 @@ class Machine:
       )
       buffer = self._new(label, key, v.aval)
       mine[key] = buffer
-      views.append(View(buffer, buffer.ids))
+      views.append(buffer.whole)
     return tuple(views)
 
   def _like(self, buffer: Buffer, device: int, program: int) -> Buffer:

@@ -6,20 +6,21 @@ wrote it (reads of what nothing wrote are errors, as on hardware they read
 garbage), and the last write and read as *epochs* (who, at which of its
 clock ticks). An access races with an earlier one by someone else that its
 vector clock does not cover: no chain of signal -> wait or DMA start ->
-land -> wait orders them.
+land -> wait orders them. The epochs live in ``shadow.Shadow`` (runs of
+elements while accesses are windows of consecutive elements, which views
+with a ``slab`` also read and write by slicing).
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable
 
 import numpy as np
 
 from mpmd._lowering import errors
+from mpmd._lowering.check.shadow import NOBODY, Shadow
 
 Clock = dict[int, int]
-
-# No access yet.
-NOBODY = -1
 
 
 def join(a: Clock, b: Clock) -> Clock:
@@ -72,6 +73,9 @@ class Deferred:
 # What names an operation in a message: text, or text made on demand.
 Text = str | Deferred
 
+# Windows a buffer remembers (``index_view``; past them, it makes new ones).
+MAX_WINDOWS = 1024
+
 # Which buffer of a program's memory: ("operand", k), ("barrier",),
 # ("scoped", ...): the programs that share a buffer share its key.
 Key = tuple[Hashable, ...]
@@ -119,18 +123,26 @@ class Buffer:
       self.data = np.array(data, dtype=dtype, copy=True).reshape(shape)
     self.flat = self.data.reshape(-1)
     self.ids = ids(shape)
+    # The flat arange that ``ids`` and the windows cut from it view.
+    self.root = self.ids if self.ids.base is None else self.ids.base
     self.init = np.full(size, data is not None or semaphore)
+    # Windows of the whole buffer taken so far (``index_view``).
+    self.windows: dict[tuple[Hashable, ...], View] = {}
     # comp -> a description of its latest access (for race reports).
     self.who: dict[int, Text] = {}
-    if semaphore:  # no data accesses: signals and waits order themselves
-      return
-    self.w_comp = np.full(size, NOBODY, np.int64)
-    self.w_time = np.zeros(size, np.int64)
-    self.r_comp = np.full(size, NOBODY, np.int64)
-    self.r_time = np.zeros(size, np.int64)
+    # Last write and last read per element (semaphores have no data
+    # accesses: signals and waits order themselves).
+    self.writes = self.reads = None
+    if not semaphore:
+      self.writes, self.reads = Shadow(size), Shadow(size)
 
   def __repr__(self):
     return f"Buffer({self.label})"
+
+  @functools.cached_property
+  def whole(self) -> "View":
+    """The view of all its elements (one, shared: a View is immutable)."""
+    return View(self, self.ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +164,43 @@ class View:
     """The same elements of another program's copy of the buffer."""
     return View(buffer, self.ids)
 
+  @functools.cached_property
+  def slab(self) -> slice | None:
+    """``slice(start, stop)`` if the view's elements, in order, are the
+    buffer's flat elements ``start..stop-1`` (most windows: a tile of whole
+    rows, a slot), else None. Such a view reads and writes by slicing, and
+    its race checks take runs (``shadow``) rather than elements."""
+    ids = self.ids
+    root = self.buffer.root
+    if (ids.base is root or ids is root) and ids.flags.c_contiguous:
+      start = int(ids.reshape(-1)[0]) if ids.size else 0
+      return slice(start, start + ids.size)
+    return None
+
+  def read(self) -> np.ndarray:
+    """The view's values (shaped as the view; a new array)."""
+    s = self.slab
+    if s is None:
+      return self.buffer.flat[self.ids]
+    return self.buffer.flat[s].reshape(self.ids.shape).copy()
+
+  def write(self, values) -> None:
+    """Stores ``values`` (broadcast to the view's shape) in its elements."""
+    s = self.slab
+    if s is None:
+      self.buffer.flat[self.ids] = values
+    else:
+      self.buffer.flat[s].reshape(self.ids.shape)[...] = values
+
+  def init_of(self) -> np.ndarray:
+    """Per element of the view: whether something wrote it (flat)."""
+    s = self.slab
+    return self.buffer.init[self.ids.reshape(-1) if s is None else s]
+
+  def set_init(self, values) -> None:
+    s = self.slab
+    self.buffer.init[self.ids.reshape(-1) if s is None else s] = values
+
 
 def _first(mask: np.ndarray, ids: np.ndarray, shape) -> tuple[int, ...]:
   flat = int(ids[np.argmax(mask)])
@@ -171,15 +220,37 @@ def check_access(
   """Raises ``RaceError`` if this access and an earlier one of someone else
   touch the same element unordered (at least one writing); records it."""
   b = view.buffer
+  s = view.slab if mask is None else None
+  if s is not None and b.writes.arrays is None:
+    if s.start == s.stop:
+      return
+    if not (
+      b.writes.unordered(s.start, s.stop, comp, clock)
+      or (write and b.reads.unordered(s.start, s.stop, comp, clock))
+    ):
+      (b.writes if write else b.reads).set(s.start, s.stop, comp, time)
+      b.who[comp] = describe
+      return
+    # A race: the element-wise pass below finds and reports it.
+  _check_elements(view, comp, time, clock, write, describe, mask, describe_comp)
+
+
+def _check_elements(
+  view, comp, time, clock, write, describe, mask, describe_comp
+) -> None:
+  """``check_access`` element by element, on the shadows' arrays."""
+  b = view.buffer
   ids = view.ids.reshape(-1)
   if mask is not None:
     ids = ids[np.broadcast_to(mask, view.shape).reshape(-1)]
   if ids.size == 0:
     return
   where = _slab(ids)
-  earlier = [(b.w_comp, b.w_time, "write")]
+  w_comp, w_time = b.writes.as_arrays()
+  r_comp, r_time = b.reads.as_arrays()
+  earlier = [(w_comp, w_time, "write")]
   if write:
-    earlier.append((b.r_comp, b.r_time, "read"))
+    earlier.append((r_comp, r_time, "read"))
   for comps, times, kind in earlier:
     c = comps[where]
     low, high = c.min(), c.max()
@@ -206,11 +277,11 @@ def check_access(
           "-> wait) ordering them"
         )
   if write:
-    b.w_comp[where] = comp
-    b.w_time[where] = time
+    w_comp[where] = comp
+    w_time[where] = time
   else:
-    b.r_comp[where] = comp
-    b.r_time[where] = time
+    r_comp[where] = comp
+    r_time[where] = time
   b.who[comp] = describe
 
 
@@ -232,6 +303,8 @@ def _ids(where) -> np.ndarray:
 
 def check_initialized(view: View, describe: Text, mask=None) -> None:
   b = view.buffer
+  if mask is None and view.slab is not None and view.init_of().all():
+    return
   init = b.init[view.ids]
   if mask is not None:
     init = init | ~np.broadcast_to(mask, view.shape)
@@ -247,7 +320,9 @@ def check_initialized(view: View, describe: Text, mask=None) -> None:
 def index_view(view: View, indexer, describe: Text) -> View:
   """``view`` narrowed by an ``NDIndexer``; out-of-bounds windows raise
   ``OutOfBoundsError`` (hardware faults; JAX would clamp)."""
+  b = view.buffer
   index: list[slice | int | np.ndarray] = []
+  key: list[Hashable] = []
   for dim, (idx, size) in enumerate(
     zip(indexer.indices, view.shape, strict=True)
   ):
@@ -258,15 +333,33 @@ def index_view(view: View, indexer, describe: Text) -> View:
       if length and (start < 0 or stop >= size):
         raise errors.OutOfBoundsError(
           f"{describe}: window [{start}:{stop + 1}:{stride}] of dimension "
-          f"{dim} of {view.buffer.label} (size {size}) is out of bounds"
+          f"{dim} of {b.label} (size {size}) is out of bounds"
         )
       index.append(slice(start, start + length * stride, stride))
-    else:
-      i = np.asarray(idx)
-      if i.size and (i.min() < 0 or i.max() >= size):
-        raise errors.OutOfBoundsError(
-          f"{describe}: index {i.tolist()} of dimension {dim} of "
-          f"{view.buffer.label} (size {size}) is out of bounds"
-        )
-      index.append(int(i) if i.ndim == 0 else i)
-  return View(view.buffer, view.ids[tuple(index)])
+      key.append((start, length, stride))
+      continue
+    i = np.asarray(idx)
+    scalar = i.ndim == 0
+    if (
+      (int(i) < 0 or int(i) >= size)
+      if scalar
+      else (i.size and (i.min() < 0 or i.max() >= size))
+    ):
+      raise errors.OutOfBoundsError(
+        f"{describe}: index {i.tolist()} of dimension {dim} of "
+        f"{b.label} (size {size}) is out of bounds"
+      )
+    index.append(int(i) if scalar else i)
+    key.append(int(i) if scalar else None)
+  windows = getattr(b, "windows", None)  # the static checks' have none
+  if windows is None or view.ids is not b.ids or None in key:
+    return View(b, view.ids[tuple(index)])
+  # A window of the whole buffer: kernels take the same few again and
+  # again, and a View (with its slab) is immutable.
+  window = tuple(key)
+  found = windows.get(window)
+  if found is None:
+    found = View(b, b.ids[tuple(index)])
+    if len(windows) < MAX_WINDOWS:
+      windows[window] = found
+  return found

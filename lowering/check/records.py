@@ -7,6 +7,7 @@ operand layouts are read by ``mpmd._pallas_ops`` only.
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 from mpmd import _pallas_ops
@@ -123,6 +124,7 @@ class SemRead:
     return cls(RefOperand.of(op.sem, op.transforms))
 
 
+@functools.cache
 def record_types() -> dict[Any, type]:
   """Synchronisation primitive -> the record that reads its equations."""
   records = {

@@ -16,6 +16,9 @@ import numpy as np
 
 from mpmd._jax import core
 
+# Input values a segment remembers its outputs for (past them, it computes).
+MAX_SEEN = 4096
+
 
 class Fallback(Exception):
   """Operands whose result numpy does not compute as XLA does."""
@@ -68,11 +71,9 @@ _UNARY: dict[str, Callable[[Any], Any]] = {
 def _rule(eqn: core.JaxprEqn):
   name = eqn.primitive.name
   if name in _BINARY:
-    op = _BINARY[name]
-    return lambda a, b: op(a, b)
+    return _BINARY[name]
   if name in _UNARY:
-    op = _UNARY[name]
-    return lambda a: op(a)
+    return _UNARY[name]
   if name in ("div", "rem"):
     return lambda a, b: _division(a, b, name)
   if name == "select_n":
@@ -95,7 +96,21 @@ def _exact(aval) -> bool:
 def plan(eqns, invars, outvars) -> Callable[..., list] | None:
   """``eqns`` as a numpy function of ``invars``' values (a list of
   ``outvars``' values out, that may raise ``Fallback``); None where some
-  equation or value is not integer / boolean scalar arithmetic."""
+  equation or value is not integer / boolean scalar arithmetic.
+
+  Values sit in a list by slot: the inputs, then the literals (made once,
+  read-only: every run shares them), then one per equation."""
+  literals: list[np.ndarray] = []
+  slots: dict[Any, int] = {v: k for k, v in enumerate(invars)}
+
+  def slot(v) -> int:
+    if isinstance(v, core.Literal):
+      value = np.asarray(v.val, dtype=v.aval.dtype)
+      value.setflags(write=False)
+      literals.append(value)
+      return -len(literals)  # numbered from the end for now
+    return slots[v]
+
   steps = []
   for eqn in eqns:
     rule = _rule(eqn)
@@ -104,22 +119,47 @@ def plan(eqns, invars, outvars) -> Callable[..., list] | None:
       return None
     if len(eqn.outvars) != 1:
       return None
-    steps.append((rule, eqn.invars, eqn.outvars[0]))
+    ins = [slot(v) for v in eqn.invars]
+    out = eqn.outvars[0]
+    slots[out] = len(invars) + len(steps)  # literals shift it, below
+    steps.append((rule, ins, len(steps), out.aval.dtype))
+  outs = [slot(v) for v in outvars]
+  num_in, num_lit = len(invars), len(literals)
+  first_step = num_in + num_lit
 
-  def read(env, v):
-    if isinstance(v, core.Literal):
-      return np.asarray(v.val, dtype=v.aval.dtype)
-    return env[v]
+  def place(k: int) -> int:
+    if k < 0:  # literal -1 is the first made
+      return num_in - k - 1
+    return k if k < num_in else k + num_lit
+
+  steps = [
+    (rule, [place(k) for k in ins], first_step + j, dtype)
+    for rule, ins, j, dtype in steps
+  ]
+  outs = [place(k) for k in outs]
+  template = [None] * num_in + literals + [None] * len(steps)
+  dtypes = [v.aval.dtype for v in invars]
+
+  # Inputs (as Python integers) -> outputs: a segment runs again and again
+  # on the same few values (a slot, a neighbour), and its outputs depend
+  # on its inputs only. They are read-only: every caller shares them.
+  seen: dict[tuple[int, ...], list[np.ndarray]] = {}
 
   def run(*values):
-    env = {
-      v: np.asarray(x, dtype=v.aval.dtype)
-      for v, x in zip(invars, values, strict=True)
-    }
+    env = template.copy()
+    for k, (x, dtype) in enumerate(zip(values, dtypes, strict=True)):
+      env[k] = np.asarray(x, dtype=dtype)
+    key = tuple(int(x) for x in env[:num_in])
+    if key in seen:
+      return list(seen[key])
     with np.errstate(over="ignore"):  # integers wrap, as in XLA
-      for rule, ins, out in steps:
-        result = rule(*[read(env, v) for v in ins])
-        env[out] = np.asarray(result, dtype=out.aval.dtype)
-    return [read(env, v) for v in outvars]
+      for rule, ins, out, dtype in steps:
+        env[out] = np.asarray(rule(*[env[k] for k in ins]), dtype=dtype)
+    results = [np.array(env[k]) for k in outs]
+    for x in results:
+      x.setflags(write=False)
+    if len(seen) < MAX_SEEN:
+      seen[key] = results
+    return list(results)
 
   return run

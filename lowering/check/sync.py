@@ -28,7 +28,8 @@ class _Program:
     self.pending: interp.Sync | None = None
     self.started = False
     self.done = False
-    self.views: dict[str, View] = {}
+    # Per pending operation: its semaphore views, bytes and gate.
+    self.views: dict[str, object] = {}
     self.polled = False  # its last operation read a semaphore
 
   def next_sync(self) -> interp.Sync:
@@ -136,12 +137,30 @@ def _describe(m, p, op: str, where: str):
 def _enabled(m, p: _Program) -> bool:
   if not p.started:
     return True
+  gate = p.views.get("gate")
+  if gate is None:
+    gate = p.views["gate"] = _gate(m, p)
+  if gate is True:
+    return True
+  counts, e, need = gate
+  return counts[e] >= need
+
+
+def _gate(m, p: _Program):
+  """What ``p``'s pending operation waits for, ``(counts, element,
+  need)``: a semaphore's flat counts, which of them, and how many it
+  needs (the counts change in place, the rest not until it goes on);
+  True if it need not wait."""
   op = p.next_sync().op
   if isinstance(op, records.DmaWait):
-    return _count(_sem_view(m, p, op.sem)) >= _wait_bytes(m, p, op)
-  if isinstance(op, records.SemWait):
-    return _count(_sem_view(m, p, op.sem)) >= int(np.asarray(op.value))
-  return True
+    view = _sem_view(m, p, op.sem)
+    need = _wait_bytes(m, p, op)
+  elif isinstance(op, records.SemWait):
+    view = _sem_view(m, p, op.sem)
+    need = int(np.asarray(op.value))
+  else:
+    return True
+  return view.buffer.flat, int(view.ids.reshape(-1)[0]), need
 
 
 def _sem_view(m, p, operand) -> View:
@@ -311,13 +330,13 @@ def _land(m, dma: machine_lib.Dma) -> None:
     dma.dst, comp, time, dma.clock, True, describe, describe_comp=m.name_comp
   )
   src, dst = dma.src, dma.dst
-  data = src.buffer.flat[src.ids]
+  data = src.read()
   if dma.start.add:
     memory.check_initialized(dst, describe)
-    dst.buffer.flat[dst.ids] = dst.buffer.flat[dst.ids] + data
+    dst.write(dst.read() + data)
   else:
-    dst.buffer.flat[dst.ids] = data
-  dst.buffer.init[dst.ids] = src.buffer.init[src.ids]
+    dst.write(data)
+  dst.set_init(src.init_of())
   clock = memory.join(dma.clock, {comp: time})
   m.events.append(
     machine_lib.Event(
