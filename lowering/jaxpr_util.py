@@ -16,6 +16,7 @@ from mpmd._jax import (
   pallas_primitives,
   pe,
   source_info_util,
+  state_types,
 )
 
 
@@ -46,6 +47,23 @@ def iter_eqns(jaxpr: core.Jaxpr) -> Iterator[core.JaxprEqn]:
     yield eqn
     for sub in sub_jaxprs(eqn.params):
       yield from iter_eqns(sub)
+
+
+def shaped(aval: core.AbstractValue) -> core.ShapedArray:
+  """``aval`` as the array type it is: JAX types an atom's aval as an
+  ``AbstractValue``, which has no shape or dtype. Raises TypeError for a
+  Ref or a token (a caller that may meet those tests for them first)."""
+  if not isinstance(aval, core.ShapedArray):
+    raise TypeError(f"mpmd: internal error: expected an array, got {aval}")
+  return aval
+
+
+def ref_type(aval: core.AbstractValue) -> state_types.AbstractRef:
+  """``aval`` as the Ref type it is (a kernel operand, a scoped
+  allocation); TypeError for any other aval."""
+  if not isinstance(aval, state_types.AbstractRef):
+    raise TypeError(f"mpmd: internal error: expected a Ref, got {aval}")
+  return aval
 
 
 EqnRule = Callable[[core.JaxprEqn, list[Any]], list[Any] | None]

@@ -202,7 +202,7 @@ def _inline_scope(eqn, invals, rule) -> list[Any]:
   with jax.enable_checks(False):
     scope = _jax.pe.convert_constvars_jaxpr(scope)
   body = jaxpr_util.rewrite(scope, rule)
-  allocated = [v.aval for v in body.invars[num_closed:]]
+  allocated = [jaxpr_util.ref_type(v.aval) for v in body.invars[num_closed:]]
   pure, consts = _jax.open_jaxpr(
     _jax.discharge_state(
       _jax.closed_jaxpr(body),
@@ -248,7 +248,7 @@ def lower(
   """
   [mesh] = params["meshes"]
   num_in, num_out = len(in_nodes), len(params["out_avals"])
-  sizes = dict(ctx.module_context.axis_context.mesh.shape)
+  sizes = paths.mesh_sizes(ctx.module_context.axis_context)
   devices = Devices(paths.exchange_axes(kernel, axes), sizes, axes)
   barrier_avals = _barrier_avals(kernel)
   traced = params["jaxprs"][0]  # as the user wrote it: names, arguments

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from mpmd import _jax, _pallas_ops
-from mpmd._jax import core, pallas_primitives, sharding_impls
+from mpmd._jax import core, mlir, pallas_primitives, sharding_impls
 from mpmd._lowering import addressing, jaxpr_util
 from mpmd._pallas_ops import Sync
 
@@ -353,13 +353,21 @@ _DIVERGENT = ("cond", "while")
 _MESH = pallas_primitives.DeviceIdType.MESH
 
 
-def manual_axes(axis_context: Any) -> tuple[Any, ...]:
+def manual_axes(axis_context: mlir.AxisContext) -> tuple[Any, ...]:
   """``paths.fully_manual_axes`` of the shard_map being lowered."""
   if not isinstance(axis_context, sharding_impls.SPMDAxisContext):
     return ()
   return fully_manual_axes(
     axis_context.mesh.axis_names, axis_context.manual_axes
   )
+
+
+def mesh_sizes(axis_context: mlir.AxisContext) -> dict[Any, int]:
+  """The size of each axis of the mesh of the shard_map being lowered
+  (empty outside a shard_map: no mesh axes to name)."""
+  if not isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    return {}
+  return {a: int(s) for a, s in axis_context.mesh.shape.items()}
 
 
 def exchange_axes(jaxpr: core.Jaxpr, axes: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -11,22 +11,22 @@ from typing import Any
 import numpy as np
 
 from mpmd import _jax, _pallas_ops
-from mpmd._jax import core, state_types
+from mpmd._jax import core, state_indexing, state_types
 from mpmd._lowering import jaxpr_util
 from mpmd._pallas_ops import Sync
 
 
-def ref_indexers(ref: Any) -> tuple[Any, list[Any]]:
+def ref_indexers(ref: Any) -> tuple[Any, list[state_indexing.NDIndexer]]:
   """A (transformed) Ref's root and its indexers, outermost first."""
   if isinstance(ref, state_types.TransformedRef):
-    indexer = _jax.state.indexing.NDIndexer
+    indexer = state_indexing.NDIndexer
     return ref.ref, [t for t in ref.transforms if isinstance(t, indexer)]
   return ref, []
 
 
 def parts(index: Any) -> tuple[Any, Any, int, bool]:
   """(start, size, stride, is a slice) of one index of an indexer."""
-  if isinstance(index, _jax.state.indexing.Slice):
+  if isinstance(index, state_indexing.Slice):
     return index.start, index.size, index.stride, True
   return index, 1, 1, False
 

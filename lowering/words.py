@@ -297,6 +297,8 @@ def _is_window(eqn: core.JaxprEqn) -> bool:
   if eqn.primitive not in (lax.dynamic_slice_p, lax.dynamic_update_slice_p):
     return False
   operand = eqn.invars[0].aval
+  if not _is_half(operand):
+    return False
   if eqn.primitive is lax.dynamic_update_slice_p:
-    return _is_half(operand)
-  return _is_half(operand) and len(eqn.invars) == 1 + operand.ndim
+    return True
+  return len(eqn.invars) == 1 + jaxpr_util.shaped(operand).ndim

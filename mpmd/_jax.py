@@ -97,6 +97,7 @@ from jax._src.pallas import core as pallas_core
 from jax._src.pallas import pallas_call
 from jax._src.pallas import primitives as pallas_primitives
 from jax._src.state import discharge as state_discharge
+from jax._src.state import indexing as state_indexing
 from jax._src.state import primitives as state_primitives
 from jax._src.state import types as state_types
 from jax._src.pallas import hlo_interpreter

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from mpmd._jax import core
+from mpmd._lowering import jaxpr_util
 
 
 class Fallback(Exception):
@@ -108,7 +109,7 @@ def plan(eqns, invars, outvars) -> Callable[..., list] | None:
 
   def read(env, v):
     if isinstance(v, core.Literal):
-      return np.asarray(v.val, dtype=v.aval.dtype)
+      return np.asarray(v.val, dtype=jaxpr_util.shaped(v.aval).dtype)
     return env[v]
 
   def run(*values):

@@ -17,7 +17,7 @@ import numpy as np
 
 from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, lax_control_flow, pjit, state, state_primitives
-from mpmd._lowering import errors
+from mpmd._lowering import errors, jaxpr_util
 from mpmd._lowering.check import interp, memory, records
 
 _UNKNOWN = object()
@@ -48,7 +48,7 @@ def accesses(jaxpr: core.Jaxpr, program: int, axis_values) -> list[Access]:
   env: dict[Any, Any] = {}
   for k, v in enumerate(jaxpr.invars):
     if isinstance(v.aval, state.AbstractRef):
-      inner = v.aval.inner_aval
+      inner = jaxpr_util.shaped(v.aval.inner_aval)
       env[v] = (k, _Operand(k, inner.shape))
   _walk(jaxpr, env, program, axis_values, found)
   return found
