@@ -29,10 +29,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mpmd import _jax, _pallas_ops
-from mpmd._jax import pallas_core
+from mpmd._jax import core, pallas_core
 
 
-def describe_mesh(meshes: Sequence[Any], j: int) -> str:
+def describe_mesh(meshes: Sequence[pallas_core.Mesh], j: int) -> str:
   """``mesh 1 {'s_core': 1} (sc_scalar_subcore)``: names the user's mesh."""
   mesh = meshes[j]
   kind = getattr(mesh, "core_type", None)
@@ -40,7 +40,7 @@ def describe_mesh(meshes: Sequence[Any], j: int) -> str:
   return f"mesh {j} {dict(mesh.shape)}{kind}"
 
 
-def _core_type_name(mesh: Any) -> str:
+def _core_type_name(mesh: pallas_core.Mesh) -> str:
   kind = getattr(mesh, "core_type", None)
   return getattr(kind, "name", str(kind))
 
@@ -57,7 +57,9 @@ def same_mesh(a: Any, b: Any) -> bool:
   )
 
 
-def owner_of(aval: Any, meshes: Sequence[Any], caller: int) -> int | None:
+def owner_of(
+  aval: core.AbstractValue, meshes: Sequence[pallas_core.Mesh], caller: int
+) -> int | None:
   """The launch mesh that owns a Ref (``type @ mesh``), None if unowned.
 
   A mesh listed twice owns through the caller where the caller is it, else
@@ -87,9 +89,9 @@ class Target:
 
 
 def resolve(
-  meshes: Sequence[Any],
+  meshes: Sequence[pallas_core.Mesh],
   caller: int,
-  sem_aval: Any,
+  sem_aval: core.AbstractValue,
   device_id: Any,
   what: str,
 ) -> Target | None:
@@ -155,7 +157,7 @@ def _underlying(sem: Any) -> Any:
   return sem
 
 
-def _tensorcores_only(meshes: Sequence[Any]) -> bool:
+def _tensorcores_only(meshes: Sequence[pallas_core.Mesh]) -> bool:
   """Several TensorCore meshes: a launch upstream has no rules for."""
   return len(meshes) > 1 and all(
     getattr(getattr(m, "core_type", None), "name", None) == "TC" for m in meshes

@@ -67,7 +67,7 @@ def operand_names(kernel: core.Jaxpr, num_in: int, num_out: int) -> list[str]:
   return names
 
 
-def _short(aval: Any) -> str:
+def _short(aval: core.AbstractValue) -> str:
   inner = getattr(aval, "inner_aval", aval)
   return inner.str_short(short_dtypes=True)
 
@@ -404,7 +404,9 @@ def failed(error: Any) -> Any:
   )
 
 
-def first_failure(treedef: Any, leaves: Sequence[Any]) -> Exception | None:
+def first_failure(
+  treedef: tree_util.PyTreeDef | None, leaves: Sequence[Any]
+) -> Exception | None:
   """The error a failed check reports (None if none failed), from the
   flattened ``error`` of ``checked`` as a callback receives it."""
   if treedef is None:

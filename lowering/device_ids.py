@@ -29,7 +29,7 @@ class Known:
   loop body's invariants, a scope's closed-over values, a jit's operands).
   """
 
-  def __init__(self, jaxpr: core.Jaxpr, axes: tuple[Any, ...], sizes):
+  def __init__(self, jaxpr: core.Jaxpr, axes: tuple[core.AxisName, ...], sizes):
     self.axes = tuple(axes)
     self.sizes = tuple(sizes[a] for a in self.axes)
     self.count = math.prod(self.sizes)
@@ -133,7 +133,7 @@ class Known:
     return [np.asarray(x) for x in outs]
 
 
-def _is_scalar_int(aval: Any) -> bool:
+def _is_scalar_int(aval: core.AbstractValue) -> bool:
   return (
     isinstance(aval, core.ShapedArray)
     and aval.shape == ()

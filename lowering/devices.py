@@ -18,7 +18,7 @@ class _Pattern(NamedTuple):
   """A device-id value (its tree and traced leaves) and the ring shift it
   was found to make (``Devices.pattern``)."""
 
-  treedef: Any
+  treedef: tree_util.PyTreeDef
   leaves: list[Any]
   branch: Any
 
@@ -27,7 +27,7 @@ class Devices:
   """The devices a kernel exchanges with: those differing along the axes
   its device ids name (``exchange_axes``)."""
 
-  def __init__(self, axes, sizes: dict[Any, int], all_axes):
+  def __init__(self, axes, sizes: dict[core.AxisName, int], all_axes):
     self.axes = axes  # those the kernel exchanges along
     self.all_axes = all_axes  # every axis of the shard_map
     self.sizes = tuple(sizes[a] for a in axes)

@@ -184,7 +184,7 @@ def rewrite(jaxpr: core.Jaxpr, rule: EqnRule) -> core.Jaxpr:
 
 def rewrite_with_inputs(
   jaxpr: core.Jaxpr,
-  extra_avals: list[Any],
+  extra_avals: list[core.AbstractValue],
   make_rule: Callable[[tuple[Any, ...]], EqnRule],
   finish: Callable[[], None] | None = None,
 ) -> core.Jaxpr:
@@ -211,12 +211,12 @@ def rewrite_with_inputs(
   return new
 
 
-def _axis_names(axis_name: Any) -> tuple[Any, ...]:
+def _axis_names(axis_name: Any) -> tuple[core.AxisName, ...]:
   return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def axis_index_rule(
-  value_of: Callable[[Any], Any | None], sizes: dict[Any, int]
+  value_of: Callable[[Any], Any | None], sizes: dict[core.AxisName, int]
 ) -> EqnRule:
   """A ``rewrite`` rule replacing kernel-mesh axis indices.
 
@@ -261,8 +261,8 @@ def rewrite_axis_indices(jaxpr, value_of, sizes) -> core.Jaxpr:
 
 
 def literal_axis_values(
-  sizes: dict[Any, int], program: int
-) -> dict[Any, np.int32]:
+  sizes: dict[core.AxisName, int], program: int
+) -> dict[core.AxisName, np.int32]:
   """The axis indices of flat ``program`` in a mesh of ``sizes`` (row-major)."""
   coords = np.unravel_index(program, tuple(sizes.values()))
   return {n: np.int32(c) for n, c in zip(sizes, coords, strict=True)}

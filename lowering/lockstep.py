@@ -228,13 +228,13 @@ def _barrier_avals(jaxpr: core.Jaxpr) -> list[Any]:
   return []
 
 
-def _physical(aval: Any) -> Any:
+def _physical(aval: core.AbstractValue) -> core.AbstractValue:
   return _jax.interpret_mode_aval(aval)
 
 
-def _describe(aval: Any) -> str:
-  kind = aval.inner_aval.dtype.name
-  shape = aval.inner_aval.shape
+def _describe(aval: core.AbstractValue) -> str:
+  inner = jaxpr_util.shaped(jaxpr_util.ref_type(aval).inner_aval)
+  kind, shape = inner.dtype.name, inner.shape
   return f"{kind}{list(shape)}" if shape else kind
 
 

@@ -51,7 +51,7 @@ class Layout:
   meshes: tuple[Any, ...]
   # The axes each mesh contributes to the super-axis (GPU: the thread axis;
   # TPU: all of its axes).
-  local_axes: tuple[dict[Any, int], ...]
+  local_axes: tuple[dict[core.AxisName, int], ...]
 
   @property
   def sizes(self) -> list[int]:

@@ -112,7 +112,7 @@ class _Prover:
   ``pl.run_scoped`` semaphores that are satisfied, whatever the program and
   the values the kernel reads (``proven``; equations hash by identity)."""
 
-  def __init__(self, axis_sizes: dict[Any, int]):
+  def __init__(self, axis_sizes: dict[core.AxisName, int]):
     self.axis_sizes = axis_sizes
     self.ranges: dict[core.Var, Range] = {}
     # A jaxpr may be called from several places (a jitted helper): what it
@@ -388,7 +388,9 @@ def _step(body: core.Jaxpr, carry: core.Var, out: Any) -> int | None:
   return int(other.val)
 
 
-def prove(jaxpr: core.Jaxpr, axis_sizes: dict[Any, int]) -> set[core.JaxprEqn]:
+def prove(
+  jaxpr: core.Jaxpr, axis_sizes: dict[core.AxisName, int]
+) -> set[core.JaxprEqn]:
   """The equations of ``jaxpr`` (nested ones too) whose run-time
   check cannot fail: ``dma_start``s in bounds, satisfied scoped waits.
 
