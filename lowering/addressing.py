@@ -49,7 +49,7 @@ def _set_str(names) -> str:
   return "{" + ", ".join(repr(a) for a in sorted(names, key=str)) + "}"
 
 
-def same_mesh(a: Any, b: Any) -> bool:
+def same_mesh(a: pallas_core.Mesh, b: pallas_core.Mesh) -> bool:
   # Not `==`: a TensorCoreMesh compares its device arrays elementwise and
   # crashes on meshes of different sizes (jax 0.10.2).
   return a is b or (
@@ -83,7 +83,7 @@ class Target:
   mesh: int
   # Every axis of the target mesh -> the index the device_id gave, or None
   # where it takes the caller's own index.
-  coords: dict[Any, Any]
+  coords: dict[core.AxisName, Any]
   # The device_id without the kernel axes (None if nothing is left).
   device_id: Any
 
@@ -138,7 +138,9 @@ def resolve(
   return Target(owner, coords, rest)
 
 
-def dma_operands(eqn: Any, operands: Sequence[Any]) -> tuple[Any, Any]:
+def dma_operands(
+  eqn: core.JaxprEqn, operands: Sequence[Any]
+) -> tuple[Any, Any]:
   """(receive semaphore, device_id) of a ``dma_start`` / ``dma_wait``
   among ``operands`` (its variables or values): the semaphore whose owner
   is the target, as for a signal (upstream's ``dest_mesh``)."""

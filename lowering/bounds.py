@@ -24,6 +24,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -396,7 +397,7 @@ def checked(fn: Callable[..., Any], count: int) -> Callable[..., Any]:
   return checkify.checkify(fn)
 
 
-def failed(error: Any) -> Any:
+def failed(error: checkify.Error) -> jax.Array:
   """Whether any check of ``error`` (from ``checked``) failed, traced."""
   # checkify offers no traced predicate: its Error keeps one per kind.
   return functools.reduce(

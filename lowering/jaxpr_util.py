@@ -216,7 +216,8 @@ def _axis_names(axis_name: Any) -> tuple[core.AxisName, ...]:
 
 
 def axis_index_rule(
-  value_of: Callable[[Any], Any | None], sizes: dict[core.AxisName, int]
+  value_of: Callable[[core.AxisName], Any | None],
+  sizes: dict[core.AxisName, int],
 ) -> EqnRule:
   """A ``rewrite`` rule replacing kernel-mesh axis indices.
 
@@ -268,7 +269,9 @@ def literal_axis_values(
   return {n: np.int32(c) for n, c in zip(sizes, coords, strict=True)}
 
 
-def map_avals(jaxpr: core.Jaxpr, fn: Callable[[Any], Any]) -> core.Jaxpr:
+def map_avals(
+  jaxpr: core.Jaxpr, fn: Callable[[core.AbstractValue], core.AbstractValue]
+) -> core.Jaxpr:
   """``jaxpr`` with every variable's aval replaced by ``fn(aval)``, nested
   jaxprs included (structural: nothing is re-traced or re-checked)."""
   env: dict[core.Var, core.Var] = {}

@@ -123,7 +123,7 @@ class SemRead:
     return cls(RefOperand.of(op.sem, op.transforms))
 
 
-def record_types() -> dict[Any, type]:
+def record_types() -> dict[core.Primitive, type]:
   """Synchronisation primitive -> the record that reads its equations."""
   records = {
     Sync.DMA_START: DmaStart,

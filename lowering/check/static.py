@@ -52,7 +52,7 @@ class _Operand:
 def accesses(jaxpr: core.Jaxpr, program: int, axis_values) -> list[Access]:
   """The accesses of one program whose windows are known statically."""
   found: list[Access] = []
-  env: dict[Any, Any] = {}
+  env: dict[core.Var, Any] = {}
   for k, v in enumerate(jaxpr.invars):
     if isinstance(v.aval, state.AbstractRef):
       inner = jaxpr_util.shaped(v.aval.inner_aval)
