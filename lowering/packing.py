@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 
 def traced(x: Any) -> bool:
@@ -74,16 +75,16 @@ class Gathered:
 WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def byte_width(dtype: Any) -> int:
+def byte_width(dtype: DTypeLike) -> int:
   return 1 if dtype == jnp.bool_ else np.dtype(dtype).itemsize
 
 
-def _num_words(x: jax.Array, word: Any) -> int:
+def _num_words(x: jax.Array, word: DTypeLike) -> int:
   width = np.dtype(word).itemsize
   return -(-x.size * byte_width(x.dtype) // width)
 
 
-def _to_words(x: jax.Array, word: Any) -> jax.Array:
+def _to_words(x: jax.Array, word: DTypeLike) -> jax.Array:
   """``x`` as a flat vector of ``word`` (zero-padded)."""
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
