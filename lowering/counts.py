@@ -5,8 +5,10 @@ that no later signal lifts it), for the launch to report at its end."""
 import math
 from typing import Any, TypeGuard
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from mpmd._jax import core, pallas_core, state_primitives, state_types, tpu
 
@@ -23,7 +25,7 @@ def signal(sem: Any, inc: Any) -> None:
   )
 
 
-def wait(sem: Any, value: Any, decrement: bool = True) -> Any:
+def wait(sem: Any, value: ArrayLike, decrement: bool = True) -> jax.Array:
   """Takes ``value`` from a semaphore, or poisons it if it holds less;
   returns whether it held enough."""
   before = state_primitives.ref_get(sem, None)

@@ -333,6 +333,7 @@ def _land_crowded(count: int, batch: _Batch, crowded: list[_Crowded]):
   def others():
     for c in crowded:
       data_all = batch.gathered.stacked(c.data_leaf)
+      assert data_all is not None  # crowded data travels gathered
       for j in range(count):
         c.send.land(
           data_all[j],

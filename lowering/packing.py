@@ -55,13 +55,13 @@ class Gathered:
     end = start + _num_words(self._arrays[i], self._word)
     return self.words[:, start:end]
 
-  def stacked(self, i: int) -> Any:
+  def stacked(self, i: int) -> jax.Array | None:
     """Leaf ``i`` of every device, stacked (None if static)."""
     if i not in self._where:
       return None
     return _from_words(self._slice(i), self._arrays[i])
 
-  def row(self, i: int, j: Any) -> Any:
+  def row(self, i: int, j: jax.Array) -> Any:
     """Leaf ``i`` of device ``j`` (traced): picked while still in words,
     so that XLA copies one row only (a pick after the bitcast to bf16 it
     upcasts whole, and splits across threads)."""
