@@ -221,7 +221,7 @@ def _inline_scope(eqn, invals, rule) -> list[Any]:
   return outs[: len(body.outvars)]
 
 
-def _barrier_avals(jaxpr: core.Jaxpr) -> list[Any]:
+def _barrier_avals(jaxpr: core.Jaxpr) -> list[core.AbstractValue]:
   for eqn in jaxpr.eqns:
     if _pallas_ops.kind(eqn) is Sync.BARRIER_SEMAPHORE:
       return [eqn.outvars[0].aval]
