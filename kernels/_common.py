@@ -9,15 +9,17 @@ with a wrong value (rank, shape, range, divisibility).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Hashable, Iterable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
+from jax.typing import DTypeLike
 
 from mpmd import meshes, targets
+from mpmd.types import Mesh
 
 # A remote DMA's or signal's ``device_id``: its mesh coordinate along each
 # axis (the type Pallas takes on every supported jax: 0.10's is a dict, not
@@ -25,7 +27,7 @@ from mpmd import meshes, targets
 DeviceCoords = dict[str | tuple[str, ...], int | jax.Array]
 
 
-def dtype_names(dtypes: Iterable[Any]) -> str:
+def dtype_names(dtypes: Iterable[DTypeLike]) -> str:
   """``"float32, bfloat16 or float16"``: dtypes for a message."""
   names = [jnp.dtype(d).name for d in dtypes]
   return (
@@ -128,7 +130,7 @@ def check_int(
   return value
 
 
-def varying_axes(*operands: Any) -> frozenset[Any]:
+def varying_axes(*operands: Any) -> frozenset[Hashable]:
   """The manual mesh axes any of ``operands`` varies over (inside
   ``jax.shard_map(..., check_vma=True)``; empty outside)."""
   return frozenset().union(
@@ -136,18 +138,21 @@ def varying_axes(*operands: Any) -> frozenset[Any]:
   )
 
 
-def vary(x: jax.Array, varying: frozenset[Any]) -> jax.Array:
+def vary(x: jax.Array, varying: frozenset[Hashable]) -> jax.Array:
   """``x``, made to vary also over the manual mesh axes ``varying`` (see
   :func:`varying_axes`): an operand aliased to an output must have the
   output's type."""
   missing = varying - varying_axes(x)
   if not missing:
     return x
-  return jax.lax.pcast(x, tuple(sorted(missing)), to="varying")
+  # Axis names are any hashables (in practice strings, which sort as is).
+  return jax.lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
 
 
 def out_type(
-  shape: tuple[int, ...], dtype: Any, varying: frozenset[Any] = frozenset()
+  shape: tuple[int, ...],
+  dtype: DTypeLike,
+  varying: frozenset[Hashable] = frozenset(),
 ) -> jax.ShapeDtypeStruct:
   """A kernel output type that varies over ``varying`` (see
   :func:`varying_axes`), as ``shard_map(check_vma=True)`` needs."""
@@ -158,7 +163,7 @@ def out_type(
   )
 
 
-def single_core_mesh() -> Any:
+def single_core_mesh() -> Mesh:
   """The one-TensorCore mesh of the TPU kernels (its axis: ``"core"``)."""
   return meshes.tensorcore_mesh("core", num_cores=1)
 

@@ -29,10 +29,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mpmd import _jax, _pallas_ops
-from mpmd._jax import pallas_core
+from mpmd._jax import core, pallas_core
 
 
-def describe_mesh(meshes: Sequence[Any], j: int) -> str:
+def describe_mesh(meshes: Sequence[pallas_core.Mesh], j: int) -> str:
   """``mesh 1 {'s_core': 1} (sc_scalar_subcore)``: names the user's mesh."""
   mesh = meshes[j]
   kind = getattr(mesh, "core_type", None)
@@ -40,7 +40,7 @@ def describe_mesh(meshes: Sequence[Any], j: int) -> str:
   return f"mesh {j} {dict(mesh.shape)}{kind}"
 
 
-def _core_type_name(mesh: Any) -> str:
+def _core_type_name(mesh: pallas_core.Mesh) -> str:
   kind = getattr(mesh, "core_type", None)
   return getattr(kind, "name", str(kind))
 
@@ -49,7 +49,7 @@ def _set_str(names) -> str:
   return "{" + ", ".join(repr(a) for a in sorted(names, key=str)) + "}"
 
 
-def same_mesh(a: Any, b: Any) -> bool:
+def same_mesh(a: pallas_core.Mesh, b: pallas_core.Mesh) -> bool:
   # Not `==`: a TensorCoreMesh compares its device arrays elementwise and
   # crashes on meshes of different sizes (jax 0.10.2).
   return a is b or (
@@ -57,7 +57,9 @@ def same_mesh(a: Any, b: Any) -> bool:
   )
 
 
-def owner_of(aval: Any, meshes: Sequence[Any], caller: int) -> int | None:
+def owner_of(
+  aval: core.AbstractValue, meshes: Sequence[pallas_core.Mesh], caller: int
+) -> int | None:
   """The launch mesh that owns a Ref (``type @ mesh``), None if unowned.
 
   A mesh listed twice owns through the caller where the caller is it, else
@@ -81,15 +83,15 @@ class Target:
   mesh: int
   # Every axis of the target mesh -> the index the device_id gave, or None
   # where it takes the caller's own index.
-  coords: dict[Any, Any]
+  coords: dict[core.AxisName, Any]
   # The device_id without the kernel axes (None if nothing is left).
   device_id: Any
 
 
 def resolve(
-  meshes: Sequence[Any],
+  meshes: Sequence[pallas_core.Mesh],
   caller: int,
-  sem_aval: Any,
+  sem_aval: core.AbstractValue,
   device_id: Any,
   what: str,
 ) -> Target | None:
@@ -136,7 +138,9 @@ def resolve(
   return Target(owner, coords, rest)
 
 
-def dma_operands(eqn: Any, operands: Sequence[Any]) -> tuple[Any, Any]:
+def dma_operands(
+  eqn: core.JaxprEqn, operands: Sequence[Any]
+) -> tuple[Any, Any]:
   """(receive semaphore, device_id) of a ``dma_start`` / ``dma_wait``
   among ``operands`` (its variables or values): the semaphore whose owner
   is the target, as for a signal (upstream's ``dest_mesh``)."""
@@ -155,7 +159,7 @@ def _underlying(sem: Any) -> Any:
   return sem
 
 
-def _tensorcores_only(meshes: Sequence[Any]) -> bool:
+def _tensorcores_only(meshes: Sequence[pallas_core.Mesh]) -> bool:
   """Several TensorCore meshes: a launch upstream has no rules for."""
   return len(meshes) > 1 and all(
     getattr(getattr(m, "core_type", None), "name", None) == "TC" for m in meshes

@@ -24,6 +24,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -82,7 +83,7 @@ def operand_names(
   return names
 
 
-def _short(aval: Any) -> str:
+def _short(aval: core.AbstractValue) -> str:
   inner = getattr(aval, "inner_aval", aval)
   return inner.str_short(short_dtypes=True)
 
@@ -411,7 +412,7 @@ def checked(fn: Callable[..., Any], count: int) -> Callable[..., Any]:
   return checkify.checkify(fn)
 
 
-def failed(error: Any) -> Any:
+def failed(error: checkify.Error) -> jax.Array:
   """Whether any check of ``error`` (from ``checked``) failed, traced."""
   # checkify offers no traced predicate: its Error keeps one per kind.
   return functools.reduce(
@@ -419,7 +420,9 @@ def failed(error: Any) -> Any:
   )
 
 
-def first_failure(treedef: Any, leaves: Sequence[Any]) -> Exception | None:
+def first_failure(
+  treedef: tree_util.PyTreeDef | None, leaves: Sequence[Any]
+) -> Exception | None:
   """The error a failed check reports (None if none failed), from the
   flattened ``error`` of ``checked`` as a callback receives it."""
   if treedef is None:

@@ -34,10 +34,10 @@ def _value_aval(aval):
 
 
 def grid_mapping(
-  mesh: Any,
+  mesh: pallas_core.Mesh,
   jaxpr: core.Jaxpr,
-  in_avals: Sequence[Any],
-  out_avals: Sequence[Any],
+  in_avals: Sequence[core.AbstractValue],
+  out_avals: Sequence[core.AbstractValue],
   debug: bool = False,
 ):
   """A ``GridMapping`` that runs ``jaxpr`` once per program of ``mesh``.
@@ -118,8 +118,8 @@ def _scratch_refs(
 def scoped_scratch(
   jaxpr: core.Jaxpr,
   num_operands: int,
-  mesh: Any,
-  meshes: Sequence[Any],
+  mesh: Any,  # a Mosaic GPU mesh (its module is imported lazily)
+  meshes: Sequence[pallas_core.Mesh],
   which: Callable[[Any], bool] = lambda aval: True,
 ) -> tuple[core.Jaxpr, list[int]]:
   """Kernel scratch -> one ``run_scoped`` collective over the warpgroups.

@@ -3,12 +3,14 @@ counts that a wait which finds too little poisons (sets far below zero, so
 that no later signal lifts it), for the launch to report at its end."""
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
-from mpmd._jax import pallas_core, state_primitives, state_types, tpu
+from mpmd._jax import core, pallas_core, state_primitives, state_types, tpu
 
 # Far below any count a kernel reaches, and far from wrapping around.
 _POISON = -(1 << 30)
@@ -23,7 +25,7 @@ def signal(sem: Any, inc: Any) -> None:
   )
 
 
-def wait(sem: Any, value: Any, decrement: bool = True) -> Any:
+def wait(sem: Any, value: ArrayLike, decrement: bool = True) -> jax.Array:
   """Takes ``value`` from a semaphore, or poisons it if it holds less;
   returns whether it held enough."""
   before = state_primitives.ref_get(sem, None)
@@ -39,17 +41,20 @@ def ref_bytes(ref: Any) -> int:
   return math.prod(ref.shape) * np.dtype(ref.dtype).itemsize
 
 
-def widen(aval: Any) -> Any:
+def widen(aval: core.AbstractValue) -> core.AbstractValue:
   """Semaphore counts as int32 (Pallas' interpreters use int16)."""
+  if not is_count(aval):
+    return aval
+  inner = aval.inner_aval
   if (
-    is_count(aval)
-    and aval.inner_aval.dtype == pallas_core.SEMAPHORE_INTERPRET_DTYPE
+    isinstance(inner, core.ShapedArray)
+    and inner.dtype == pallas_core.SEMAPHORE_INTERPRET_DTYPE
   ):
-    return aval.update(inner_aval=aval.inner_aval.update(dtype=jnp.int32))
+    return aval.update(inner_aval=inner.update(dtype=jnp.int32))
   return aval
 
 
-def is_count(aval: Any) -> bool:
+def is_count(aval: core.AbstractValue) -> TypeGuard[state_types.AbstractRef]:
   """A Ref in semaphore memory (of physical integer counts)."""
   if not isinstance(aval, state_types.AbstractRef):
     return False

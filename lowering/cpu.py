@@ -1,7 +1,5 @@
 """The CPU fallback: run the kernels, fast when possible, faithful when not."""
 
-from typing import Any
-
 import jax
 
 from mpmd._jax import (
@@ -73,7 +71,9 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   )
 
 
-def _check_lowered_in_traced_shard_map(path: paths.Path, axis_context) -> None:
+def _check_lowered_in_traced_shard_map(
+  path: paths.Path, axis_context: mlir.AxisContext
+) -> None:
   """The lockstep path exchanges data along the axes of the shard_map the
   launch was traced in: it must be lowered in that shard_map."""
   axes = paths.manual_axes(axis_context)
@@ -85,7 +85,7 @@ def _check_lowered_in_traced_shard_map(path: paths.Path, axis_context) -> None:
     )
 
 
-def _launch_processes(axis_context: Any) -> set[int] | None:
+def _launch_processes(axis_context: mlir.AxisContext) -> set[int] | None:
   """The processes whose devices a launch is lowered for (None when the
   lowering does not know its devices: a shard_map over an abstract mesh)."""
   devices = None
@@ -99,7 +99,9 @@ def _launch_processes(axis_context: Any) -> set[int] | None:
   return None if devices is None else {d.process_index for d in devices}
 
 
-def _check_one_process(jaxprs, path: paths.Path, axis_context: Any) -> None:
+def _check_one_process(
+  jaxprs, path: paths.Path, axis_context: mlir.AxisContext
+) -> None:
   """The simulators keep all simulated memory (buffers, semaphores, DMAs in
   flight) inside one Python process: across processes the programs would
   wait forever for data and signals that never arrive. A launch whose

@@ -10,7 +10,6 @@ targets to agree on it (``exchange.Exchanges``). Values read from memory
 """
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ class Known:
   loop body's invariants, a scope's closed-over values, a jit's operands).
   """
 
-  def __init__(self, jaxpr: core.Jaxpr, axes: tuple[Any, ...], sizes):
+  def __init__(self, jaxpr: core.Jaxpr, axes: tuple[core.AxisName, ...], sizes):
     self.axes = tuple(axes)
     self.sizes = tuple(sizes[a] for a in self.axes)
     self.count = math.prod(self.sizes)
@@ -39,11 +38,11 @@ class Known:
     with jax.ensure_compile_time_eval():
       self._scan(jaxpr, {})
 
-  def coords(self, axis: Any) -> np.ndarray:
+  def coords(self, axis: core.AxisName) -> np.ndarray:
     """Every device's coordinate along ``axis`` (one of ``axes``)."""
     return self._coords[axis]
 
-  def value(self, a: Any) -> np.ndarray | None:
+  def value(self, a: core.Atom) -> np.ndarray | None:
     """``a``'s value on every device (a Var or Literal), if known."""
     if isinstance(a, core.Literal):
       if np.ndim(a.val) != 0 or not isinstance(a.aval, core.ShapedArray):
@@ -133,7 +132,7 @@ class Known:
     return [np.asarray(x) for x in outs]
 
 
-def _is_scalar_int(aval: Any) -> bool:
+def _is_scalar_int(aval: core.AbstractValue) -> bool:
   return (
     isinstance(aval, core.ShapedArray)
     and aval.shape == ()

@@ -5,6 +5,7 @@ that move values between them."""
 import math
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -18,7 +19,7 @@ class _Pattern(NamedTuple):
   """A device-id value (its tree and traced leaves) and the ring shift it
   was found to make (``Devices.pattern``)."""
 
-  treedef: Any
+  treedef: tree_util.PyTreeDef
   leaves: list[Any]
   branch: Any
 
@@ -27,7 +28,7 @@ class Devices:
   """The devices a kernel exchanges with: those differing along the axes
   its device ids name (``exchange_axes``)."""
 
-  def __init__(self, axes, sizes: dict[Any, int], all_axes):
+  def __init__(self, axes, sizes: dict[core.AxisName, int], all_axes):
     self.axes = axes  # those the kernel exchanges along
     self.all_axes = all_axes  # every axis of the shard_map
     self.sizes = tuple(sizes[a] for a in axes)
@@ -50,7 +51,7 @@ class Devices:
       return device_id
     return {self.axes[0]: device_id}
 
-  def flat(self, device_id: Any) -> Any:
+  def flat(self, device_id: Any) -> jax.Array:
     """The flat index of ``device_id`` (a dict, or an index along the only
     axis); axes a dict leaves out keep this device's coordinate."""
     device_id = self._by_axis(device_id)
@@ -61,7 +62,7 @@ class Devices:
       index = index * size + jnp.asarray(coord, jnp.int32)
     return index
 
-  def me(self) -> Any:
+  def me(self) -> jax.Array:
     return self.flat({})
 
   def static_shift(self, device_id: Any) -> int | None:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from mpmd import _pallas_ops
 from mpmd._jax import (
@@ -27,20 +28,22 @@ from mpmd._lowering.devices import Devices
 from mpmd._pallas_ops import Sync
 
 
-def _row(stacked: jax.Array, j: Any) -> jax.Array:
+def _row(stacked: jax.Array, j: jax.Array) -> jax.Array:
   """``stacked[j]`` for a traced ``j`` in range: one dynamic slice (jnp
   indexing would also mask out-of-range rows, costing a pass over them)."""
   return lax.dynamic_index_in_dim(stacked, j, keepdims=False)
 
 
-def _pick(leaves: list[Any], gathered: list[Any], j: Any) -> list[Any]:
+def _pick(
+  leaves: list[Any], gathered: list[Any], j: int | jax.Array
+) -> list[Any]:
   return [
     x if g is None else (g[j] if isinstance(j, int) else _row(g, j))
     for x, g in zip(leaves, gathered, strict=True)
   ]
 
 
-def _nbytes(x: Any) -> int:
+def _nbytes(x: ArrayLike) -> int:
   return math.prod(jnp.shape(x)) * np.dtype(jnp.result_type(x)).itemsize
 
 
@@ -316,8 +319,8 @@ class _Crowded(NamedTuple):
   (``first``), for the others that may have (``mine``)."""
 
   send: _Send
-  mine: Any
-  first: Any
+  mine: jax.Array  # per device: whether it targets this one
+  first: jax.Array
   data_leaf: int
   moving_all: list[Any]
 
@@ -330,6 +333,7 @@ def _land_crowded(count: int, batch: _Batch, crowded: list[_Crowded]):
   def others():
     for c in crowded:
       data_all = batch.gathered.stacked(c.data_leaf)
+      assert data_all is not None  # crowded data travels gathered
       for j in range(count):
         c.send.land(
           data_all[j],
@@ -367,7 +371,7 @@ def _touched(eqn: core.JaxprEqn, invals: list[Any]) -> list[Any]:
 _GATHER_BYTES = 1 << 20
 
 
-def _land_signal(send: _Send, mine: Any, moving_all: list[Any]) -> None:
+def _land_signal(send: _Send, mine: jax.Array, moving_all: list[Any]) -> None:
   inc, *_ = send.moving
   inc_all, *indices_all = moving_all
   if all(g is None for g in indices_all):
@@ -473,7 +477,7 @@ def remote_signal(
   )
 
 
-def _static_int(x: Any) -> Any:
+def _static_int(x: ArrayLike) -> int | jax.Array:
   """``x`` as a Python int if it is a literal (the same on every device, it
   need not travel), else as a traced int32."""
   if isinstance(x, (int, np.integer)) or (

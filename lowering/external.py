@@ -25,12 +25,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mpmd import _pallas_ops
-from mpmd._jax import pallas_core, pallas_primitives
+from mpmd._jax import core, pallas_core, pallas_primitives
 from mpmd._lowering import addressing, jaxpr_util, tracing
 
 
 def external_meshes(
-  meshes: Sequence[Any], avals: Sequence[Any]
+  meshes: Sequence[pallas_core.Mesh], avals: Sequence[core.AbstractValue]
 ) -> tuple[Any, ...]:
   """The owners (``type @ mesh``) of ``avals`` that are none of ``meshes``,
   each once, in the order the operands name them."""
@@ -45,12 +45,14 @@ def external_meshes(
   return tuple(found)
 
 
-def of_kernels(meshes: Sequence[Any], jaxprs: Sequence[Any]) -> tuple:
+def of_kernels(
+  meshes: Sequence[pallas_core.Mesh], jaxprs: Sequence[core.Jaxpr]
+) -> tuple:
   """The external meshes of a bound launch (its kernels' operands)."""
   return external_meshes(meshes, [v.aval for v in jaxprs[0].invars])
 
 
-def _programs(mesh: Any) -> int:
+def _programs(mesh: pallas_core.Mesh) -> int:
   count = 1
   for size in dict(mesh.shape).values():
     count *= size

@@ -3,9 +3,10 @@ the HLO interpreter, axis indices as literals, state discharged. Exact for
 kernels whose programs do not wait on each other (local DMAs and a program's
 own semaphores complete in program order)."""
 
+import enum
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -13,6 +14,7 @@ from jax import lax
 from mpmd import _jax
 from mpmd._jax import (
   callback,
+  core,
   hlo_interpreter,
   mlir,
   pallas_core,
@@ -57,18 +59,20 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     )
 
 
-# Who shares a scratch buffer on the fast path: every program of the device
-# (HBM / ANY), the programs of one SparseCore (VMEM_SHARED), or nobody.
-_DEVICE, _SPARSECORE = "device", "sparsecore"
+class _Sharing(enum.Enum):
+  """Who shares a scratch buffer on the fast path (None: nobody)."""
+
+  DEVICE = enum.auto()  # every program of the device (HBM / ANY)
+  SPARSECORE = enum.auto()  # the programs of one SparseCore (VMEM_SHARED)
 
 
-def _sharing(aval) -> str | None:
+def _sharing(aval: core.AbstractValue) -> _Sharing | None:
   space = getattr(aval, "memory_space", None)
   tpu_spaces = tpu().core.MemorySpace
   if space in (pallas_core.MemorySpace.ANY, tpu_spaces.HBM, None):
-    return _DEVICE
+    return _Sharing.DEVICE
   if space is tpu_spaces.VMEM_SHARED:
-    return _SPARSECORE
+    return _Sharing.SPARSECORE
   return None
 
 
@@ -76,11 +80,11 @@ class _Buffers(NamedTuple):
   """The unrolled programs' operands ``(*inputs, *outputs, *scratch)``."""
 
   num_in: int
-  out_avals: tuple[Any, ...]
+  out_avals: tuple[core.AbstractValue, ...]
   # Output index -> the input it aliases (and starts as).
   out_sources: dict[int, int]
   # Per scratch operand: its physical aval, and who shares it (_sharing).
-  scratch: tuple[tuple[Any, str | None], ...]
+  scratch: tuple[tuple[core.AbstractValue, _Sharing | None], ...]
   # Per operand: whether the kernel takes it as a Ref.
   is_ref: tuple[bool, ...]
   # The operand indices of semaphores.
@@ -100,9 +104,9 @@ class _Buffers(NamedTuple):
     """Which shared buffer scratch operand ``k`` of ``program`` is (None:
     its own)."""
     sharing = self.scratch[k][1]
-    if sharing == _DEVICE:
+    if sharing is _Sharing.DEVICE:
       return k
-    if sharing == _SPARSECORE:
+    if sharing is _Sharing.SPARSECORE:
       return (k, self.sparsecores[program])
     return None
 
@@ -197,9 +201,9 @@ def _fast_programs(num_in: int, params):
     if k < operands:
       return ("operand", out_to_in.get(k - num_in, k) if k >= num_in else k)
     sharing = _sharing(kernel.invars[k].aval)
-    if sharing == _DEVICE:
+    if sharing is _Sharing.DEVICE:
       return k
-    if sharing == _SPARSECORE:
+    if sharing is _Sharing.SPARSECORE:
       return (k, sparsecores[program])
     return None
 

@@ -21,7 +21,7 @@ the simulators runs as JAX wrote it.
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,7 +47,7 @@ def compiled_limit() -> int:
 
 
 @contextlib.contextmanager
-def limit_compiled(limit: int) -> Iterator[None]:
+def limit_compiled(limit: int) -> Generator[None, None, None]:
   """Inside: at most ``limit`` simulated programs run compiled at once (0:
   every program runs on the host)."""
   global _limit
@@ -176,9 +176,13 @@ def _scan(eqn, invals):
   num_consts, num_carry = _jax.scan_layout(p)
   consts = invals[:num_consts]
   carry = invals[num_consts : num_consts + num_carry]
-  xs = [_host(x) for x in invals[num_consts + num_carry :]]
+  # Scanned operands have a leading axis: arrays, never numpy scalars.
+  xs = [np.asarray(x) for x in invals[num_consts + num_carry :]]
   length = p["length"]
-  ys = [np.empty(v.aval.shape, v.aval.dtype) for v in eqn.outvars[num_carry:]]
+  ys = [
+    np.empty(aval.shape, aval.dtype)
+    for aval in (jaxpr_util.shaped(v.aval) for v in eqn.outvars[num_carry:])
+  ]
   steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
   for i in steps:
     outs = _eval_sub(p["jaxpr"], [*consts, *carry, *(x[i] for x in xs)])

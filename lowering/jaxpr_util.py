@@ -16,6 +16,7 @@ from mpmd._jax import (
   pallas_primitives,
   pe,
   source_info_util,
+  state_types,
 )
 
 
@@ -46,6 +47,23 @@ def iter_eqns(jaxpr: core.Jaxpr) -> Iterator[core.JaxprEqn]:
     yield eqn
     for sub in sub_jaxprs(eqn.params):
       yield from iter_eqns(sub)
+
+
+def shaped(aval: core.AbstractValue) -> core.ShapedArray:
+  """``aval`` as the array type it is: JAX types an atom's aval as an
+  ``AbstractValue``, which has no shape or dtype. Raises TypeError for a
+  Ref or a token (a caller that may meet those tests for them first)."""
+  if not isinstance(aval, core.ShapedArray):
+    raise TypeError(f"mpmd: internal error: expected an array, got {aval}")
+  return aval
+
+
+def ref_type(aval: core.AbstractValue) -> state_types.AbstractRef:
+  """``aval`` as the Ref type it is (a kernel operand, a scoped
+  allocation); TypeError for any other aval."""
+  if not isinstance(aval, state_types.AbstractRef):
+    raise TypeError(f"mpmd: internal error: expected a Ref, got {aval}")
+  return aval
 
 
 EqnRule = Callable[[core.JaxprEqn, list[Any]], list[Any] | None]
@@ -166,7 +184,7 @@ def rewrite(jaxpr: core.Jaxpr, rule: EqnRule) -> core.Jaxpr:
 
 def rewrite_with_inputs(
   jaxpr: core.Jaxpr,
-  extra_avals: list[Any],
+  extra_avals: list[core.AbstractValue],
   make_rule: Callable[[tuple[Any, ...]], EqnRule],
   finish: Callable[[], None] | None = None,
 ) -> core.Jaxpr:
@@ -193,12 +211,13 @@ def rewrite_with_inputs(
   return new
 
 
-def _axis_names(axis_name: Any) -> tuple[Any, ...]:
+def _axis_names(axis_name: Any) -> tuple[core.AxisName, ...]:
   return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def axis_index_rule(
-  value_of: Callable[[Any], Any | None], sizes: dict[Any, int]
+  value_of: Callable[[core.AxisName], Any | None],
+  sizes: dict[core.AxisName, int],
 ) -> EqnRule:
   """A ``rewrite`` rule replacing kernel-mesh axis indices.
 
@@ -243,14 +262,16 @@ def rewrite_axis_indices(jaxpr, value_of, sizes) -> core.Jaxpr:
 
 
 def literal_axis_values(
-  sizes: dict[Any, int], program: int
-) -> dict[Any, np.int32]:
+  sizes: dict[core.AxisName, int], program: int
+) -> dict[core.AxisName, np.int32]:
   """The axis indices of flat ``program`` in a mesh of ``sizes`` (row-major)."""
   coords = np.unravel_index(program, tuple(sizes.values()))
   return {n: np.int32(c) for n, c in zip(sizes, coords, strict=True)}
 
 
-def map_avals(jaxpr: core.Jaxpr, fn: Callable[[Any], Any]) -> core.Jaxpr:
+def map_avals(
+  jaxpr: core.Jaxpr, fn: Callable[[core.AbstractValue], core.AbstractValue]
+) -> core.Jaxpr:
   """``jaxpr`` with every variable's aval replaced by ``fn(aval)``, nested
   jaxprs included (structural: nothing is re-traced or re-checked)."""
   env: dict[core.Var, core.Var] = {}

@@ -202,7 +202,7 @@ def _inline_scope(eqn, invals, rule) -> list[Any]:
   with jax.enable_checks(False):
     scope = _jax.pe.convert_constvars_jaxpr(scope)
   body = jaxpr_util.rewrite(scope, rule)
-  allocated = [v.aval for v in body.invars[num_closed:]]
+  allocated = [jaxpr_util.ref_type(v.aval) for v in body.invars[num_closed:]]
   pure, consts = _jax.open_jaxpr(
     _jax.discharge_state(
       _jax.closed_jaxpr(body),
@@ -221,20 +221,20 @@ def _inline_scope(eqn, invals, rule) -> list[Any]:
   return outs[: len(body.outvars)]
 
 
-def _barrier_avals(jaxpr: core.Jaxpr) -> list[Any]:
+def _barrier_avals(jaxpr: core.Jaxpr) -> list[core.AbstractValue]:
   for eqn in jaxpr.eqns:
     if _pallas_ops.kind(eqn) is Sync.BARRIER_SEMAPHORE:
       return [eqn.outvars[0].aval]
   return []
 
 
-def _physical(aval: Any) -> Any:
+def _physical(aval: core.AbstractValue) -> core.AbstractValue:
   return _jax.interpret_mode_aval(aval)
 
 
-def _describe(aval: Any) -> str:
-  kind = aval.inner_aval.dtype.name
-  shape = aval.inner_aval.shape
+def _describe(aval: core.AbstractValue) -> str:
+  inner = jaxpr_util.shaped(jaxpr_util.ref_type(aval).inner_aval)
+  kind, shape = inner.dtype.name, inner.shape
   return f"{kind}{list(shape)}" if shape else kind
 
 
@@ -248,7 +248,7 @@ def lower(
   """
   [mesh] = params["meshes"]
   num_in, num_out = len(in_nodes), len(params["out_avals"])
-  sizes = dict(ctx.module_context.axis_context.mesh.shape)
+  sizes = paths.mesh_sizes(ctx.module_context.axis_context)
   devices = Devices(paths.exchange_axes(kernel, axes), sizes, axes)
   barrier_avals = _barrier_avals(kernel)
   traced = params["jaxprs"][0]  # as the user wrote it: names, arguments

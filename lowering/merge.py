@@ -48,10 +48,10 @@ SUPER_AXIS = "_mpmd_programs"
 class Layout:
   """Where each mesh's programs sit on the super-axis."""
 
-  meshes: tuple[Any, ...]
+  meshes: tuple[pallas_core.Mesh, ...]
   # The axes each mesh contributes to the super-axis (GPU: the thread axis;
   # TPU: all of its axes).
-  local_axes: tuple[dict[Any, int], ...]
+  local_axes: tuple[dict[core.AxisName, int], ...]
 
   @property
   def sizes(self) -> list[int]:
@@ -73,7 +73,7 @@ class Layout:
       )
     )
 
-  def owner(self, axis: Any) -> int | None:
+  def owner(self, axis: core.AxisName) -> int | None:
     """The first mesh with ``axis`` among its own (merged) axes."""
     for j, axes in enumerate(self.local_axes):
       if axis in axes:
@@ -81,7 +81,7 @@ class Layout:
     return None
 
 
-def _local_index(layout: Layout, i: int, axis: Any):
+def _local_index(layout: Layout, i: int, axis: core.AxisName):
   """The mesh-``i`` index along ``axis``, computed from the super-axis."""
   axes = layout.local_axes[i]
   names = list(axes)
@@ -256,7 +256,7 @@ def _merged_aval(aval):
   return aval
 
 
-def sparsecore_axis(mesh) -> Any:
+def sparsecore_axis(mesh) -> core.AxisName | None:
   """The core axis of a SparseCore mesh (None for other meshes)."""
   return getattr(mesh, "core_axis_name", None) or (
     mesh.axis_name if type(mesh).__name__ == "ScalarSubcoreMesh" else None

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 
 def traced(x: Any) -> bool:
@@ -54,13 +55,13 @@ class Gathered:
     end = start + _num_words(self._arrays[i], self._word)
     return self.words[:, start:end]
 
-  def stacked(self, i: int) -> Any:
+  def stacked(self, i: int) -> jax.Array | None:
     """Leaf ``i`` of every device, stacked (None if static)."""
     if i not in self._where:
       return None
     return _from_words(self._slice(i), self._arrays[i])
 
-  def row(self, i: int, j: Any) -> Any:
+  def row(self, i: int, j: jax.Array) -> Any:
     """Leaf ``i`` of device ``j`` (traced): picked while still in words,
     so that XLA copies one row only (a pick after the bitcast to bf16 it
     upcasts whole, and splits across threads)."""
@@ -74,16 +75,16 @@ class Gathered:
 WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def byte_width(dtype: Any) -> int:
+def byte_width(dtype: DTypeLike) -> int:
   return 1 if dtype == jnp.bool_ else np.dtype(dtype).itemsize
 
 
-def _num_words(x: jax.Array, word: Any) -> int:
+def _num_words(x: jax.Array, word: DTypeLike) -> int:
   width = np.dtype(word).itemsize
   return -(-x.size * byte_width(x.dtype) // width)
 
 
-def _to_words(x: jax.Array, word: Any) -> jax.Array:
+def _to_words(x: jax.Array, word: DTypeLike) -> jax.Array:
   """``x`` as a flat vector of ``word`` (zero-padded)."""
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)

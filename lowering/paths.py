@@ -25,7 +25,13 @@ import jax
 import jax.numpy as jnp
 
 from mpmd import _jax, _pallas_ops
-from mpmd._jax import core, pallas_primitives, sharding_impls
+from mpmd._jax import (
+  core,
+  mlir,
+  pallas_core,
+  pallas_primitives,
+  sharding_impls,
+)
 from mpmd._lowering import addressing, jaxpr_util
 from mpmd._pallas_ops import Sync
 
@@ -61,10 +67,10 @@ class Path:
   params: Any = None
   # The lockstep path: the enclosing shard_map's axes (its devices exchange
   # data along them).
-  manual_axes: tuple[Any, ...] = ()
+  manual_axes: tuple[core.AxisName, ...] = ()
 
 
-def is_semaphore(aval: Any) -> bool:
+def is_semaphore(aval: core.AbstractValue) -> bool:
   """A Ref of (DMA / regular / barrier) semaphores."""
   inner = getattr(aval, "inner_aval", None)
   dtype = getattr(inner, "dtype", None)
@@ -73,7 +79,7 @@ def is_semaphore(aval: Any) -> bool:
   )
 
 
-def is_semaphore_array(aval: Any) -> bool:
+def is_semaphore_array(aval: core.AbstractValue) -> bool:
   """A launch's semaphore input or output (a value, not a Ref)."""
   dtype = getattr(aval, "dtype", None)
   return dtype is not None and jnp.issubdtype(
@@ -90,7 +96,9 @@ def semaphore_operands(jaxpr: core.Jaxpr, num_operands: int) -> tuple[int, ...]:
 
 
 def check_semaphore_operands(
-  jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any], num_operands: int
+  jaxprs: Sequence[core.Jaxpr],
+  meshes: Sequence[pallas_core.Mesh],
+  num_operands: int,
 ) -> None:
   """Raises for semaphore inputs / outputs no CPU path can carry.
 
@@ -117,7 +125,7 @@ def check_semaphore_operands(
     )
 
 
-def is_gpu_mesh(mesh: Any) -> bool:
+def is_gpu_mesh(mesh: pallas_core.Mesh) -> bool:
   # Without the Mosaic GPU backend there are no GPU meshes to recognise.
   try:
     return isinstance(mesh, _jax.gpu().core.Mesh)
@@ -131,7 +139,7 @@ _UNSIMULATED = (Sync.SUBCORE_BARRIER, Sync.FETCH_AND_ADD)
 
 
 def sync_reason(
-  jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any] = ()
+  jaxprs: Sequence[core.Jaxpr], meshes: Sequence[pallas_core.Mesh] = ()
 ) -> str | None:
   """Why programs of these kernels may wait on each other (None if never)."""
   for i, jaxpr in enumerate(jaxprs):
@@ -211,9 +219,9 @@ def _has(x: Any, kind: type) -> bool:
 
 def choose(
   jaxprs: Sequence[core.Jaxpr],
-  meshes: Sequence[Any],
+  meshes: Sequence[pallas_core.Mesh],
   interpret: Any,
-  manual_axes: tuple[Any, ...] = (),
+  manual_axes: tuple[core.AxisName, ...] = (),
 ) -> Path:
   """The CPU-fallback path for a launch (see the module docstring).
 
@@ -300,7 +308,9 @@ def _checker_covers(jaxprs, meshes):
   return checking.CheckParams()
 
 
-def fully_manual_axes(names: Sequence[Any], manual: Any) -> tuple[Any, ...]:
+def fully_manual_axes(
+  names: Sequence[core.AxisName], manual: Any
+) -> tuple[core.AxisName, ...]:
   """``names`` (a shard_map mesh's axes, in order) if all are in ``manual``,
   else (): the lockstep path needs every axis manual (its deadlock report
   is a callback, which JAX allows only in a fully manual shard_map)."""
@@ -308,7 +318,7 @@ def fully_manual_axes(names: Sequence[Any], manual: Any) -> tuple[Any, ...]:
   return names if names and set(names) <= set(manual) else ()
 
 
-def traced_manual_axes() -> tuple[Any, ...]:
+def traced_manual_axes() -> tuple[core.AxisName, ...]:
   """``fully_manual_axes`` of the shard_map being traced.
 
   What the lowering's axis context gives (:func:`manual_axes`) for the
@@ -353,7 +363,7 @@ _DIVERGENT = ("cond", "while")
 _MESH = pallas_primitives.DeviceIdType.MESH
 
 
-def manual_axes(axis_context: Any) -> tuple[Any, ...]:
+def manual_axes(axis_context: mlir.AxisContext) -> tuple[core.AxisName, ...]:
   """``paths.fully_manual_axes`` of the shard_map being lowered."""
   if not isinstance(axis_context, sharding_impls.SPMDAxisContext):
     return ()
@@ -362,7 +372,17 @@ def manual_axes(axis_context: Any) -> tuple[Any, ...]:
   )
 
 
-def exchange_axes(jaxpr: core.Jaxpr, axes: tuple[Any, ...]) -> tuple[Any, ...]:
+def mesh_sizes(axis_context: mlir.AxisContext) -> dict[core.AxisName, int]:
+  """The size of each axis of the mesh of the shard_map being lowered
+  (empty outside a shard_map: no mesh axes to name)."""
+  if not isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    return {}
+  return {a: int(s) for a, s in axis_context.mesh.shape.items()}
+
+
+def exchange_axes(
+  jaxpr: core.Jaxpr, axes: tuple[core.AxisName, ...]
+) -> tuple[core.AxisName, ...]:
   """The mesh axes the kernel's remote operations name, in mesh order.
 
   Devices that differ along other axes never exchange, so they need not
@@ -379,7 +399,9 @@ def exchange_axes(jaxpr: core.Jaxpr, axes: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def lockstep_why_not(
-  jaxprs: Sequence[core.Jaxpr], meshes: Sequence[Any], axes: tuple[Any, ...]
+  jaxprs: Sequence[core.Jaxpr],
+  meshes: Sequence[pallas_core.Mesh],
+  axes: tuple[core.AxisName, ...],
 ) -> str | None:
   """Why a synchronising kernel cannot run in lockstep (None if it can).
 

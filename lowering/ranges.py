@@ -11,22 +11,22 @@ from typing import Any
 import numpy as np
 
 from mpmd import _jax, _pallas_ops
-from mpmd._jax import core, state_types
+from mpmd._jax import core, state_indexing, state_types
 from mpmd._lowering import jaxpr_util
 from mpmd._pallas_ops import Sync
 
 
-def ref_indexers(ref: Any) -> tuple[Any, list[Any]]:
+def ref_indexers(ref: Any) -> tuple[Any, list[state_indexing.NDIndexer]]:
   """A (transformed) Ref's root and its indexers, outermost first."""
   if isinstance(ref, state_types.TransformedRef):
-    indexer = _jax.state.indexing.NDIndexer
+    indexer = state_indexing.NDIndexer
     return ref.ref, [t for t in ref.transforms if isinstance(t, indexer)]
   return ref, []
 
 
 def parts(index: Any) -> tuple[Any, Any, int, bool]:
   """(start, size, stride, is a slice) of one index of an indexer."""
-  if isinstance(index, _jax.state.indexing.Slice):
+  if isinstance(index, state_indexing.Slice):
     return index.start, index.size, index.stride, True
   return index, 1, 1, False
 
@@ -112,7 +112,7 @@ class _Prover:
   ``pl.run_scoped`` semaphores that are satisfied, whatever the program and
   the values the kernel reads (``proven``; equations hash by identity)."""
 
-  def __init__(self, axis_sizes: dict[Any, int]):
+  def __init__(self, axis_sizes: dict[core.AxisName, int]):
     self.axis_sizes = axis_sizes
     self.ranges: dict[core.Var, Range] = {}
     # A jaxpr may be called from several places (a jitted helper): what it
@@ -388,7 +388,9 @@ def _step(body: core.Jaxpr, carry: core.Var, out: Any) -> int | None:
   return int(other.val)
 
 
-def prove(jaxpr: core.Jaxpr, axis_sizes: dict[Any, int]) -> set[core.JaxprEqn]:
+def prove(
+  jaxpr: core.Jaxpr, axis_sizes: dict[core.AxisName, int]
+) -> set[core.JaxprEqn]:
   """The equations of ``jaxpr`` (nested ones too) whose run-time
   check cannot fail: ``dma_start``s in bounds, satisfied scoped waits.
 

@@ -6,13 +6,12 @@ kernels need not import the primitive, which imports them.
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
 
 from mpmd import _jax, targets
-from mpmd._jax import core
+from mpmd._jax import core, pallas_core
 
 
-def axis_env(meshes: Sequence[Any]) -> dict[Any, int]:
+def axis_env(meshes: Sequence[pallas_core.Mesh]) -> dict[core.AxisName, int]:
   """The axis names and sizes of all meshes (validated to agree upstream)."""
   env = {}
   for mesh in meshes:
@@ -21,7 +20,7 @@ def axis_env(meshes: Sequence[Any]) -> dict[Any, int]:
 
 
 @contextlib.contextmanager
-def tracing_context(mesh: Any, meshes: Sequence[Any]):
+def tracing_context(mesh: pallas_core.Mesh, meshes: Sequence[pallas_core.Mesh]):
   """The context in which a kernel of ``mesh`` is (re)traced.
 
   Every mesh's axes are bound, so that a kernel can name the programs of

@@ -538,6 +538,7 @@ def _run_on_device(device: _OnDevice, program: _DeviceProgram, *operands):
     outs = program(coords, args)
   except Exception as e:  # noqa: BLE001 (every failure leaves the launch)
     failure = device.finish(errors.launch_error(e) or failed(e))
+    assert failure is not None  # given a failure, finish returns one
     raise failure from None
   failure = device.finish(None)
   if failure is not None:

@@ -70,7 +70,7 @@ def evaluate_words(jaxpr: core.Jaxpr, consts: Sequence[Any], args) -> list:
   return forms.eval(jaxpr, consts, ins, [False] * len(jaxpr.outvars))
 
 
-def _is_half(aval: Any) -> bool:
+def _is_half(aval: core.AbstractValue) -> bool:
   """A 16-bit float array (not a Ref)."""
   if not isinstance(aval, core.ShapedArray):
     return False
@@ -144,18 +144,27 @@ def _carries(eqn: core.JaxprEqn) -> list[tuple[int, int]]:
   return []
 
 
+class _Slot(NamedTuple):
+  """An operand or result of a loop, branch or call (a node of the
+  classes; equations hash by identity)."""
+
+  eqn: core.JaxprEqn
+  side: str
+  index: int
+
+
 class _Forms:
   """Which 16-bit float variables of a jaxpr (nested ones included) are
   held as words: those whose class -- the values tied together by loops,
   branches, calls and in-place updates -- no computing operation reads."""
 
   def __init__(self, jaxpr: core.Jaxpr):
-    self._parent: dict[Any, Any] = {}
+    self._parent: dict[core.Var | _Slot, core.Var | _Slot] = {}
     computed: list[core.Var] = []
     self._walk(jaxpr, computed)
     self._computed = {self._find(v) for v in computed}
 
-  def words(self, v: Any) -> bool:
+  def words(self, v: core.Atom) -> bool:
     """Whether variable ``v`` is held as words (literals never are)."""
     return (
       isinstance(v, core.Var)
@@ -163,7 +172,7 @@ class _Forms:
       and self._find(v) not in self._computed
     )
 
-  def _find(self, x: Any) -> Any:
+  def _find(self, x: core.Var | _Slot) -> core.Var | _Slot:
     parent = self._parent
     root = x
     while (up := parent.get(root, root)) != root:
@@ -172,7 +181,7 @@ class _Forms:
       parent[x], x = root, up
     return root
 
-  def _tie(self, a: Any, b: Any) -> None:
+  def _tie(self, a: core.Atom | _Slot, b: core.Atom | _Slot) -> None:
     if isinstance(a, core.Literal) or isinstance(b, core.Literal):
       return
     ra, rb = self._find(a), self._find(b)
@@ -283,20 +292,13 @@ class _Forms:
     return _jax.closed_jaxpr(new, new_consts)
 
 
-class _Slot(NamedTuple):
-  """An operand or result of a loop, branch or call (a node of the
-  classes; equations hash by identity)."""
-
-  eqn: core.JaxprEqn
-  side: str
-  index: int
-
-
 def _is_window(eqn: core.JaxprEqn) -> bool:
   """A dynamic slice or update of a 16-bit float buffer, of static sizes."""
   if eqn.primitive not in (lax.dynamic_slice_p, lax.dynamic_update_slice_p):
     return False
   operand = eqn.invars[0].aval
+  if not _is_half(operand):
+    return False
   if eqn.primitive is lax.dynamic_update_slice_p:
-    return _is_half(operand)
-  return _is_half(operand) and len(eqn.invars) == 1 + operand.ndim
+    return True
+  return len(eqn.invars) == 1 + jaxpr_util.shaped(operand).ndim

@@ -97,6 +97,7 @@ from jax._src.pallas import core as pallas_core
 from jax._src.pallas import pallas_call
 from jax._src.pallas import primitives as pallas_primitives
 from jax._src.state import discharge as state_discharge
+from jax._src.state import indexing as state_indexing
 from jax._src.state import primitives as state_primitives
 from jax._src.state import types as state_types
 from jax._src.pallas import hlo_interpreter
@@ -543,7 +544,7 @@ def gpu_simulator_races_found() -> bool:
 # -- warp maps: Pallas' fork over the warps of a Mosaic GPU warpgroup ---------
 
 
-def is_warp_mesh(mesh: Any) -> bool:
+def is_warp_mesh(mesh: pallas_core.Mesh) -> bool:
   """Whether ``mesh`` is a ``plgpu.WarpMesh`` (the warps of a warpgroup)."""
   try:
     return isinstance(mesh, gpu().core.WarpMesh)
@@ -559,7 +560,7 @@ GPU_SIMULATOR_RUNS_WARP_MAPS = JAX_VERSION >= (0, 12)
 GPU_SIMULATOR_RUNS_LAYOUT_CASTS = JAX_VERSION >= (0, 12)
 
 
-def bind_warp_map(mesh: Any, fn) -> None:
+def bind_warp_map(mesh: pallas_core.Mesh, fn) -> None:
   """Binds Pallas' own warp map of ``fn()`` over ``mesh`` (a WarpMesh), as
   ``pl.core_map(mesh)(fn)`` does: 0.10.2 binds its ``core_map`` primitive,
   later versions (which removed it) their ``mpmd_map`` primitive, which the

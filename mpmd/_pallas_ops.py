@@ -148,7 +148,7 @@ class DmaOperands(NamedTuple):
       return self.src, self.src_sem
     return self.dst, self.dst_sem
 
-  def flatten(self) -> tuple[list[Any], Any]:
+  def flatten(self) -> tuple[list[Any], tree_util.PyTreeDef]:
     """(flat operands, tree) to bind the equation's primitive with these
     operands, in the order it takes them."""
     if self.waits_send:
@@ -189,7 +189,7 @@ class SignalOperands(NamedTuple):
       sem, transforms, inc, device_id, core_index, eqn.params["device_id_type"]
     )
 
-  def flatten(self) -> tuple[list[Any], Any]:
+  def flatten(self) -> tuple[list[Any], tree_util.PyTreeDef]:
     """(flat operands, ``args_tree``) to bind a signal with these operands
     (its ``device_id_type`` is a param of its own)."""
     return tree_util.tree_flatten(

@@ -29,7 +29,7 @@ import numpy as np
 from mpmd import _jax
 
 # name -> ((owner, attribute, our wrapper), ...)
-_INSTALLED: dict[str, tuple[tuple[Any, str, Any], ...]] = {}
+_INSTALLED: dict[str, tuple[tuple[object, str, object], ...]] = {}
 
 
 def installed() -> dict[str, bool]:

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from mpmd import _jax
+from mpmd.types import MeshAndFn
 
 # Set while the body of one of our warp maps is traced: a warp map inside
 # it is an error (a warp cannot fork again), found at trace time.
@@ -54,7 +55,7 @@ def has_warp_mesh(meshes_and_fns: Any) -> bool:
 
 
 def warp_map(
-  meshes_and_fns: Sequence[Any],
+  meshes_and_fns: Sequence[MeshAndFn],
   out_types: Any,
   *,
   scratch_types: Any,

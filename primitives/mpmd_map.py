@@ -93,8 +93,8 @@ def num_scratch(jaxprs: Sequence[core.Jaxpr], num_args: int, num_outs: int):
 
 def retrace(
   jaxpr: core.Jaxpr,
-  mesh: Any,
-  meshes: Sequence[Any],
+  mesh: pallas_core.Mesh,
+  meshes: Sequence[pallas_core.Mesh],
   body,
   avals=None,
   debug_info=None,

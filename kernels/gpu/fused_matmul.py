@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 # By name: the package's `matmul` is the function, which shadows the module.
 from mpmd.kernels.gpu.matmul import MULTI_MESH_DEFAULT, build, check_config
@@ -50,7 +50,7 @@ def fused_matmul(
   max_concurrent_steps: int = 2,
   warp_specialized: bool = False,
   num_compute_wgs: int = 2,
-  out_dtype: Any = None,
+  out_dtype: DTypeLike | None = None,
   interpret: Interpret = None,
   multi_mesh: bool = MULTI_MESH_DEFAULT,
 ) -> jax.Array:

@@ -17,7 +17,7 @@ and the tile is stored through SMEM with a TMA copy.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -26,6 +26,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 from mpmd.kernels._common import (
   as_dtype,
@@ -81,7 +82,7 @@ class _Config:
   in_dtype: np.dtype
   out_dtype: np.dtype
   # Manual mesh axes the operands vary over (inside a shard_map).
-  varying: frozenset[Any] = frozenset()
+  varying: frozenset[Hashable] = frozenset()
 
   @property
   def wg_n(self) -> int:
@@ -95,7 +96,7 @@ class _Config:
 
 
 def _check_operands(
-  fn: str, a: Any, b: Any, c: Any, out_dtype: Any
+  fn: str, a: Any, b: Any, c: Any, out_dtype: DTypeLike | None
 ) -> tuple[np.dtype, np.dtype]:
   """(a's dtype, the output dtype); raises on bad operands."""
   check_array(fn, "a", a, rank=2, shape_doc="(m, k)")
@@ -138,7 +139,7 @@ def check_config(
   max_concurrent_steps: int,
   warp_specialized: bool,
   num_compute_wgs: int,
-  out_dtype: Any,
+  out_dtype: DTypeLike | None,
 ) -> _Config:
   """Validates the operands and blocks of the public function ``fn``;
   raises before anything is traced."""
@@ -429,7 +430,7 @@ def matmul(
   max_concurrent_steps: int = 2,
   warp_specialized: bool = False,
   num_compute_wgs: int = 2,
-  out_dtype: Any = None,
+  out_dtype: DTypeLike | None = None,
   interpret: Interpret = None,
   multi_mesh: bool = MULTI_MESH_DEFAULT,
 ) -> jax.Array:

@@ -4,6 +4,7 @@ TMA copies into SMEM, and the output side (stores when a block changes)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,27 +33,32 @@ from mpmd.kernels.gpu.steps import (
 OUTPUT_SLOTS = 2
 
 
-_BLOCKED, _ELEMENT, _SQUEEZED = "blocked", "element", "squeezed"
+class _DimKind(enum.Enum):
+  """How a block dimension's index becomes a GMEM window."""
+
+  BLOCKED = enum.auto()  # index * size, size elements
+  ELEMENT = enum.auto()  # index is the first element, size elements
+  SQUEEZED = enum.auto()  # the index itself; the dimension is dropped
 
 
 @dataclasses.dataclass(frozen=True)
 class _Dim:
   """One block dimension: how its index becomes a GMEM window."""
 
-  kind: str  # _BLOCKED, _ELEMENT or _SQUEEZED.
+  kind: _DimKind
   size: int  # Elements in the window (1 when squeezed).
 
   def window(self, index: jax.Array):
-    if self.kind == _BLOCKED:
+    if self.kind is _DimKind.BLOCKED:
       return pl.ds(index * self.size, self.size)
-    if self.kind == _ELEMENT:
+    if self.kind is _DimKind.ELEMENT:
       return pl.ds(index, self.size)
     return index  # An integer index drops the dimension.
 
 
 def _make_dim(where: str, dim: Any) -> _Dim:
   if dim is None or isinstance(dim, pl.Squeezed):
-    return _Dim(_SQUEEZED, 1)
+    return _Dim(_DimKind.SQUEEZED, 1)
   if isinstance(dim, pl.Blocked):
     dim = dim.block_size
   if isinstance(dim, pl.Element):
@@ -61,9 +67,9 @@ def _make_dim(where: str, dim: Any) -> _Dim:
         f"{where}: pl.Element block dimensions with padding are not "
         f"supported, got padding={dim.padding}"
       )
-    kind, size = _ELEMENT, dim.block_size
+    kind, size = _DimKind.ELEMENT, dim.block_size
   elif isinstance(dim, (int, np.integer)) and not isinstance(dim, bool):
-    kind, size = _BLOCKED, dim
+    kind, size = _DimKind.BLOCKED, dim
   elif isinstance(dim, pl.BoundedSlice):
     raise NotImplementedError(
       f"{where}: pl.BoundedSlice block dimensions are not supported"
@@ -103,11 +109,13 @@ class Operand:
 
   def resolve(self, shape: Sequence[int]) -> tuple[_Dim, ...]:
     if self.dims is None:
-      return tuple(_Dim(_BLOCKED, int(s)) for s in shape)
+      return tuple(_Dim(_DimKind.BLOCKED, int(s)) for s in shape)
     return self.dims
 
   def smem_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
-    return tuple(d.size for d in self.resolve(shape) if d.kind != _SQUEEZED)
+    return tuple(
+      d.size for d in self.resolve(shape) if d.kind is not _DimKind.SQUEEZED
+    )
 
   def block_indices(self, indices, ndim: int) -> tuple[jax.Array, ...]:
     if self.index_map is None:
@@ -230,9 +238,11 @@ def check_refs(
         f"{where}: {kind}[{i}] expected rank {len(op.dims)} (one dim per "
         f"block dim), got shape {shape}"
       )
-    block = tuple(d.size if d.kind != _SQUEEZED else None for d in op.dims)
+    block = tuple(
+      d.size if d.kind is not _DimKind.SQUEEZED else None for d in op.dims
+    )
     for d, s in zip(op.dims, shape, strict=True):
-      if d.kind == _BLOCKED and s % d.size:
+      if d.kind is _DimKind.BLOCKED and s % d.size:
         raise ValueError(
           f"{where}: {kind}[{i}] expected a shape divisible by its "
           f"block_shape {block}, got {shape}"

@@ -101,8 +101,8 @@ class EmittedWarpSpecializedPipeline:
   """
 
   pipe: WarpSpecializedPipeline
-  in_tree: Any
-  out_tree: Any
+  in_tree: jax.tree_util.PyTreeDef
+  out_tree: jax.tree_util.PyTreeDef
   num_in: int  # Top-level entries of in_specs.
   wg_axis: str
   memory_thread_idx: int

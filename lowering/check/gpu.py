@@ -22,6 +22,7 @@ Everything else that touches a Ref or synchronises is refused by name.
 """
 
 import dataclasses
+import enum
 from typing import Any
 
 import numpy as np
@@ -45,10 +46,23 @@ class Barrier:
   done_event: int | None = None
 
 
+class AsyncKind(enum.StrEnum):
+  """What an ``Async`` is, named as the operation that issues it. Each
+  warpgroup's TMA loads, TMA stores and WGMMAs run on their own units: one
+  clock component (lane) per warpgroup and kind, ticking once per operation
+  issued there."""
+
+  TMA_LOAD = "copy_gmem_to_smem"
+  TMA_STORE = "copy_smem_to_gmem"
+  WGMMA = "wgmma"
+
+
 class Async:
   """A TMA copy or a WGMMA in flight."""
 
-  def __init__(self, index, kind, issuer, clock, lane_time, where, **parts):
+  def __init__(
+    self, index, kind: AsyncKind, issuer, clock, lane_time, where, **parts
+  ):
     self.index, self.kind, self.issuer = index, kind, issuer
     self.clock, self.lane_time, self.where = clock, lane_time, where
     self.landed = False
@@ -169,11 +183,30 @@ def _acquire(m, p, clock: Clock) -> None:
 # -- operations (the ``op`` of an ``interp.Sync``) -----------------------------
 
 
+class GpuOp:
+  """An operation a warpgroup stops at on the checking executor (the ``op``
+  of the ``interp.Sync`` it yields), as ``gpu_launch`` schedules it: it may
+  go ahead once ``enabled``; ``perform`` does it; ``blocked`` says what it
+  waits for when the launch deadlocks. ``m``: the ``GpuMachine``; ``p``:
+  the warpgroup's program."""
+
+  def enabled(self, m, p) -> bool:
+    del m, p  # most operations never wait
+    return True
+
+  def perform(self, m, p, where: str) -> None:
+    raise NotImplementedError(f"{type(self).__name__}.perform")
+
+  def blocked(self, m, p) -> str:
+    del m, p
+    return "an operation"
+
+
 @dataclasses.dataclass(frozen=True)
-class BarrierArrive:
+class BarrierArrive(GpuOp):
   barrier: View
 
-  def perform(self, m, p, where):
+  def perform(self, m, p, where: str) -> None:
     describe = _describe(m, p, "barrier_arrive", where)
     _, b = _barrier(m, self.barrier, describe)
     event = _event(m, p, "signal", f"arrive {self.barrier.buffer.label}", where)
@@ -181,7 +214,7 @@ class BarrierArrive:
 
 
 @dataclasses.dataclass(frozen=True)
-class BarrierWait:
+class BarrierWait(GpuOp):
   barrier: View
 
   def _state(self, m, p):
@@ -194,7 +227,7 @@ class BarrierWait:
     _, b, _, k = self._state(m, p)
     return (b.completed - k) % 2 == 1  # the parity of phase k completed
 
-  def perform(self, m, p, where):
+  def perform(self, m, p, where: str) -> None:
     key, b, wg, k = self._state(m, p)
     wg.waits[key] = k + 1
     _acquire(m, p, b.done_clock)
@@ -239,19 +272,15 @@ def _check_fenced(m, p, view: View, what, where, write=False) -> None:
         )
 
 
-# Each warpgroup's TMA loads, TMA stores and WGMMAs run on their own units:
-# one clock component (lane) per warpgroup and kind, ticking once per
-# operation issued there.
-KINDS = ("copy_gmem_to_smem", "copy_smem_to_gmem", "wgmma")
-
-
-def _lane(m, issuer, kind: str) -> int:
+def _lane(m, issuer, kind: AsyncKind) -> int:
+  """The clock lane of ``issuer``'s unit for ``kind`` (after the programs'
+  own lanes)."""
   programs = m.plan.num_devices * m.plan.num_programs
   comp = m.comp(issuer.device, issuer.program)
-  return programs * (1 + KINDS.index(kind)) + comp
+  return programs * (1 + list(AsyncKind).index(kind)) + comp
 
 
-def _new_async(m, p, kind, where, **parts) -> Async:
+def _new_async(m, p, kind: AsyncKind, where, **parts) -> Async:
   lane = _lane(m, p, kind)
   index = m.gpu.count
   m.gpu.count += 1
@@ -262,7 +291,7 @@ def _new_async(m, p, kind, where, **parts) -> Async:
   return op
 
 
-def _issue_tma(m, p, where, src, dst, kind, *, smem, barrier=None):
+def _issue_tma(m, p, where, src, dst, kind: AsyncKind, *, smem, barrier=None):
   """Checks a TMA copy ``src -> dst`` of ``kind`` (shapes, the barrier it
   completes on, the fence before its ``smem`` side), then issues it.
   Returns the operation, its start event and the barrier's state."""
@@ -286,19 +315,19 @@ def _issue_tma(m, p, where, src, dst, kind, *, smem, barrier=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class TmaLoad:
+class TmaLoad(GpuOp):
   src: View
   dst: View
   barrier: View
 
-  def perform(self, m, p, where):
+  def perform(self, m, p, where: str) -> None:
     op, event, b = _issue_tma(
       m,
       p,
       where,
       self.src,
       self.dst,
-      "copy_gmem_to_smem",
+      AsyncKind.TMA_LOAD,
       smem=self.dst,
       barrier=self.barrier,
     )
@@ -307,14 +336,14 @@ class TmaLoad:
 
 
 @dataclasses.dataclass(frozen=True)
-class TmaStore:
+class TmaStore(GpuOp):
   src: View
   dst: View
   commit: bool
 
-  def perform(self, m, p, where):
+  def perform(self, m, p, where: str) -> None:
     op, _, _ = _issue_tma(
-      m, p, where, self.src, self.dst, "copy_smem_to_gmem", smem=self.src
+      m, p, where, self.src, self.dst, AsyncKind.TMA_STORE, smem=self.src
     )
     wg = m.gpu.wg(m.comp(p.device, p.program))
     wg.uncommitted.append(op)
@@ -340,14 +369,14 @@ def _older_done(groups, n: int) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class WaitStores:
+class WaitStores(GpuOp):
   n: int
 
   def enabled(self, m, p) -> bool:
     wg = m.gpu.wg(m.comp(p.device, p.program))
     return _older_done(wg.groups, self.n)
 
-  def perform(self, m, p, where):
+  def perform(self, m, p, where: str) -> None:
     wg = m.gpu.wg(m.comp(p.device, p.program))
     # Groups complete in order: all but the newest n are done.
     done = wg.groups[: max(len(wg.groups) - self.n, 0)]
@@ -366,29 +395,31 @@ class WaitStores:
 
 
 @dataclasses.dataclass(frozen=True)
-class Wgmma:
+class Wgmma(GpuOp):
   acc: View
   a: View
   b: View
 
-  def perform(self, m, p, where):
+  def perform(self, m, p, where: str) -> None:
     for v in (self.a, self.b):
       if id(v.buffer) in m.smem:
         _check_fenced(m, p, v, "wgmma", where)
-    op = _new_async(m, p, "wgmma", where, src=(self.a, self.b), dst=self.acc)
+    op = _new_async(
+      m, p, AsyncKind.WGMMA, where, src=(self.a, self.b), dst=self.acc
+    )
     _event(m, p, "dma_start", f"WGMMA #{op.index}", where, dma=op.index)
     m.gpu.wg(m.comp(p.device, p.program)).wgmmas.append(op)
 
 
 @dataclasses.dataclass(frozen=True)
-class WgmmaWait:
+class WgmmaWait(GpuOp):
   n: int
 
   def enabled(self, m, p) -> bool:
     wg = m.gpu.wg(m.comp(p.device, p.program))
     return _older_done([[c] for c in wg.wgmmas], self.n)
 
-  def perform(self, m, p, where):
+  def perform(self, m, p, where: str) -> None:
     wg = m.gpu.wg(m.comp(p.device, p.program))
     done = wg.wgmmas[: max(len(wg.wgmmas) - self.n, 0)]
     for c in done:
@@ -427,7 +458,7 @@ def land(m, op: Async) -> None:
       describe_comp=m.name_comp,
     )
 
-  if op.kind == "wgmma":
+  if op.kind is AsyncKind.WGMMA:
     a, b = op.src
     for v in (a, b):
       memory.check_initialized(v, describe)

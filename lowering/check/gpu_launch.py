@@ -84,15 +84,16 @@ def _programs(m, inputs) -> list[_Program]:
 def _enabled(m, p: _Program) -> bool:
   if not p.started:
     return True
-  enabled = getattr(p.next_sync().op, "enabled", None)
-  return True if enabled is None else enabled(m, p)
+  op = p.next_sync().op
+  # Anything else is refused when the program goes on (``_advance``).
+  return not isinstance(op, gpu.GpuOp) or op.enabled(m, p)
 
 
 def _advance(m, p: _Program) -> None:
   result = None
   if p.started:
     sync = p.next_sync()
-    if not hasattr(sync.op, "perform"):
+    if not isinstance(sync.op, gpu.GpuOp):
       raise NotImplementedError(
         f"mpmd checker: {type(sync.op).__name__} in a GPU launch (at "
         f"{sync.where})"
@@ -153,8 +154,8 @@ def _deadlock_report(m, waiting) -> str:
   lines = []
   for p in waiting:
     sync = p.next_sync()
-    blocked = getattr(sync.op, "blocked", None)
-    what = blocked(m, p) if blocked is not None else "an operation"
+    op = sync.op
+    what = op.blocked(m, p) if isinstance(op, gpu.GpuOp) else "an operation"
     lines.append(
       f"  {m.name(p.device, p.program)} waits ({what}) at {sync.where}"
     )

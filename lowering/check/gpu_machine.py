@@ -11,11 +11,12 @@ buffer (``gpu.Barrier``).
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Hashable
 
 import numpy as np
 
 from mpmd import _jax
+from mpmd._jax import core
 from mpmd._lowering import merge, paths
 from mpmd._lowering.check import machine, memory
 from mpmd._lowering.check.memory import Buffer, View
@@ -26,14 +27,14 @@ class GpuPlan(machine.Plan):
   """A GPU launch's plan: programs are (block, warpgroup) pairs, block
   major; ``grid`` names the blocks' axes, ``threads`` the warpgroups'."""
 
-  grid: tuple[tuple[Any, int], ...] = ()
-  threads: tuple[Any, int] | None = None
+  grid: tuple[tuple[core.AxisName, int], ...] = ()
+  threads: tuple[core.AxisName, int] | None = None
 
   @property
   def num_warpgroups(self) -> int:
     return 1 if self.threads is None else self.threads[1]
 
-  def axis_values(self, program: int) -> dict[Any, tuple[int, int]]:
+  def axis_values(self, program: int) -> dict[core.AxisName, tuple[int, int]]:
     """Axis name -> (index, size) for ``program``."""
     block, wg = divmod(program, self.num_warpgroups)
     sizes = [s for _, s in self.grid]
@@ -78,7 +79,7 @@ def merged(params):
   return mesh, jaxpr, merge.gpu_layout(meshes)
 
 
-def grid_of(mesh) -> tuple[tuple[Any, int], ...]:
+def grid_of(mesh) -> tuple[tuple[core.AxisName, int], ...]:
   cluster = tuple(getattr(mesh, "cluster", ()) or ())
   if math.prod(cluster) > 1:
     raise NotImplementedError(
@@ -178,7 +179,7 @@ class GpuMachine(machine.Machine):
     avals = [v.aval for v in plan.jaxpr.invars]
     num_operands = plan.num_in + len(plan.out_avals)
     for d in range(plan.num_devices):
-      shared: dict[Any, Buffer] = {}
+      shared: dict[tuple[Hashable, ...], Buffer] = {}
       for k, aval in enumerate(avals[:num_operands]):
         if not hasattr(aval, "inner_aval"):
           continue  # a scalar value (closed over by a kernel): no memory
@@ -190,7 +191,7 @@ class GpuMachine(machine.Machine):
         if k < plan.num_in:
           data = inputs[k][d] if plan.device_axes else inputs[k]
         shared[key] = self.buffer(self._label(k, d), key, aval, data)
-      blocks: dict[int, dict[Any, Buffer]] = {}
+      blocks: dict[int, dict[tuple[Hashable, ...], Buffer]] = {}
       for g in range(plan.num_programs):
         block = plan.block_of(g)
         if block not in blocks:

@@ -182,10 +182,10 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, path, **params):
   callbacks.install()  # numpy in, our typed errors out
   axis_context = ctx.module_context.axis_context
   axes = paths.manual_axes(axis_context)
-  sizes = dict(axis_context.mesh.shape) if axes else {}
+  sizes = paths.mesh_sizes(axis_context)
   plan = plan_of(
     dict(params, num_inputs=len(in_nodes)),
-    [(a, int(sizes[a])) for a in axes],
+    [(a, sizes[a]) for a in axes],
   )
   launch = Launch(plan, path.params.owner())
   out_avals = plan.out_avals

@@ -221,14 +221,16 @@ def check_access(
   touch the same element unordered (at least one writing); records it."""
   b = view.buffer
   s = view.slab if mask is None else None
-  if s is not None and b.writes.arrays is None:
+  writes, reads = b.writes, b.reads
+  assert writes is not None and reads is not None  # not a semaphore
+  if s is not None and writes.arrays is None:
     if s.start == s.stop:
       return
     if not (
-      b.writes.unordered(s.start, s.stop, comp, clock)
-      or (write and b.reads.unordered(s.start, s.stop, comp, clock))
+      writes.unordered(s.start, s.stop, comp, clock)
+      or (write and reads.unordered(s.start, s.stop, comp, clock))
     ):
-      (b.writes if write else b.reads).set(s.start, s.stop, comp, time)
+      (writes if write else reads).set(s.start, s.stop, comp, time)
       b.who[comp] = describe
       return
     # A race: the element-wise pass below finds and reports it.

@@ -125,7 +125,7 @@ class SemRead:
 
 
 @functools.cache
-def record_types() -> dict[Any, type]:
+def record_types() -> dict[core.Primitive, type]:
   """Synchronisation primitive -> the record that reads its equations."""
   records = {
     Sync.DMA_START: DmaStart,

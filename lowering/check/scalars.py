@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from mpmd._jax import core
+from mpmd._lowering import jaxpr_util
 
 # Input values a segment remembers its outputs for (past them, it computes).
 MAX_SEEN = 4096
@@ -105,7 +106,7 @@ def plan(eqns, invars, outvars) -> Callable[..., list] | None:
 
   def slot(v) -> int:
     if isinstance(v, core.Literal):
-      value = np.asarray(v.val, dtype=v.aval.dtype)
+      value = np.asarray(v.val, dtype=jaxpr_util.shaped(v.aval).dtype)
       value.setflags(write=False)
       literals.append(value)
       return -len(literals)  # numbered from the end for now
@@ -146,10 +147,10 @@ def plan(eqns, invars, outvars) -> Callable[..., list] | None:
   seen: dict[tuple[int, ...], list[np.ndarray]] = {}
 
   def run(*values):
+    ins = [np.asarray(x, dtype=d) for x, d in zip(values, dtypes, strict=True)]
     env = template.copy()
-    for k, (x, dtype) in enumerate(zip(values, dtypes, strict=True)):
-      env[k] = np.asarray(x, dtype=dtype)
-    key = tuple(int(x) for x in env[:num_in])
+    env[:num_in] = ins
+    key = tuple(int(x) for x in ins)
     if key in seen:
       return list(seen[key])
     with np.errstate(over="ignore"):  # integers wrap, as in XLA

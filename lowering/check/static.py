@@ -16,8 +16,15 @@ from typing import Any
 import numpy as np
 
 from mpmd import _jax, _pallas_ops
-from mpmd._jax import core, lax_control_flow, pjit, state, state_primitives
-from mpmd._lowering import errors
+from mpmd._jax import (
+  core,
+  lax_control_flow,
+  pjit,
+  state,
+  state_indexing,
+  state_primitives,
+)
+from mpmd._lowering import errors, jaxpr_util
 from mpmd._lowering.check import interp, memory, records
 
 _UNKNOWN = object()
@@ -45,10 +52,10 @@ class _Operand:
 def accesses(jaxpr: core.Jaxpr, program: int, axis_values) -> list[Access]:
   """The accesses of one program whose windows are known statically."""
   found: list[Access] = []
-  env: dict[Any, Any] = {}
+  env: dict[core.Var, Any] = {}
   for k, v in enumerate(jaxpr.invars):
     if isinstance(v.aval, state.AbstractRef):
-      inner = v.aval.inner_aval
+      inner = jaxpr_util.shaped(v.aval.inner_aval)
       env[v] = (k, _Operand(k, inner.shape))
   _walk(jaxpr, env, program, axis_values, found)
   return found
@@ -117,9 +124,11 @@ def _window(ref, transforms, where):
   k, operand = ref
   view = memory.View(operand, operand.ids)
   for t in transforms:
-    if not (hasattr(t, "indices") and hasattr(t, "int_indexer_shape")):
+    if not isinstance(t, state_indexing.NDIndexer):
       return None
-    leaves = [getattr(i, "start", i) for i in t.indices]
+    leaves = [
+      i.start if isinstance(i, state_indexing.Slice) else i for i in t.indices
+    ]
     if any(x is _UNKNOWN for x in leaves):
       return None
     try:

@@ -7,6 +7,8 @@ where the condition shows: a deadlock when no option is left, leftovers
 when the programs have ended, races and uninitialised reads at the access.
 """
 
+import dataclasses
+
 import numpy as np
 
 from mpmd._lowering import errors
@@ -19,6 +21,19 @@ from mpmd._lowering.check.memory import View
 MAX_STEPS = 1_000_000
 
 
+Gate = tuple[np.ndarray, int, int] | bool  # (counts, element, need) or True
+
+
+@dataclasses.dataclass
+class _Waiting:
+  """What a program's pending operation waits on, worked out once per
+  operation (its operands do not change while it waits)."""
+
+  sems: dict[int, View] = dataclasses.field(default_factory=dict)  # by id()
+  bytes: int | None = None
+  gate: Gate | None = None
+
+
 class _Program:
   def __init__(self, device, program, gen, ctx):
     self.device = device
@@ -28,8 +43,7 @@ class _Program:
     self.pending: interp.Sync | None = None
     self.started = False
     self.done = False
-    # Per pending operation: its semaphore views, bytes and gate.
-    self.views: dict[str, object] = {}
+    self.waiting = _Waiting()  # reset at each operation
     self.polled = False  # its last operation read a semaphore
 
   def next_sync(self) -> interp.Sync:
@@ -137,16 +151,16 @@ def _describe(m, p, op: str, where: str):
 def _enabled(m, p: _Program) -> bool:
   if not p.started:
     return True
-  gate = p.views.get("gate")
+  gate = p.waiting.gate
   if gate is None:
-    gate = p.views["gate"] = _gate(m, p)
-  if gate is True:
-    return True
+    gate = p.waiting.gate = _gate(m, p)
+  if not isinstance(gate, tuple):
+    return True  # it need not wait
   counts, e, need = gate
   return counts[e] >= need
 
 
-def _gate(m, p: _Program):
+def _gate(m, p: _Program) -> Gate:
   """What ``p``'s pending operation waits for, ``(counts, element,
   need)``: a semaphore's flat counts, which of them, and how many it
   needs (the counts change in place, the rest not until it goes on);
@@ -164,20 +178,22 @@ def _gate(m, p: _Program):
 
 
 def _sem_view(m, p, operand) -> View:
-  key = f"sem{id(operand)}"
-  if key not in p.views:
-    describe = _describe(m, p, "semaphore", p.pending.where)
+  # The operand is the pending record's own field: alive while it waits.
+  key = id(operand)
+  view = p.waiting.sems.get(key)
+  if view is None:
+    describe = _describe(m, p, "semaphore", p.next_sync().where)
     view = m.resolve(operand, (), describe)
     _element(view, describe)
-    p.views[key] = view
-  return p.views[key]
+    p.waiting.sems[key] = view
+  return view
 
 
 def _wait_bytes(m, p, op: records.DmaWait) -> int:
-  if "bytes" not in p.views:
-    describe = _describe(m, p, "dma_wait", p.pending.where)
-    p.views["bytes"] = m.resolve(op.ref, (), describe).nbytes
-  return p.views["bytes"]
+  if p.waiting.bytes is None:
+    describe = _describe(m, p, "dma_wait", p.next_sync().where)
+    p.waiting.bytes = m.resolve(op.ref, (), describe).nbytes
+  return p.waiting.bytes
 
 
 def _advance(m, p: _Program) -> None:
@@ -186,7 +202,7 @@ def _advance(m, p: _Program) -> None:
   if p.started:
     result = _perform(m, p, p.next_sync())
   p.started = True
-  p.views.clear()
+  p.waiting = _Waiting()
   p.polled = isinstance(p.pending and p.pending.op, records.SemRead)
   try:
     p.pending = p.gen.send(result)
