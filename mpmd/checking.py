@@ -248,6 +248,22 @@ def _shrink(session, f, args, kwargs, text, kind, reference):
   return "steps:" + ",".join(items), best_error
 
 
+def _failure(session, call, text, error, reference, shrink) -> Failure:
+  """The failure ``error`` of ``call`` (``f, args, kwargs``) under schedule
+  ``text``, the session's last run, its schedule shrunk if ``shrink``."""
+  f, args, kwargs = call
+  preempted = _preemptions(session) if session.runs else text
+  kind = kind_of(error)
+  schedule = text  # what produced ``error``, exactly
+  if shrink:
+    shrunk, shrunk_error = _shrink(
+      session, f, args, kwargs, preempted, kind, reference
+    )
+    if shrunk_error is not None:
+      schedule, error = shrunk, shrunk_error
+  return Failure(kind, schedule, error, text)
+
+
 def explore(
   f: Callable[..., Any],
   *args,
@@ -332,19 +348,13 @@ def explore(
       error = _differs(outputs, reference, text, "default")
       if error is None:
         continue
-    preempted = _preemptions(session) if session.runs else text
     kind = kind_of(error)
     key = _signature(kind, error)
     if key in found:
       continue
-    schedule = text  # what produced ``error``, exactly
-    if shrink:
-      shrunk, shrunk_error = _shrink(
-        session, f, args, kwargs, preempted, kind, reference
-      )
-      if shrunk_error is not None:
-        schedule, error = shrunk, shrunk_error
-    found[key] = Failure(kind, schedule, error, text)
+    found[key] = _failure(
+      session, (f, args, kwargs), text, error, reference, shrink
+    )
     if max_failures is not None and len(found) >= max_failures:
       break
   return Report(run + 1 if schedules else 0, list(found.values()))

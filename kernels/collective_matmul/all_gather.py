@@ -41,25 +41,29 @@ class AgConfig(NamedTuple):
   implementation: str  # "ring" or "direct" (see direct.py)
 
 
-def ag_kernel_call(
-  config: AgConfig, lhs: jax.Array, rhs: jax.Array, *, return_gathered: bool
-):
-  fn_name = "all_gather_matmul"
+class _AgPlan(NamedTuple):
+  """What the all-gather matmul body needs to know, fixed at trace time."""
+
+  ring: Ring
+  streams: tuple[Any, ...]  # ``make_streams``; empty on a ring of one
+  slots: int  # ring buffer slots per direction
+  n: int  # rows of lhs (and of the output)
+  k_local: int  # this device's columns of lhs
+  m: int  # columns of rhs (and of the output)
+  acc_in_out: bool  # accumulate in the output (else in an f32 "acc")
+  return_gathered: bool
+  names: tuple[str, ...]  # of the outputs and scratch, in order
+
+
+def _ag_buffers(config, lhs, rhs, streams, slots, blocks, return_gathered):
+  """The launch's outputs and scratch, by name (see ``named_refs``)."""
   ring = config.ring
-  num = ring.size
   n, k_local = lhs.shape
   k_total, m = rhs.shape
   dtype = jnp.dtype(lhs.dtype)
   out_dtype = config.out_dtype
-  streams = make_streams(n, config.bidirectional) if num > 1 else ()
-  rows = streams[0].size if streams else n
-  bn, bk, bm = pick_blocks(fn_name, config.block_sizes, rows, k_local, m)
-  # Slots beyond the number of transfers would never be used.
-  slots = min(config.buffering, max(num - 1, 1))
-  last = num - 2  # index of the last ring transfer
-
   outs: dict[str, Any] = {"out": out_type((n, m), out_dtype, (lhs, rhs), ring)}
-  acc_in_out = out_dtype == jnp.float32 or num == 1
+  acc_in_out = out_dtype == jnp.float32 or ring.size == 1
   if not acc_in_out:
     outs["acc"] = out_type((n, m), jnp.float32, (lhs, rhs), ring)
   # Ring buffers live in HBM. They are outputs of the launch (and dropped
@@ -77,11 +81,24 @@ def ag_kernel_call(
   if return_gathered:
     outs["gathered"] = out_type((n, k_total), dtype, (lhs,), ring)
   scratch = ring_scratch(
-    TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named(),
+    TileBuffers.scratch_types(dtype, out_dtype, *blocks).named(),
     streams,
     slots,
   )
-  names = (*outs, *scratch)
+  return outs, scratch, acc_in_out
+
+
+def _ag_body(plan: _AgPlan):
+  """The kernel: the local matmul, then one per ring transfer received."""
+  ring, streams, slots = plan.ring, plan.streams, plan.slots
+  n, k_local, m = plan.n, plan.k_local, plan.m
+  acc_in_out, return_gathered, names = (
+    plan.acc_in_out,
+    plan.return_gathered,
+    plan.names,
+  )
+  num = ring.size
+  last = num - 2  # index of the last ring transfer
 
   def body(*refs):
     (lhs_ref, rhs_ref), r = named_refs(refs, 2, names)
@@ -186,8 +203,40 @@ def ag_kernel_call(
           src, st.start, st.size, origin, first=False, final=t == num - 2
         )
 
+  return body
+
+
+def ag_kernel_call(
+  config: AgConfig, lhs: jax.Array, rhs: jax.Array, *, return_gathered: bool
+):
+  fn_name = "all_gather_matmul"
+  ring = config.ring
+  num = ring.size
+  n, k_local = lhs.shape
+  k_total, m = rhs.shape
+  dtype = jnp.dtype(lhs.dtype)
+  out_dtype = config.out_dtype
+  streams = make_streams(n, config.bidirectional) if num > 1 else ()
+  rows = streams[0].size if streams else n
+  blocks = pick_blocks(fn_name, config.block_sizes, rows, k_local, m)
+  # Slots beyond the number of transfers would never be used.
+  slots = min(config.buffering, max(num - 1, 1))
+  outs, scratch, acc_in_out = _ag_buffers(
+    config, lhs, rhs, streams, slots, blocks, return_gathered
+  )
+  plan = _AgPlan(
+    ring=ring,
+    streams=tuple(streams),
+    slots=slots,
+    n=n,
+    k_local=k_local,
+    m=m,
+    acc_in_out=acc_in_out,
+    return_gathered=return_gathered,
+    names=(*outs, *scratch),
+  )
   call = launch(
-    body,
+    _ag_body(plan),
     out_types=tuple(outs.values()),
     scratch_types=tuple(scratch.values()),
     collective=num > 1,

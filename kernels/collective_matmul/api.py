@@ -25,7 +25,7 @@ from mpmd.kernels.collective_matmul.reduce_scatter import (
   rs_geometry,
   rs_kernel_call,
 )
-from mpmd.kernels.collective_matmul.ring import check_ring, make_streams
+from mpmd.kernels.collective_matmul.ring import Ring, check_ring, make_streams
 from mpmd.kernels.collective_matmul.tiles import dot_precision
 from mpmd.types import Interpret
 
@@ -218,14 +218,7 @@ def all_gather_matmul(
   fn_name = "all_gather_matmul"
   out_dtype = check_operands(fn_name, lhs, rhs, preferred_element_type)
   ring_ = check_ring(fn_name, axis_name, ring)
-  n, k_local = lhs.shape
-  if rhs.shape[0] != k_local * ring_.size:
-    raise ValueError(
-      f"{fn_name}: expected 'rhs' with k_local * ring = {k_local} * "
-      f"{ring_.size} = {k_local * ring_.size} rows (lhs is {tuple(lhs.shape)}"
-      f", ring {ring_.axes!r} has {ring_.size} devices), got "
-      f"rhs.shape[0] = {rhs.shape[0]}"
-    )
+  _check_gathered_rows(fn_name, lhs, rhs, ring_)
   config = AgConfig(
     ring=ring_,
     bidirectional=_common.check_bool(fn_name, "bidirectional", bidirectional),
@@ -237,14 +230,31 @@ def all_gather_matmul(
       fn_name, implementation, schedule, interpret
     ),
   )
-  # Check the tiles now, not deep inside the kernel trace.
-  if _direct(config.implementation, ring_):
-    rows, k_tiled = n, k_local * ring_.size  # one matmul of everything
-  else:
-    streams = make_streams(n, config.bidirectional) if ring_.size > 1 else ()
-    rows, k_tiled = (streams[0].size if streams else n), k_local
-  pick_blocks(fn_name, config.block_sizes, rows, k_tiled, rhs.shape[1])
+  _check_ag_tiles(fn_name, config, lhs.shape, rhs.shape[1])
   return _ag_matmul(config, lhs, rhs)
+
+
+def _check_gathered_rows(fn_name: str, lhs, rhs, ring: Ring) -> None:
+  k_local = lhs.shape[1]
+  if rhs.shape[0] != k_local * ring.size:
+    raise ValueError(
+      f"{fn_name}: expected 'rhs' with k_local * ring = {k_local} * "
+      f"{ring.size} = {k_local * ring.size} rows (lhs is {tuple(lhs.shape)}"
+      f", ring {ring.axes!r} has {ring.size} devices), got "
+      f"rhs.shape[0] = {rhs.shape[0]}"
+    )
+
+
+def _check_ag_tiles(fn_name: str, config: AgConfig, lhs_shape, m: int):
+  # Check the tiles now, not deep inside the kernel trace.
+  n, k_local = lhs_shape
+  ring = config.ring
+  if _direct(config.implementation, ring):
+    rows, k_tiled = n, k_local * ring.size  # one matmul of everything
+  else:
+    streams = make_streams(n, config.bidirectional) if ring.size > 1 else ()
+    rows, k_tiled = (streams[0].size if streams else n), k_local
+  pick_blocks(fn_name, config.block_sizes, rows, k_tiled, m)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -375,26 +385,7 @@ def matmul_reduce_scatter(
   fn_name = "matmul_reduce_scatter"
   out_dtype = check_operands(fn_name, lhs, rhs, preferred_element_type)
   ring_ = check_ring(fn_name, axis_name, ring)
-  n, k = lhs.shape
-  if rhs.shape[0] != k:
-    raise ValueError(
-      f"{fn_name}: expected 'rhs' with lhs.shape[1] = {k} rows (the "
-      f"contraction), got rhs.shape = {tuple(rhs.shape)}"
-    )
-  if scatter_dimension not in (0, 1) or isinstance(scatter_dimension, bool):
-    raise ValueError(
-      f"{fn_name}: expected 'scatter_dimension' 0 or 1, got "
-      f"{scatter_dimension!r}"
-    )
-  m = rhs.shape[1]
-  scattered = (n, m)[scatter_dimension]
-  if scattered % ring_.size:
-    raise ValueError(
-      f"{fn_name}: expected dimension {scatter_dimension} of lhs @ rhs "
-      f"({scattered}) to be divisible by the ring length {ring_.size} "
-      f"(axis {axis_name!r}), got {scattered} % {ring_.size} = "
-      f"{scattered % ring_.size}"
-    )
+  _check_scatter(fn_name, lhs, rhs, scatter_dimension, ring_, axis_name)
   config = RsConfig(
     ring=ring_,
     scatter_dimension=scatter_dimension,
@@ -407,9 +398,37 @@ def matmul_reduce_scatter(
       fn_name, implementation, schedule, interpret
     ),
   )
+  n, k = lhs.shape
+  m = rhs.shape[1]
   if _direct(config.implementation, ring_):
     region = (n, m)  # one matmul of the whole partial product
   else:
     _, _, region = rs_geometry(config, n, m)
   pick_blocks(fn_name, config.block_sizes, region[0], k, region[1])
   return _rs_matmul(config, lhs, rhs)
+
+
+def _check_scatter(
+  fn_name: str, lhs, rhs, scatter_dimension, ring: Ring, axis_name
+) -> None:
+  """The contraction matches and ``scatter_dimension`` of ``lhs @ rhs``
+  splits evenly over the ring."""
+  n, k = lhs.shape
+  if rhs.shape[0] != k:
+    raise ValueError(
+      f"{fn_name}: expected 'rhs' with lhs.shape[1] = {k} rows (the "
+      f"contraction), got rhs.shape = {tuple(rhs.shape)}"
+    )
+  if scatter_dimension not in (0, 1) or isinstance(scatter_dimension, bool):
+    raise ValueError(
+      f"{fn_name}: expected 'scatter_dimension' 0 or 1, got "
+      f"{scatter_dimension!r}"
+    )
+  scattered = (n, rhs.shape[1])[scatter_dimension]
+  if scattered % ring.size:
+    raise ValueError(
+      f"{fn_name}: expected dimension {scatter_dimension} of lhs @ rhs "
+      f"({scattered}) to be divisible by the ring length {ring.size} "
+      f"(axis {axis_name!r}), got {scattered} % {ring.size} = "
+      f"{scattered % ring.size}"
+    )

@@ -131,18 +131,13 @@ def ag_direct_call(config, lhs: jax.Array, rhs: jax.Array, *, return_gathered):
   return out, gathered if return_gathered else None
 
 
-def rs_direct_call(config, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-  """``matmul_reduce_scatter`` by direct DMAs (``config``: an
-  ``RsConfig``)."""
+def _rs_direct_buffers(config, lhs, rhs, block):
+  """The launch's outputs and scratch, by name (see ``named_refs``)."""
   fn_name = "matmul_reduce_scatter"
   ring = config.ring
-  num = ring.size
   n, k = lhs.shape
   _, m = rhs.shape
-  dtype = jnp.dtype(lhs.dtype)
   out_dtype = config.out_dtype
-  dim = config.scatter_dimension
-  block, _, _ = rs_geometry(config, n, m)
   tiles = pick_blocks(fn_name, config.block_sizes, n, k, m)
   # The sums tile the block automatically (block_sizes tile the matmul).
   sum_n = pick_block(fn_name, "block_n", block[0], None)
@@ -156,15 +151,30 @@ def rs_direct_call(config, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   # Slot j receives from the device j positions upstream: one buffer each,
   # so that landing a block (in a conditional, on the CPU fallback) threads
   # only that block through it.
-  for j in _others(num):
+  for j in _others(ring.size):
     outs[f"slot_{j}"] = out_type(block, f32, operands, ring)
-  scratch = _scratch(dtype, out_dtype, tiles)
+  scratch = _scratch(jnp.dtype(lhs.dtype), out_dtype, tiles)
   sums = SumBuffers(
     acc=pltpu.VMEM((sum_n, sum_m), f32),
     extra=pltpu.VMEM((sum_n, sum_m), f32),
     out=pltpu.VMEM((sum_n, sum_m), out_dtype),
   )
   scratch.update({f"sum_{f}": v for f, v in sums._asdict().items()})
+  return outs, scratch
+
+
+def rs_direct_call(config, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  """``matmul_reduce_scatter`` by direct DMAs (``config``: an
+  ``RsConfig``)."""
+  ring = config.ring
+  num = ring.size
+  n, k = lhs.shape
+  _, m = rhs.shape
+  dtype = jnp.dtype(lhs.dtype)
+  out_dtype = config.out_dtype
+  dim = config.scatter_dimension
+  block, _, _ = rs_geometry(config, n, m)
+  outs, scratch = _rs_direct_buffers(config, lhs, rhs, block)
   names = (*outs, *scratch)
 
   def body(*refs):

@@ -66,26 +66,20 @@ def rs_geometry(config: RsConfig, n: int, m: int):
   return block, streams, region
 
 
-def rs_kernel_call(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
-  fn_name = "matmul_reduce_scatter"
+def _rs_buffers(config, lhs, rhs, geometry, blocks, slots):
+  """The launch's outputs and scratch, by name (see ``named_refs``)."""
   ring = config.ring
-  num = ring.size
-  n, k = lhs.shape
-  _, m = rhs.shape
   dtype = jnp.dtype(lhs.dtype)
-  out_dtype = config.out_dtype
-  dim = config.scatter_dimension
-  block, streams, region = rs_geometry(config, n, m)
-  bn, bk, bm = pick_blocks(fn_name, config.block_sizes, region[0], k, region[1])
-  slots = min(config.buffering, max(num - 1, 1))
-  last = num - 2
-
+  block, streams, region = geometry
+  bn, _, bm = blocks
   # A region of one tile stays on chip: each step's partial product is
   # computed into a VMEM send buffer, the arriving running sum is added in
   # place, and the remote DMA leaves from VMEM. Larger regions park the
   # partial product and the send buffers in HBM.
   on_chip = region == (bn, bm)
-  outs: dict[str, Any] = {"out": out_type(block, out_dtype, (lhs, rhs), ring)}
+  outs: dict[str, Any] = {
+    "out": out_type(block, config.out_dtype, (lhs, rhs), ring)
+  }
   f32 = jnp.float32
   for st in streams:
     operands = (lhs, rhs)
@@ -96,7 +90,7 @@ def rs_kernel_call(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
     for i in range(slots):
       outs[f"slots_{st.tag}_{i}"] = out_type(region, f32, operands, ring)
   scratch = ring_scratch(
-    TileBuffers.scratch_types(dtype, out_dtype, bn, bk, bm).named(),
+    TileBuffers.scratch_types(dtype, config.out_dtype, *blocks).named(),
     streams,
     slots,
   )
@@ -104,7 +98,28 @@ def rs_kernel_call(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
     for st in streams:
       for i in range(2):
         scratch[f"send_buf_{st.tag}_{i}"] = pltpu.VMEM(region, f32)
-  names = (*outs, *scratch)
+  return outs, scratch, on_chip
+
+
+class _RsPlan(NamedTuple):
+  """What the matmul reduce-scatter body needs to know, fixed at trace time."""
+
+  ring: Ring
+  dim: int  # the scatter dimension
+  block: tuple[int, int]  # the scattered output block
+  streams: tuple[Any, ...]  # ``make_streams``; empty on a ring of one
+  slots: int  # ring buffer slots per direction
+  k: int  # the contracting dimension
+  on_chip: bool  # partial sums held in VMEM (see ``_rs_buffers``)
+  names: tuple[str, ...]  # of the outputs and scratch, in order
+
+
+def _rs_body(plan: _RsPlan):
+  """The kernel: per ring step, a partial product plus the arriving sum."""
+  ring, dim, block, streams = plan.ring, plan.dim, plan.block, plan.streams
+  slots, k, on_chip, names = plan.slots, plan.k, plan.on_chip, plan.names
+  num = ring.size
+  last = num - 2
 
   def body(*refs):
     (lhs_ref, rhs_ref), r = named_refs(refs, 2, names)
@@ -195,15 +210,41 @@ def rs_kernel_call(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
     for st in streams:
       transfer(st, last).wait_send()
 
+  return body
+
+
+def rs_kernel_call(config: RsConfig, lhs: jax.Array, rhs: jax.Array):
+  fn_name = "matmul_reduce_scatter"
+  num = config.ring.size
+  n, k = lhs.shape
+  _, m = rhs.shape
+  dtype = jnp.dtype(lhs.dtype)
+  geometry = rs_geometry(config, n, m)
+  block, streams, region = geometry
+  blocks = pick_blocks(fn_name, config.block_sizes, region[0], k, region[1])
+  slots = min(config.buffering, max(num - 1, 1))
+  outs, scratch, on_chip = _rs_buffers(
+    config, lhs, rhs, geometry, blocks, slots
+  )
+  plan = _RsPlan(
+    ring=config.ring,
+    dim=config.scatter_dimension,
+    block=block,
+    streams=tuple(streams),
+    slots=slots,
+    k=k,
+    on_chip=on_chip,
+    names=(*outs, *scratch),
+  )
   bytes_in = (n * k + k * m) * dtype.itemsize
   call = launch(
-    body,
+    _rs_body(plan),
     out_types=tuple(outs.values()),
     scratch_types=tuple(scratch.values()),
     collective=num > 1,
     interpret=config.interpret,
     name="matmul_reduce_scatter",
     flops=2 * n * k * m + n * m,
-    bytes_accessed=bytes_in + block[0] * block[1] * out_dtype.itemsize,
+    bytes_accessed=bytes_in + block[0] * block[1] * config.out_dtype.itemsize,
   )
   return call(lhs, rhs)[0]

@@ -140,36 +140,18 @@ def matmul(
   precision = dot_precision(bufs.lhs.dtype)
   acc = bufs.acc if acc is None else acc
   assert dst is not None or ni * nj == 1, "only one tile stays on chip"
+  walk = _TileWalk(bufs, lhs, rhs, row0, col0, lhs_cols, rhs_rows, nk, nj)
 
-  def tile_coords(t):
-    kk = lax.rem(t, nk)
-    ij = t // nk
-    return ij // nj, lax.rem(ij, nj), kk
-
-  def copies(t, slot):
-    i, j, kk = tile_coords(t)
-    lhs_copy = pltpu.make_async_copy(
-      lhs.at[pl.ds(row0 + i * bn, bn), pl.ds(lhs_cols + kk * bk, bk)],
-      bufs.lhs.at[slot],
-      bufs.lhs_sems.at[slot],
-    )
-    rhs_copy = pltpu.make_async_copy(
-      rhs.at[pl.ds(rhs_rows + kk * bk, bk), pl.ds(col0 + j * bm, bm)],
-      bufs.rhs.at[slot],
-      bufs.rhs_sems.at[slot],
-    )
-    return lhs_copy, rhs_copy
-
-  for c in copies(0, 0):
+  for c in walk.copies(0, 0):
     c.start()
 
   def tile(t, carry):
     slot = lax.rem(t, 2)
-    i, j, kk = tile_coords(t)
+    i, j, kk = walk.coords(t)
 
     @pl.when(t + 1 < num_tiles)
     def _():
-      for c in copies(t + 1, 1 - slot):
+      for c in walk.copies(t + 1, 1 - slot):
         c.start()
 
     dst_tile = (pl.ds(i * bn, bn), pl.ds(j * bm, bm))
@@ -180,7 +162,7 @@ def matmul(
       def _():
         pltpu.sync_copy(init.at[dst_tile], acc)
 
-    for c in copies(t, slot):
+    for c in walk.copies(t, slot):
       c.wait()
     product = jnp.dot(
       bufs.lhs[slot],
@@ -188,19 +170,7 @@ def matmul(
       preferred_element_type=jnp.float32,
       precision=precision,
     )
-    if init is None:
-      # The first K tile sets the accumulator: no zeroing pass.
-      @pl.when(kk == 0)
-      def _():
-        acc[...] = product
-
-      @pl.when(kk > 0)
-      def _():
-        acc[...] += product
-
-    else:
-      acc[...] += product
-
+    _accumulate(acc, product, kk, first_sets=init is None)
     if dst is not None:
 
       @pl.when(kk == nk - 1)
@@ -214,6 +184,62 @@ def matmul(
     return carry
 
   lax.fori_loop(0, num_tiles, tile, 0)
+
+
+class _TileWalk(NamedTuple):
+  """The tiles of one ``matmul`` region, row-major with K innermost, and
+  the DMAs that load each one's operand tiles into a buffer slot."""
+
+  bufs: TileBuffers
+  lhs: Any
+  rhs: Any
+  row0: Any
+  col0: Any
+  lhs_cols: Any
+  rhs_rows: Any
+  nk: int  # K tiles
+  nj: int  # column tiles
+
+  def coords(self, t):
+    kk = lax.rem(t, self.nk)
+    ij = t // self.nk
+    return ij // self.nj, lax.rem(ij, self.nj), kk
+
+  def copies(self, t, slot):
+    _, bn, bk = self.bufs.lhs.shape
+    _, _, bm = self.bufs.rhs.shape
+    i, j, kk = self.coords(t)
+    lhs_copy = pltpu.make_async_copy(
+      self.lhs.at[
+        pl.ds(self.row0 + i * bn, bn), pl.ds(self.lhs_cols + kk * bk, bk)
+      ],
+      self.bufs.lhs.at[slot],
+      self.bufs.lhs_sems.at[slot],
+    )
+    rhs_copy = pltpu.make_async_copy(
+      self.rhs.at[
+        pl.ds(self.rhs_rows + kk * bk, bk), pl.ds(self.col0 + j * bm, bm)
+      ],
+      self.bufs.rhs.at[slot],
+      self.bufs.rhs_sems.at[slot],
+    )
+    return lhs_copy, rhs_copy
+
+
+def _accumulate(acc, product, kk, *, first_sets: bool) -> None:
+  """``acc += product``; where ``first_sets``, the first K tile sets the
+  accumulator instead (no zeroing pass)."""
+  if not first_sets:
+    acc[...] += product
+    return
+
+  @pl.when(kk == 0)
+  def _():
+    acc[...] = product
+
+  @pl.when(kk > 0)
+  def _():
+    acc[...] += product
 
 
 def matmul_whole(bufs: TileBuffers, lhs: Any, rhs: Any, dst: Any) -> None:

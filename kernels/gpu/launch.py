@@ -86,35 +86,42 @@ def warp_specialized_kernel(
       "warp_specialized_kernel: expected one grid_names entry per grid "
       f"dim, got grid={grid} and grid_names={grid_names}"
     )
-  num_compute = pipe.num_compute_wgs
-  if multi_mesh:
-    compute_mesh = plgpu.Mesh(
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=num_compute,
-      thread_name=COMPUTE_AXIS,
-    )
-    memory_mesh = plgpu.Mesh(
-      grid=grid, grid_names=grid_names, num_threads=1, thread_name=MEMORY_AXIS
-    )
+  meshes = _two_meshes if multi_mesh else _one_mesh
+  return mpmd.mpmd_map(
+    meshes(pipe.num_compute_wgs, compute_fn, memory_fn, grid, grid_names),
+    out_types=out_types,
+    scratch_types=(scratch_types,),
+    compiler_params=compiler_params,
+    interpret=interpret,
+    name=name,
+  )
 
-    def compute_kernel(*refs):
-      *refs, scratch = refs
-      compute_fn(*refs, scratch, lax.axis_index(COMPUTE_AXIS))
 
-    def memory_kernel(*refs):
-      *refs, scratch = refs
-      memory_fn(*refs, scratch)
+def _two_meshes(num_compute, compute_fn, memory_fn, grid, grid_names):
+  """(mesh, kernel) pairs: the compute warpgroups' mesh, the memory one's."""
+  compute_mesh = plgpu.Mesh(
+    grid=grid,
+    grid_names=grid_names,
+    num_threads=num_compute,
+    thread_name=COMPUTE_AXIS,
+  )
+  memory_mesh = plgpu.Mesh(
+    grid=grid, grid_names=grid_names, num_threads=1, thread_name=MEMORY_AXIS
+  )
 
-    return mpmd.mpmd_map(
-      [(compute_mesh, compute_kernel), (memory_mesh, memory_kernel)],
-      out_types=out_types,
-      scratch_types=(scratch_types,),
-      compiler_params=compiler_params,
-      interpret=interpret,
-      name=name,
-    )
+  def compute_kernel(*refs):
+    *refs, scratch = refs
+    compute_fn(*refs, scratch, lax.axis_index(COMPUTE_AXIS))
 
+  def memory_kernel(*refs):
+    *refs, scratch = refs
+    memory_fn(*refs, scratch)
+
+  return [(compute_mesh, compute_kernel), (memory_mesh, memory_kernel)]
+
+
+def _one_mesh(num_compute, compute_fn, memory_fn, grid, grid_names):
+  """One (mesh, kernel) pair whose kernel branches on the thread index."""
   mesh = plgpu.Mesh(
     grid=grid,
     grid_names=grid_names,
@@ -131,11 +138,4 @@ def warp_specialized_kernel(
       lambda: memory_fn(*refs, scratch),
     )
 
-  return mpmd.mpmd_map(
-    [(mesh, kernel)],
-    out_types=out_types,
-    scratch_types=(scratch_types,),
-    compiler_params=compiler_params,
-    interpret=interpret,
-    name=name,
-  )
+  return [(mesh, kernel)]

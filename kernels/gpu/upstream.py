@@ -255,26 +255,8 @@ def emit_pipeline_warp_specialized(
   in_specs, out_specs = _spec_tree(in_specs), _spec_tree(out_specs)
   flat_in, in_tree = jax.tree.flatten(in_specs)
   flat_out, out_tree = jax.tree.flatten(out_specs)
-  num_flat_in, num_flat_out = len(flat_in), len(flat_out)
-
-  def flat_body(indices, *args):
-    """Calls ``body`` with blocks and barriers in the specs' structure."""
-    blocks_in = args[:num_flat_in]
-    blocks_out = args[num_flat_in : num_flat_in + num_flat_out]
-    rest = args[num_flat_in + num_flat_out :]
-    barriers = []
-    for manual in (manual_produced_barriers, manual_consumed_barriers):
-      if manual:
-        barriers += jax.tree.unflatten(in_tree, rest[:num_flat_in])
-        rest = rest[num_flat_in:]
-    return body(
-      indices,
-      *jax.tree.unflatten(in_tree, blocks_in),
-      *jax.tree.unflatten(out_tree, blocks_out),
-      *barriers,
-      *rest,
-    )
-
+  manual = (manual_produced_barriers, manual_consumed_barriers)
+  flat_body = _flat_body(body, in_tree, out_tree, manual)
   pipe = make_pipeline(
     where,
     flat_body,
@@ -288,16 +270,9 @@ def emit_pipeline_warp_specialized(
     compute_context=compute_context,
     memory_registers=memory_registers,
   )
-  if memory_thread_idx is None:
-    memory_thread_idx = num_compute_wgs
-  memory_thread_idx = check_int(
-    where, "memory_thread_idx", memory_thread_idx, minimum=0
+  memory_thread_idx = _check_memory_thread(
+    where, memory_thread_idx, num_compute_wgs
   )
-  if memory_thread_idx > num_compute_wgs:
-    raise ValueError(
-      f"{where}: expected 'memory_thread_idx' an int in [0, "
-      f"num_compute_wgs={num_compute_wgs}], got {memory_thread_idx!r}"
-    )
   # Early errors for an unsupported pipeline_state (checked again per call).
   pipeline_state_flags(where, pipe, pipeline_state)
   return EmittedWarpSpecializedPipeline(
@@ -309,3 +284,42 @@ def emit_pipeline_warp_specialized(
     memory_thread_idx=memory_thread_idx,
     pipeline_state=pipeline_state,
   )
+
+
+def _flat_body(body, in_tree, out_tree, manual: tuple[bool, bool]):
+  """``body`` taking flat blocks (and barriers, where ``manual`` says the
+  produced / consumed ones are passed): what the pipeline calls."""
+  num_flat_in, num_flat_out = in_tree.num_leaves, out_tree.num_leaves
+
+  def flat_body(indices, *args):
+    """Calls ``body`` with blocks and barriers in the specs' structure."""
+    blocks_in = args[:num_flat_in]
+    blocks_out = args[num_flat_in : num_flat_in + num_flat_out]
+    rest = args[num_flat_in + num_flat_out :]
+    barriers = []
+    for passed in manual:
+      if passed:
+        barriers += jax.tree.unflatten(in_tree, rest[:num_flat_in])
+        rest = rest[num_flat_in:]
+    return body(
+      indices,
+      *jax.tree.unflatten(in_tree, blocks_in),
+      *jax.tree.unflatten(out_tree, blocks_out),
+      *barriers,
+      *rest,
+    )
+
+  return flat_body
+
+
+def _check_memory_thread(where: str, idx, num_compute_wgs: int) -> int:
+  """``memory_thread_idx`` checked; None: the last thread."""
+  if idx is None:
+    idx = num_compute_wgs
+  idx = check_int(where, "memory_thread_idx", idx, minimum=0)
+  if idx > num_compute_wgs:
+    raise ValueError(
+      f"{where}: expected 'memory_thread_idx' an int in [0, "
+      f"num_compute_wgs={num_compute_wgs}], got {idx!r}"
+    )
+  return idx

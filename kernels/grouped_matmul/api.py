@@ -14,9 +14,10 @@ from mpmd.kernels import _common
 from mpmd.kernels.grouped_matmul.checks import (
   SUPPORTED_DTYPES,
   check_existing_out,
-  check_float_operand,
+  check_gmm_operands,
   check_group_offset,
-  check_group_sizes,
+  check_num_actual_groups,
+  check_tgmm_operands,
 )
 from mpmd.kernels.grouped_matmul.kernels import (
   GmmConfig,
@@ -259,29 +260,8 @@ def gmm(
   """
   name = "gmm"
   transpose_rhs = _common.check_bool(name, "transpose_rhs", transpose_rhs)
-  rhs_doc = "(num_groups, n, k)" if transpose_rhs else "(num_groups, k, n)"
-  check_float_operand(name, "lhs", lhs, 2, "(m, k)")
-  check_float_operand(name, "rhs", rhs, 3, rhs_doc)
-  check_group_sizes(name, group_sizes)
-  m, k = lhs.shape
-  rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
-  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  if rhs_k != k:
-    raise ValueError(
-      f"{name}: expected 'rhs' {rhs_doc} with k={k} (lhs is {(m, k)}), "
-      f"got shape {tuple(rhs.shape)}"
-      + (
-        ""
-        if transpose_rhs
-        else "; for (num_groups, n, k) weights pass transpose_rhs=True"
-      )
-    )
+  m, k, n = check_gmm_operands(name, lhs, rhs, group_sizes, transpose_rhs)
   num_groups = group_sizes.shape[0]
-  if rhs.shape[0] > num_groups:
-    raise ValueError(
-      f"{name}: expected 'rhs' to hold at most num_groups={num_groups} "
-      f"groups (the length of 'group_sizes'), got {rhs.shape[0]}"
-    )
   out_dtype = _common.as_dtype(
     name, "preferred_element_type", preferred_element_type, SUPPORTED_DTYPES
   )
@@ -360,27 +340,11 @@ def tgmm(
     (4, 64, 32)
   """
   name = "tgmm"
-  check_float_operand(name, "lhs", lhs, 2, "(k, m)")
-  check_float_operand(name, "rhs", rhs, 2, "(m, n)")
-  check_group_sizes(name, group_sizes)
-  k, m = lhs.shape
-  n = rhs.shape[1]
-  if rhs.shape[0] != m:
-    raise ValueError(
-      f"{name}: expected 'rhs' (m, n) with m={m} rows (lhs is {(k, m)}), "
-      f"got shape {tuple(rhs.shape)}"
-    )
+  k, m, n = check_tgmm_operands(name, lhs, rhs, group_sizes)
   num_groups = group_sizes.shape[0]
-  if num_actual_groups is None:
-    num_actual_groups = num_groups
-  num_actual_groups = _common.check_int(
-    name, "num_actual_groups", num_actual_groups
+  num_actual_groups = check_num_actual_groups(
+    name, num_actual_groups, num_groups
   )
-  if num_actual_groups > num_groups:
-    raise ValueError(
-      f"{name}: expected 'num_actual_groups' in [1, {num_groups}] "
-      f"(num_groups), got {num_actual_groups}"
-    )
   out_dtype = _common.as_dtype(
     name, "preferred_element_type", preferred_element_type, SUPPORTED_DTYPES
   )

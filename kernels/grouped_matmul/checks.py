@@ -55,6 +55,70 @@ def check_group_sizes(name: str, group_sizes: Any):
     )
 
 
+def check_gmm_operands(
+  name: str, lhs: Any, rhs: Any, group_sizes: Any, transpose_rhs: bool
+) -> tuple[int, int, int]:
+  """Checks ``gmm``'s arrays against each other; returns ``(m, k, n)``."""
+  rhs_doc = "(num_groups, n, k)" if transpose_rhs else "(num_groups, k, n)"
+  check_float_operand(name, "lhs", lhs, 2, "(m, k)")
+  check_float_operand(name, "rhs", rhs, 3, rhs_doc)
+  check_group_sizes(name, group_sizes)
+  m, k = lhs.shape
+  rhs_k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  if rhs_k != k:
+    raise ValueError(
+      f"{name}: expected 'rhs' {rhs_doc} with k={k} (lhs is {(m, k)}), "
+      f"got shape {tuple(rhs.shape)}"
+      + (
+        ""
+        if transpose_rhs
+        else "; for (num_groups, n, k) weights pass transpose_rhs=True"
+      )
+    )
+  num_groups = group_sizes.shape[0]
+  if rhs.shape[0] > num_groups:
+    raise ValueError(
+      f"{name}: expected 'rhs' to hold at most num_groups={num_groups} "
+      f"groups (the length of 'group_sizes'), got {rhs.shape[0]}"
+    )
+  return m, k, n
+
+
+def check_tgmm_operands(
+  name: str, lhs: Any, rhs: Any, group_sizes: Any
+) -> tuple[int, int, int]:
+  """Checks ``tgmm``'s arrays against each other; returns ``(k, m, n)``."""
+  check_float_operand(name, "lhs", lhs, 2, "(k, m)")
+  check_float_operand(name, "rhs", rhs, 2, "(m, n)")
+  check_group_sizes(name, group_sizes)
+  k, m = lhs.shape
+  n = rhs.shape[1]
+  if rhs.shape[0] != m:
+    raise ValueError(
+      f"{name}: expected 'rhs' (m, n) with m={m} rows (lhs is {(k, m)}), "
+      f"got shape {tuple(rhs.shape)}"
+    )
+  return k, m, n
+
+
+def check_num_actual_groups(
+  name: str, num_actual_groups: Any, num_groups: int
+) -> int:
+  """``tgmm``'s ``num_actual_groups`` checked (None: all groups)."""
+  if num_actual_groups is None:
+    num_actual_groups = num_groups
+  num_actual_groups = _common.check_int(
+    name, "num_actual_groups", num_actual_groups
+  )
+  if num_actual_groups > num_groups:
+    raise ValueError(
+      f"{name}: expected 'num_actual_groups' in [1, {num_groups}] "
+      f"(num_groups), got {num_actual_groups}"
+    )
+  return num_actual_groups
+
+
 def check_group_offset(
   name: str, group_offset: Any, num_groups: int, num_local: int
 ) -> jax.Array:

@@ -196,6 +196,65 @@ def _as_laid_out(*operands: jax.Array) -> tuple[jax.Array, ...]:
   return tuple(lax.optimization_barrier(operands))
 
 
+class _Windows(NamedTuple):
+  """What a windows kernel body needs to know, fixed at trace time."""
+
+  plan: Schedule  # ``schedule(m)``
+  num_local: int
+  k: int  # lhs columns (gmm) or rows (tgmm)
+  n: int  # output columns
+  lhs_dtype: jnp.dtype
+  rhs_dtype: jnp.dtype
+  in_dtype: jnp.dtype  # both operands meet in it (``input_dtype``)
+  out_dtype: jnp.dtype
+  contract_w: int  # gmm: the dimension of rhs[g] that meets lhs's columns
+  has_existing: bool  # tgmm: existing_out is added
+
+
+def _gmm_windows_kernel(p: _Windows):
+  """The gmm program: per local group, its chunks, then its tail window."""
+  k, n, out_dtype = p.k, p.n, p.out_dtype
+
+  def kernel(meta_hbm, lhs_ref, rhs_ref, _, out_ref, meta_ref, w):
+    pltpu.sync_copy(meta_hbm, meta_ref)
+
+    def group(g):
+      grp = _unpack(meta_ref, p.num_local, g)
+
+      def part(start, rows: int, x_win):
+        """The product of rows [start, start + rows), f32."""
+        pltpu.sync_copy(lhs_ref.at[pl.ds(start, rows)], x_win)
+        return _dot(x_win[...], w[...], p.contract_w, p.in_dtype)
+
+      @_scoped(lambda rows: [((rows, k), p.lhs_dtype), ((rows, n), out_dtype)])
+      def chunks(rows: int, x_win, y_win):
+        def chunk(i):
+          start = grp.lo + i * rows
+          y_win[...] = part(start, rows, x_win).astype(out_dtype)
+          pltpu.sync_copy(y_win, out_ref.at[pl.ds(start, rows)])
+
+        _for_each(grp.chunks, chunk)
+
+      @_scoped(lambda rows: [((rows, k), p.lhs_dtype), ((rows, n), out_dtype)])
+      def tail(rows: int, x_win, y_win):
+        window = pl.ds(grp.start, rows)
+        pltpu.sync_copy(out_ref.at[window], y_win)
+        mask = row_mask(grp.start, grp.first, grp.hi, (rows, n), 0)
+        new = part(grp.start, rows, x_win).astype(out_dtype)
+        y_win[...] = jnp.where(mask, new, y_win[...])
+        pltpu.sync_copy(y_win, out_ref.at[window])
+
+      @pl.when(grp.lo < grp.hi)
+      def _():
+        pltpu.sync_copy(rhs_ref.at[g], w)
+        chunks(p.plan.chunk)
+        _switch(grp.tail, [functools.partial(tail, s) for s in p.plan.tails])
+
+    _for_each(p.num_local, group)
+
+  return kernel
+
+
 def gmm_windows_call(
   lhs: jax.Array,
   rhs: jax.Array,
@@ -214,58 +273,29 @@ def gmm_windows_call(
   num_local = rhs.shape[0]
   n = rhs.shape[1] if cfg.transpose_rhs else rhs.shape[2]
   out_dtype = cfg.preferred_element_type
-  in_dtype = input_dtype(lhs, rhs)
-  plan = schedule(m)
-  meta = _metadata(group_sizes, group_offset, num_local, m, plan)
+  windows = _Windows(
+    plan=schedule(m),
+    num_local=num_local,
+    k=k,
+    n=n,
+    lhs_dtype=lhs.dtype,
+    rhs_dtype=rhs.dtype,
+    in_dtype=input_dtype(lhs, rhs),
+    out_dtype=out_dtype,
+    contract_w=1 if cfg.transpose_rhs else 0,
+    has_existing=True,  # always aliased (zeros when existing_out is None)
+  )
+  meta = _metadata(group_sizes, group_offset, num_local, m, windows.plan)
   if existing_out is None:
     existing_out = jnp.zeros((m, n), out_dtype)
   varying = _common.varying_axes(lhs, rhs, group_sizes, group_offset)
   # The output is written in place of existing_out: their types must match.
   varying |= _common.varying_axes(existing_out)
   existing_out = _common.vary(existing_out, varying)
-  contract_w = 1 if cfg.transpose_rhs else 0
-
-  def kernel(meta_hbm, lhs_ref, rhs_ref, _, out_ref, meta_ref, w):
-    pltpu.sync_copy(meta_hbm, meta_ref)
-
-    def group(g):
-      grp = _unpack(meta_ref, num_local, g)
-
-      def part(start, rows: int, x_win):
-        """The product of rows [start, start + rows), f32."""
-        pltpu.sync_copy(lhs_ref.at[pl.ds(start, rows)], x_win)
-        return _dot(x_win[...], w[...], contract_w, in_dtype)
-
-      @_scoped(lambda rows: [((rows, k), lhs.dtype), ((rows, n), out_dtype)])
-      def chunks(rows: int, x_win, y_win):
-        def chunk(i):
-          start = grp.lo + i * rows
-          y_win[...] = part(start, rows, x_win).astype(out_dtype)
-          pltpu.sync_copy(y_win, out_ref.at[pl.ds(start, rows)])
-
-        _for_each(grp.chunks, chunk)
-
-      @_scoped(lambda rows: [((rows, k), lhs.dtype), ((rows, n), out_dtype)])
-      def tail(rows: int, x_win, y_win):
-        window = pl.ds(grp.start, rows)
-        pltpu.sync_copy(out_ref.at[window], y_win)
-        mask = row_mask(grp.start, grp.first, grp.hi, (rows, n), 0)
-        new = part(grp.start, rows, x_win).astype(out_dtype)
-        y_win[...] = jnp.where(mask, new, y_win[...])
-        pltpu.sync_copy(y_win, out_ref.at[window])
-
-      @pl.when(grp.lo < grp.hi)
-      def _():
-        pltpu.sync_copy(rhs_ref.at[g], w)
-        chunks(plan.chunk)
-        _switch(grp.tail, [functools.partial(tail, s) for s in plan.tails])
-
-    _for_each(num_local, group)
-
   lhs, rhs = _as_laid_out(lhs, rhs)
   w_shape = (n, k) if cfg.transpose_rhs else (k, n)
   call = mpmd_map(
-    [(_common.single_core_mesh(), kernel)],
+    [(_common.single_core_mesh(), _gmm_windows_kernel(windows))],
     out_types=_common.out_type((m, n), out_dtype, varying),
     input_output_aliases={EXISTING_OUT_INDEX: 0},
     scratch_types=[
@@ -277,6 +307,74 @@ def gmm_windows_call(
     name="gmm",
   )
   return call(meta, lhs, rhs, existing_out)
+
+
+def _tgmm_windows_kernel(p: _Windows):
+  """The tgmm program: per local group, its tail window, then its chunks."""
+  k, n, out_dtype, in_dtype = p.k, p.n, p.out_dtype, p.in_dtype
+  has_existing = p.has_existing
+
+  def kernel(meta_hbm, lhs_ref, rhs_ref, *refs):
+    # existing_out's input ref (aliased to the output) comes first.
+    out_ref, meta_ref, acc, *o = refs[has_existing:]
+    o = o[0] if o else acc  # the output's dtype
+    pltpu.sync_copy(meta_hbm, meta_ref)
+
+    def group(g):
+      grp = _unpack(meta_ref, p.num_local, g)
+      if has_existing:
+        # out_ref starts as existing_out (aliased).
+        pltpu.sync_copy(out_ref.at[g], o)
+
+      def start_with(part):
+        """acc = existing_out[g] + part (either may be absent)."""
+        if has_existing:
+          old = o[...].astype(jnp.float32)
+          part = old if part is None else part + old
+        acc[...] = jnp.zeros_like(acc) if part is None else part
+
+      def product(x, r, rows_hbm):
+        pltpu.sync_copy(lhs_ref.at[:, rows_hbm], x)
+        pltpu.sync_copy(rhs_ref.at[rows_hbm], r)
+        return x[...], r[...]
+
+      def operand_windows(rows: int):
+        return [((k, rows), p.lhs_dtype), ((rows, n), p.rhs_dtype)]
+
+      # The tail first: most groups have no whole chunk, and then its
+      # product is the result, with no zeros to add it to.
+      @_scoped(operand_windows)
+      def tail(rows: int, x, r):
+        xs, rs = product(x, r, pl.ds(grp.start, rows))
+        in_group = functools.partial(row_mask, grp.start, grp.first, grp.hi)
+        xs = jnp.where(in_group((k, rows), 1), xs, _zero(p.lhs_dtype))
+        rs = jnp.where(in_group((rows, n), 0), rs, _zero(p.rhs_dtype))
+        start_with(_dot(xs, rs, 0, in_dtype))
+
+      _switch(
+        grp.tail,
+        [functools.partial(tail, s) for s in p.plan.tails],
+        otherwise=lambda: start_with(None),
+      )
+
+      @_scoped(operand_windows)
+      def chunks(rows: int, x, r):
+        def chunk(i):
+          xs, rs = product(x, r, pl.ds(grp.lo + i * rows, rows))
+          acc[...] += _dot(xs, rs, 0, in_dtype)
+
+        _for_each(grp.chunks, chunk)
+
+      chunks(p.plan.chunk)
+      if o is acc:
+        pltpu.sync_copy(acc, out_ref.at[g])
+      else:
+        o[...] = acc[...].astype(out_dtype)
+        pltpu.sync_copy(o, out_ref.at[g])
+
+    _for_each(p.num_local, group)
+
+  return kernel
 
 
 def tgmm_windows_call(
@@ -295,73 +393,25 @@ def tgmm_windows_call(
   n = rhs.shape[1]
   num_local = cfg.num_actual_groups
   out_dtype = cfg.preferred_element_type
-  in_dtype = input_dtype(lhs, rhs)
-  plan = schedule(m)
-  meta = _metadata(group_sizes, group_offset, num_local, m, plan)
   has_existing = existing_out is not None
+  windows = _Windows(
+    plan=schedule(m),
+    num_local=num_local,
+    k=k,
+    n=n,
+    lhs_dtype=lhs.dtype,
+    rhs_dtype=rhs.dtype,
+    in_dtype=input_dtype(lhs, rhs),
+    out_dtype=out_dtype,
+    contract_w=0,
+    has_existing=has_existing,
+  )
+  meta = _metadata(group_sizes, group_offset, num_local, m, windows.plan)
   lhs, rhs = _as_laid_out(lhs, rhs)
   operands = [meta, lhs, rhs] + ([existing_out] if has_existing else [])
-
-  def kernel(meta_hbm, lhs_ref, rhs_ref, *refs):
-    # existing_out's input ref (aliased to the output) comes first.
-    out_ref, meta_ref, acc, *o = refs[has_existing:]
-    o = o[0] if o else acc  # the output's dtype
-    pltpu.sync_copy(meta_hbm, meta_ref)
-
-    def group(g):
-      grp = _unpack(meta_ref, num_local, g)
-      if has_existing:
-        # out_ref starts as existing_out (aliased).
-        pltpu.sync_copy(out_ref.at[g], o)
-
-      def start_with(part):
-        """acc = existing_out[g] + part (either may be absent)."""
-        if has_existing:
-          old = o[...].astype(jnp.float32)
-          part = old if part is None else part + old
-        acc[...] = jnp.zeros_like(acc) if part is None else part
-
-      def product(x, r, rows_hbm):
-        pltpu.sync_copy(lhs_ref.at[:, rows_hbm], x)
-        pltpu.sync_copy(rhs_ref.at[rows_hbm], r)
-        return x[...], r[...]
-
-      # The tail first: most groups have no whole chunk, and then its
-      # product is the result, with no zeros to add it to.
-      @_scoped(lambda rows: [((k, rows), lhs.dtype), ((rows, n), rhs.dtype)])
-      def tail(rows: int, x, r):
-        xs, rs = product(x, r, pl.ds(grp.start, rows))
-        in_group = functools.partial(row_mask, grp.start, grp.first, grp.hi)
-        xs = jnp.where(in_group((k, rows), 1), xs, _zero(lhs))
-        rs = jnp.where(in_group((rows, n), 0), rs, _zero(rhs))
-        start_with(_dot(xs, rs, 0, in_dtype))
-
-      _switch(
-        grp.tail,
-        [functools.partial(tail, s) for s in plan.tails],
-        otherwise=lambda: start_with(None),
-      )
-
-      @_scoped(lambda rows: [((k, rows), lhs.dtype), ((rows, n), rhs.dtype)])
-      def chunks(rows: int, x, r):
-        def chunk(i):
-          xs, rs = product(x, r, pl.ds(grp.lo + i * rows, rows))
-          acc[...] += _dot(xs, rs, 0, in_dtype)
-
-        _for_each(grp.chunks, chunk)
-
-      chunks(plan.chunk)
-      if o is acc:
-        pltpu.sync_copy(acc, out_ref.at[g])
-      else:
-        o[...] = acc[...].astype(out_dtype)
-        pltpu.sync_copy(o, out_ref.at[g])
-
-    _for_each(num_local, group)
-
   out_bytes = num_local * k * n * out_dtype.itemsize
   call = mpmd_map(
-    [(_common.single_core_mesh(), kernel)],
+    [(_common.single_core_mesh(), _tgmm_windows_kernel(windows))],
     out_types=_common.out_type(
       (num_local, k, n), out_dtype, _common.varying_axes(*operands)
     ),
@@ -408,8 +458,8 @@ def _switch(index, branches, otherwise=lambda: None) -> None:
   pl.when(index == len(branches))(otherwise)
 
 
-def _zero(x: jax.Array) -> jax.Array:
-  return jnp.zeros((), x.dtype)
+def _zero(dtype) -> jax.Array:
+  return jnp.zeros((), dtype)
 
 
 def _cost(lhs, rhs, macs: int, out_bytes: int) -> pl.CostEstimate:

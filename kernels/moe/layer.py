@@ -67,6 +67,25 @@ def _check(
   """Validates the arguments; returns (axes' ring, top_k, capacity
   factor or None, return_dropped)."""
   ring = check_ring(_FN, axis_name, None)
+  experts = _check_arrays(x, router_logits, w_in, w_out, ring)
+  top_k = _common.check_int(_FN, "top_k", top_k)
+  if top_k > experts:
+    raise ValueError(
+      f"{_FN}: expected 'top_k' <= the expert count {experts}, got {top_k}"
+    )
+  if not callable(activation):
+    raise TypeError(
+      f"{_FN}: expected 'activation' to be a function, got {activation!r}"
+    )
+  _common.check_bool(_FN, "fused", fused)
+  capacity_factor = _check_capacity_factor(capacity_factor)
+  return_dropped = _common.check_bool(_FN, "return_dropped", return_dropped)
+  return ring, top_k, capacity_factor, return_dropped
+
+
+def _check_arrays(x, router_logits, w_in, w_out, ring) -> int:
+  """Validates the four arrays' kinds, dtypes and shapes against each other
+  and ``ring``; returns the expert count."""
   _common.check_array(_FN, "x", x, rank=2, shape_doc="(tokens, hidden)")
   _common.check_array(
     _FN, "router_logits", router_logits, rank=2, shape_doc="(tokens, experts)"
@@ -121,31 +140,25 @@ def _check(
       f"{experts}) to equal experts_local x devices = {experts_local} x "
       f"{devices} (w_in holds {experts_local} experts per device)"
     )
-  top_k = _common.check_int(_FN, "top_k", top_k)
-  if top_k > experts:
-    raise ValueError(
-      f"{_FN}: expected 'top_k' <= the expert count {experts}, got {top_k}"
-    )
-  if not callable(activation):
+  return experts
+
+
+def _check_capacity_factor(capacity_factor) -> float | None:
+  if capacity_factor is None:
+    return None
+  if isinstance(capacity_factor, bool) or not isinstance(
+    capacity_factor, int | float | np.integer | np.floating
+  ):
     raise TypeError(
-      f"{_FN}: expected 'activation' to be a function, got {activation!r}"
+      f"{_FN}: expected 'capacity_factor' to be None or a number, got "
+      f"{capacity_factor!r}"
     )
-  _common.check_bool(_FN, "fused", fused)
-  if capacity_factor is not None:
-    if isinstance(capacity_factor, bool) or not isinstance(
-      capacity_factor, int | float | np.integer | np.floating
-    ):
-      raise TypeError(
-        f"{_FN}: expected 'capacity_factor' to be None or a number, got "
-        f"{capacity_factor!r}"
-      )
-    capacity_factor = float(capacity_factor)
-    if not capacity_factor > 0:
-      raise ValueError(
-        f"{_FN}: expected 'capacity_factor' > 0, got {capacity_factor}"
-      )
-  return_dropped = _common.check_bool(_FN, "return_dropped", return_dropped)
-  return ring, top_k, capacity_factor, return_dropped
+  capacity_factor = float(capacity_factor)
+  if not capacity_factor > 0:
+    raise ValueError(
+      f"{_FN}: expected 'capacity_factor' > 0, got {capacity_factor}"
+    )
+  return capacity_factor
 
 
 def _check_tile_rows(tile_rows, fused: bool) -> int | None:

@@ -1,6 +1,7 @@
 """A device's peers in an exchange along ``shard_map`` axes: the groups that
 exchange, each device's position in its group, its peers' mesh coordinates
-(for remote DMAs) and the barrier handshake before the first remote DMA.
+(for remote DMAs), the checks of an exchange's arguments and the barrier
+handshake before the first remote DMA.
 Shared by :mod:`ragged` and :mod:`fused`.
 """
 
@@ -70,6 +71,55 @@ def check_groups(fn: str, axis_name: Any, axis_index_groups: Any) -> Groups:
       f"{[len(g) for g in groups]}"
     )
   return Groups(ring.axes, ring.sizes, groups)
+
+
+def check_arguments(
+  fn: str, operand, output, offsets: dict[str, Any], groups: Groups
+) -> int:
+  """Checks the data and metadata arguments; returns ``k``, the slices per
+  device."""
+  _common.check_array(fn, "operand", operand, shape_doc="(N, ...)")
+  _common.check_array(fn, "output", output, shape_doc="(M, ...)")
+  for arg, x in (("operand", operand), ("output", output)):
+    if not np.ndim(x):
+      raise ValueError(
+        f"{fn}: expected '{arg}' of rank >= 1 (rows along its first "
+        "dimension), got a scalar"
+      )
+  if jnp.dtype(operand.dtype) != jnp.dtype(output.dtype):
+    raise TypeError(
+      f"{fn}: expected 'operand' and 'output' of the same dtype, got "
+      f"{jnp.dtype(operand.dtype).name} and {jnp.dtype(output.dtype).name}"
+    )
+  if tuple(operand.shape[1:]) != tuple(output.shape[1:]):
+    raise ValueError(
+      f"{fn}: expected 'operand' (N, ...) and 'output' (M, ...) with the "
+      f"same trailing dimensions, got shapes {tuple(operand.shape)} and "
+      f"{tuple(output.shape)}"
+    )
+  length = None
+  for arg, x in offsets.items():
+    _common.check_array(fn, arg, x, rank=1, shape_doc="(k * D,)")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(
+        f"{fn}: expected '{arg}' of an integer dtype, got "
+        f"{jnp.dtype(x.dtype).name}"
+      )
+    if length is None:
+      length = x.shape[0]
+    elif x.shape[0] != length:
+      lengths = {a: y.shape[0] for a, y in offsets.items()}
+      raise ValueError(
+        f"{fn}: expected 'input_offsets', 'send_sizes', 'output_offsets' "
+        f"and 'recv_sizes' of the same length, got {lengths}"
+      )
+  d = groups.size
+  if not length or length % d:
+    raise ValueError(
+      f"{fn}: expected offsets and sizes of length k * {d} (k >= 1 slices "
+      f"for each of the {d} devices that exchange), got length {length}"
+    )
+  return length // d
 
 
 def as_index(i: Any) -> int:

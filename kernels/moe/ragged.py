@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +61,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mpmd.kernels import _common
 from mpmd.kernels.moe import peers as peers_lib
 from mpmd.kernels.moe.peers import Groups as Groups
+from mpmd.kernels.moe.peers import check_arguments as check_arguments
 from mpmd.kernels.moe.peers import check_groups as check_groups
 from mpmd.types import Interpret
 
@@ -77,55 +78,6 @@ class Config(NamedTuple):
   groups: Groups
   implementation: str  # "window" or "conditional"
   interpret: Interpret = None
-
-
-def check_arguments(
-  fn: str, operand, output, offsets: dict[str, Any], groups: Groups
-) -> int:
-  """Checks the data and metadata arguments; returns ``k``, the slices per
-  device."""
-  _common.check_array(fn, "operand", operand, shape_doc="(N, ...)")
-  _common.check_array(fn, "output", output, shape_doc="(M, ...)")
-  for arg, x in (("operand", operand), ("output", output)):
-    if not np.ndim(x):
-      raise ValueError(
-        f"{fn}: expected '{arg}' of rank >= 1 (rows along its first "
-        "dimension), got a scalar"
-      )
-  if jnp.dtype(operand.dtype) != jnp.dtype(output.dtype):
-    raise TypeError(
-      f"{fn}: expected 'operand' and 'output' of the same dtype, got "
-      f"{jnp.dtype(operand.dtype).name} and {jnp.dtype(output.dtype).name}"
-    )
-  if tuple(operand.shape[1:]) != tuple(output.shape[1:]):
-    raise ValueError(
-      f"{fn}: expected 'operand' (N, ...) and 'output' (M, ...) with the "
-      f"same trailing dimensions, got shapes {tuple(operand.shape)} and "
-      f"{tuple(output.shape)}"
-    )
-  length = None
-  for arg, x in offsets.items():
-    _common.check_array(fn, arg, x, rank=1, shape_doc="(k * D,)")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-      raise TypeError(
-        f"{fn}: expected '{arg}' of an integer dtype, got "
-        f"{jnp.dtype(x.dtype).name}"
-      )
-    if length is None:
-      length = x.shape[0]
-    elif x.shape[0] != length:
-      lengths = {a: y.shape[0] for a, y in offsets.items()}
-      raise ValueError(
-        f"{fn}: expected 'input_offsets', 'send_sizes', 'output_offsets' "
-        f"and 'recv_sizes' of the same length, got {lengths}"
-      )
-  d = groups.size
-  if not length or length % d:
-    raise ValueError(
-      f"{fn}: expected offsets and sizes of length k * {d} (k >= 1 slices "
-      f"for each of the {d} devices that exchange), got length {length}"
-    )
-  return length // d
 
 
 def _valid(in_off, size, out_off, n: int, m: int):
@@ -155,12 +107,18 @@ def moves_whole_operand(n: int, m: int, k: int) -> bool:
   return n < k * min(n, m)
 
 
-def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
-  groups = config.groups
-  d = groups.size
-  n, m = operand.shape[0], output.shape[0]
+class _Windows(NamedTuple):
+  """How the window schedule moves one exchange's slices."""
+
+  whole: bool  # the whole operand once per peer (``moves_whole_operand``)
+  window: int  # rows per window
+  units: int  # windows per peer
+  start: jax.Array  # (d * units,) int32: each window's first operand row
+  travel: jax.Array  # (d, 2, k) int32: what travels to each receiver
+
+
+def _plan_windows(d: int, n: int, m: int, meta) -> _Windows:
   k = meta.shape[1] // d
-  trailing = operand.shape[1:]
   in_off, size, out_off = meta[_IN_OFF], meta[_SEND], meta[_OUT_OFF]
   valid = _valid(in_off, size, out_off, n, m)
   whole = moves_whole_operand(n, m, k)
@@ -175,11 +133,13 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
   # A window with an invalid slice is read from row n: out of bounds.
   start = jnp.where(valid, start, n)
   travel = jnp.stack([out_off, shift]).reshape(2, d, k).transpose(1, 0, 2)
-  varying = peers_lib.varying(config.groups, operand, output, meta)
-  out_types = (
-    _common.out_type((d * units * window, *trailing), operand.dtype, varying),
-    _common.out_type(travel.shape, jnp.int32, varying),
-  )
+  return _Windows(whole, window, units, start, travel)
+
+
+def _window_body(groups: Groups, units: int, window: int):
+  """The kernel: every window (and what travels with it) to its receiver's
+  staging slot, the same unconditional DMAs on every device."""
+  d = groups.size
 
   def body(operand, starts_hbm, travel, staging, arrived, starts, send, recv):
     pltpu.sync_copy(starts_hbm, starts)
@@ -225,14 +185,29 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
     for copy in copies:
       copy.wait_send()
 
+  return body
+
+
+def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
+  groups = config.groups
+  d = groups.size
+  n, m = operand.shape[0], output.shape[0]
+  trailing = operand.shape[1:]
+  plan = _plan_windows(d, n, m, meta)
+  window, units = plan.window, plan.units
+  varying = peers_lib.varying(config.groups, operand, output, meta)
+  out_types = (
+    _common.out_type((d * units * window, *trailing), operand.dtype, varying),
+    _common.out_type(plan.travel.shape, jnp.int32, varying),
+  )
   itemsize = jnp.dtype(operand.dtype).itemsize
   row_bytes = math.prod(trailing) * itemsize
   staging, arrived = peers_lib.launch(
     config.interpret,
-    body,
+    _window_body(groups, units, window),
     out_types,
     (
-      pltpu.SMEM(start.shape, jnp.int32),
+      pltpu.SMEM(plan.start.shape, jnp.int32),
       pltpu.SemaphoreType.DMA,
       pltpu.SemaphoreType.DMA,
     ),
@@ -242,7 +217,15 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
       bytes_accessed=2 * d * units * window * row_bytes,
     ),
     name=_FN,
-  )(operand, start, travel)
+  )(operand, plan.start, plan.travel)
+  return _land_windows(plan, staging, arrived, output, meta)
+
+
+def _land_windows(plan: _Windows, staging, arrived, output, meta):
+  """``output`` with each row that a received slice covers taken from the
+  staged window holding it (a gather)."""
+  d, _, k = arrived.shape
+  m, trailing = output.shape[0], output.shape[1:]
   # arrived[j, :, s]: the slice of sender j's slot s; recv_sizes says how
   # many of its rows count.
   lands = arrived[:, _TRAVEL_OFF].reshape(d * k)
@@ -253,9 +236,9 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
   # Where slices overlap, the later one wins, as in JAX's definition.
   last = d * k - 1 - jnp.argmax(inside[:, ::-1], axis=1).astype(jnp.int32)
   found = jnp.any(inside, axis=1)
-  held_by = last if not whole else last // k  # the unit holding the slice
-  source = held_by * window + shifts[last] + rows[:, 0] - lands[last]
-  source = jnp.clip(source, 0, d * units * window - 1)
+  held_by = last if not plan.whole else last // k  # the unit holding it
+  source = held_by * plan.window + shifts[last] + rows[:, 0] - lands[last]
+  source = jnp.clip(source, 0, d * plan.units * plan.window - 1)
   found = found.reshape(found.shape + (1,) * len(trailing))
   return jnp.where(found, staging[source], output)
 
@@ -273,11 +256,11 @@ def _chunk(in_off, size, out_off, valid, b: int, n: int):
   return has, src, out_off + prefix
 
 
-def _conditional_exchange(config: Config, operand, output, meta) -> jax.Array:
-  groups = config.groups
+def _conditional_body(groups: Groups, k: int, n: int, m: int):
+  """The kernel: each slice as the binary chunks its size has set, sent
+  straight into the receiver's ``output``; then the waits for the chunks
+  announced."""
   d = groups.size
-  n, m = operand.shape[0], output.shape[0]
-  k = meta.shape[1] // d
   bits = min(n, m).bit_length()
 
   def body(operand, output, meta_hbm, out, meta, send_sem, recv_sem):
@@ -342,13 +325,21 @@ def _conditional_exchange(config: Config, operand, output, meta) -> jax.Array:
           def _(like=like):
             like.wait_send()
 
+  return body
+
+
+def _conditional_exchange(config: Config, operand, output, meta) -> jax.Array:
+  groups = config.groups
+  d = groups.size
+  n, m = operand.shape[0], output.shape[0]
+  k = meta.shape[1] // d
   varying = peers_lib.varying(config.groups, operand, output, meta)
   if varying:
     output = _common.vary(output, varying)
   row_bytes = math.prod(output.shape[1:]) * jnp.dtype(output.dtype).itemsize
   (out,) = peers_lib.launch(
     config.interpret,
-    body,
+    _conditional_body(groups, k, n, m),
     (_common.out_type(output.shape, output.dtype, varying),),
     (
       pltpu.SMEM(meta.shape, jnp.int32),
