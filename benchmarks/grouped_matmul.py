@@ -55,7 +55,7 @@ from _timing import paired_ratio, time_rounds
 from jax import lax
 
 from mpmd.kernels import grouped_matmul as gm
-from mpmd.kernels.grouped_matmul import windows
+from mpmd.kernels.grouped_matmul import _windows as windows
 
 
 class Case(NamedTuple):

@@ -12,21 +12,24 @@ import jax
 import jax.numpy as jnp
 
 from mpmd.kernels import _common
-from mpmd.kernels.collective_matmul.all_gather import AgConfig, ag_kernel_call
+from mpmd.kernels.collective_matmul._all_gather import AgConfig, ag_kernel_call
+from mpmd.kernels.collective_matmul._direct import (
+  ag_direct_call,
+  rs_direct_call,
+)
+from mpmd.kernels.collective_matmul._reduce_scatter import (
+  RsConfig,
+  rs_geometry,
+  rs_kernel_call,
+)
+from mpmd.kernels.collective_matmul._ring import Ring, check_ring, make_streams
+from mpmd.kernels.collective_matmul._tiles import dot_precision
 from mpmd.kernels.collective_matmul.checks import (
   BlockSizes,
   check_block_sizes,
   check_operands,
   pick_blocks,
 )
-from mpmd.kernels.collective_matmul.direct import ag_direct_call, rs_direct_call
-from mpmd.kernels.collective_matmul.reduce_scatter import (
-  RsConfig,
-  rs_geometry,
-  rs_kernel_call,
-)
-from mpmd.kernels.collective_matmul.ring import Ring, check_ring, make_streams
-from mpmd.kernels.collective_matmul.tiles import dot_precision
 from mpmd.types import Interpret
 
 IMPLEMENTATIONS = _common.Implementations(tpu="ring", cpu="direct")

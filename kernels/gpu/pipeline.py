@@ -48,14 +48,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from mpmd.kernels._common import check_int
-from mpmd.kernels.gpu.operands import (
+from mpmd.kernels.gpu._operands import (
   Inputs,
   Operand,
   Outputs,
   check_refs,
   make_operands,
 )
-from mpmd.kernels.gpu.steps import (
+from mpmd.kernels.gpu._steps import (
   GridEntry,
   check_grid,
   count_steps,

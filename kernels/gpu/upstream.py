@@ -18,8 +18,8 @@ import jax.experimental.pallas as pl
 from jax import lax
 
 from mpmd.kernels._common import check_int
+from mpmd.kernels.gpu._steps import GridEntry
 from mpmd.kernels.gpu.pipeline import pipeline
-from mpmd.kernels.gpu.steps import GridEntry
 from mpmd.kernels.gpu.warp_specialized import (
   WarpSpecializedPipeline,
   make_pipeline,

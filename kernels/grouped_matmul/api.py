@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mpmd.kernels import _common
-from mpmd.kernels.grouped_matmul.checks import (
+from mpmd.kernels.grouped_matmul._checks import (
   SUPPORTED_DTYPES,
   check_existing_out,
   check_gmm_operands,
@@ -19,23 +19,23 @@ from mpmd.kernels.grouped_matmul.checks import (
   check_num_actual_groups,
   check_tgmm_operands,
 )
-from mpmd.kernels.grouped_matmul.kernels import (
+from mpmd.kernels.grouped_matmul._kernels import (
   GmmConfig,
   TgmmConfig,
   default_buffer_count,
   gmm_call,
   tgmm_call,
 )
-from mpmd.kernels.grouped_matmul.metadata import group_rows
+from mpmd.kernels.grouped_matmul._metadata import group_rows
+from mpmd.kernels.grouped_matmul._windows import (
+  gmm_windows_call,
+  tgmm_windows_call,
+)
 from mpmd.kernels.grouped_matmul.tiling import (
   Tiling,
   TilingFn,
   default_tiling,
   resolve_tiling,
-)
-from mpmd.kernels.grouped_matmul.windows import (
-  gmm_windows_call,
-  tgmm_windows_call,
 )
 from mpmd.types import Interpret
 

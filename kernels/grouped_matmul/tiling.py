@@ -34,7 +34,7 @@ def default_tiling(
   every platform. Elsewhere None: there the default implementation is
   ``"windows"``, which runs no tiles but, per group, a dot per whole chunk
   of its rows and one over a tail window
-  (``mpmd.kernels.grouped_matmul.windows``).
+  (``mpmd.kernels.grouped_matmul._windows``).
 
   Args:
     m: rows of ``lhs`` (the grouped dimension).

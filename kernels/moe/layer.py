@@ -39,9 +39,9 @@ import numpy as np
 from jax import lax
 
 from mpmd.kernels import _common
-from mpmd.kernels.collective_matmul.ring import check_ring
+from mpmd.kernels.collective_matmul._ring import check_ring
 from mpmd.kernels.grouped_matmul import gmm
-from mpmd.kernels.moe import fused as fused_lib
+from mpmd.kernels.moe import _fused as fused_lib
 from mpmd.kernels.moe import ragged
 from mpmd.types import Interpret
 
@@ -215,7 +215,7 @@ def moe(
   program sends token rows by remote DMA, tile by tile, and signals each
   tile's arrival to a compute program, which runs the experts' MLP on it at
   once and sends the result straight back, so communication overlaps
-  compute (see ``mpmd/kernels/moe/fused.py``). Same routing, same
+  compute (see ``mpmd/kernels/moe/_fused.py``). Same routing, same
   capacity drops, the same products summed in the same order: on the CPU
   fallback the same numbers, bit for bit where XLA:CPU's dot rounds a row
   the same whatever rows surround it, within a few float32 ulps where it

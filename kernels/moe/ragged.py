@@ -59,10 +59,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mpmd.kernels import _common
-from mpmd.kernels.moe import peers as peers_lib
-from mpmd.kernels.moe.peers import Groups as Groups
-from mpmd.kernels.moe.peers import check_arguments as check_arguments
-from mpmd.kernels.moe.peers import check_groups as check_groups
+from mpmd.kernels.moe import _peers as peers_lib
+from mpmd.kernels.moe._peers import Groups as Groups
+from mpmd.kernels.moe._peers import check_arguments as check_arguments
+from mpmd.kernels.moe._peers import check_groups as check_groups
 from mpmd.types import Interpret
 
 _FN = "ragged_all_to_all"

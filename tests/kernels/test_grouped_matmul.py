@@ -56,7 +56,7 @@ import mpmd
 from mpmd import _jax
 from mpmd._lowering import paths
 from mpmd.kernels import grouped_matmul as gm
-from mpmd.kernels.grouped_matmul import windows
+from mpmd.kernels.grouped_matmul import _windows as windows
 
 
 class KernelRunner:

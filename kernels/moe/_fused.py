@@ -61,7 +61,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mpmd import meshes, targets
 from mpmd.kernels import _common
-from mpmd.kernels.moe import peers as peers_lib
+from mpmd.kernels.moe import _peers as peers_lib
 
 _NAME = "moe_fused"
 # Rows of a tile: a multiple of the 8 sublanes; 128 fills the MXU on TPU.

@@ -44,13 +44,13 @@ from jax.experimental.pallas import tpu as pltpu
 from mpmd import _jax
 from mpmd.api import mpmd_map
 from mpmd.kernels import _common
-from mpmd.kernels.grouped_matmul.checks import input_dtype
-from mpmd.kernels.grouped_matmul.kernels import (
+from mpmd.kernels.grouped_matmul._checks import input_dtype
+from mpmd.kernels.grouped_matmul._kernels import (
   EXISTING_OUT_INDEX,
   GmmConfig,
   TgmmConfig,
 )
-from mpmd.kernels.grouped_matmul.metadata import group_rows, row_mask
+from mpmd.kernels.grouped_matmul._metadata import group_rows, row_mask
 
 # Rows of a whole chunk. On XLA:CPU (jax 0.12, 2 cores, k=n=512) a dot of
 # 256 rows takes about 1.25x the dense 1024-row dot's time per row, and one
@@ -122,7 +122,7 @@ def group_windows(
     rows ``[first[g], hi[g])``.
 
   Example:
-    >>> from mpmd.kernels.grouped_matmul import windows
+    >>> from mpmd.kernels.grouped_matmul import _windows as windows
     >>> sizes = jnp.array([300, 0, 20], jnp.int32)
     >>> g = windows.group_windows(sizes, jnp.int32(0), 3, 320,
     ...                           windows.schedule(320))

@@ -13,8 +13,8 @@ from jax.experimental.pallas import tpu as pltpu
 from mpmd import targets
 from mpmd.api import mpmd_map
 from mpmd.kernels import _common
-from mpmd.kernels.grouped_matmul.checks import input_dtype
-from mpmd.kernels.grouped_matmul.metadata import (
+from mpmd.kernels.grouped_matmul._checks import input_dtype
+from mpmd.kernels.grouped_matmul._metadata import (
   gmm_metadata,
   row_mask,
   split_strips,

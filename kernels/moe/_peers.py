@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mpmd.api import mpmd_map
 from mpmd.kernels import _common
-from mpmd.kernels.collective_matmul.ring import check_ring
+from mpmd.kernels.collective_matmul._ring import check_ring
 from mpmd.types import Interpret
 
 # The barrier semaphore handshake uses this collective id.

@@ -15,7 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mpmd.api import mpmd_map
 from mpmd.kernels import _common
-from mpmd.kernels.collective_matmul.ring import Ring
+from mpmd.kernels.collective_matmul._ring import Ring
 from mpmd.types import Interpret
 
 # The barrier semaphore handshake of every kernel here uses this collective id.

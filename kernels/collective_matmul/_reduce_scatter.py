@@ -10,15 +10,14 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mpmd.kernels.collective_matmul.checks import BlockSizes, pick_blocks
-from mpmd.kernels.collective_matmul.ring import (
+from mpmd.kernels.collective_matmul._ring import (
   Ring,
   RingCoords,
   handshake,
   make_streams,
   ring_scratch,
 )
-from mpmd.kernels.collective_matmul.tiles import (
+from mpmd.kernels.collective_matmul._tiles import (
   TileBuffers,
   add,
   add_to_held,
@@ -29,6 +28,7 @@ from mpmd.kernels.collective_matmul.tiles import (
   out_type,
   remote_copy,
 )
+from mpmd.kernels.collective_matmul.checks import BlockSizes, pick_blocks
 from mpmd.types import Interpret
 
 

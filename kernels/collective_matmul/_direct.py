@@ -28,13 +28,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mpmd.kernels.collective_matmul.checks import pick_block, pick_blocks
-from mpmd.kernels.collective_matmul.reduce_scatter import rs_geometry
-from mpmd.kernels.collective_matmul.ring import (
+from mpmd.kernels.collective_matmul._reduce_scatter import rs_geometry
+from mpmd.kernels.collective_matmul._ring import (
   RingCoords,
   handshake,
 )
-from mpmd.kernels.collective_matmul.tiles import (
+from mpmd.kernels.collective_matmul._tiles import (
   TileBuffers,
   add_all,
   launch,
@@ -43,6 +42,7 @@ from mpmd.kernels.collective_matmul.tiles import (
   out_type,
   remote_copy,
 )
+from mpmd.kernels.collective_matmul.checks import pick_block, pick_blocks
 
 
 class SumBuffers(NamedTuple):

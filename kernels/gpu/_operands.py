@@ -18,7 +18,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from mpmd.kernels._common import check_int
-from mpmd.kernels.gpu.steps import (
+from mpmd.kernels.gpu._steps import (
   GridEntry,
   any_steps,
   count_steps,
