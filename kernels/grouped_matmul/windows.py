@@ -234,7 +234,14 @@ def gmm_windows_call(
       def part(start, rows: int, x_win):
         """The product of rows [start, start + rows), f32."""
         pltpu.sync_copy(lhs_ref.at[pl.ds(start, rows)], x_win)
-        return _dot(x_win[...], w[...], contract_w, in_dtype)
+        # Each row rounded as in a dot of many rows, whatever the window's
+        # size: as the fused MoE kernel's tiles round it.
+        return _common.rows_dot(
+          x_win[...].astype(in_dtype),
+          w[...].astype(in_dtype),
+          contract_w,
+          jnp.float32,
+        )
 
       @_scoped(lambda rows: [((rows, k), lhs.dtype), ((rows, n), out_dtype)])
       def chunks(rows: int, x_win, y_win):
