@@ -222,3 +222,51 @@ class Implementations(NamedTuple):
 # Where a TPU kernel runs without an interpreter: Mosaic, or the CPU
 # fallback.
 _NATIVE_PLATFORMS = ("tpu", "cpu")
+
+
+# XLA:CPU multiplies an f32 (M, K) x (K, N) dot of few rows with one
+# algorithm and one of more rows with another, and the two round a row
+# differently (measured on jax 0.10.2 and 0.12.0.1, M a multiple of 8: M <=
+# 40 rows one way, M >= 88 the other, the switch in between depending on K
+# and N; within either, a row's result depends on no other row, nor on
+# where it sits). Kernels whose products must agree bit for bit whatever
+# rows surround them (the fused and the unfused MoE layer) pad every dot
+# to at least this many rows on the CPU fallback.
+STABLE_DOT_ROWS = 128
+
+
+def rows_dot(
+  x: jax.Array, w: jax.Array, contract_w: int, preferred_element_type
+) -> jax.Array:
+  """``x`` (M, K) times ``w`` (contracted on its dimension ``contract_w``):
+  (M, N) in ``preferred_element_type``, each row rounded as XLA:CPU rounds
+  it in a dot of many rows, whatever M (the dot runs on at least
+  ``STABLE_DOT_ROWS`` rows, zeros past M, on the CPU fallback; elsewhere as
+  given).
+
+  Args:
+    x: (M, K) float32 / bfloat16 / float16.
+    w: (K, N) with ``contract_w=0``, (N, K) with ``contract_w=1``; of
+      ``x``'s dtype.
+    contract_w: the dimension of ``w`` that ``x``'s columns meet.
+    preferred_element_type: the product's dtype (say float32).
+
+  Example: eight rows alone, rounded as among 512.
+
+    >>> x = jax.random.normal(jax.random.key(0), (512, 16))
+    >>> w = jax.random.normal(jax.random.key(1), (16, 24))
+    >>> few = rows_dot(x[:8], w, 0, jnp.float32)
+    >>> few.shape, bool(jnp.all(few == rows_dot(x, w, 0, jnp.float32)[:8]))
+    ((8, 24), True)
+  """
+  m = x.shape[0]
+  if m < STABLE_DOT_ROWS and targets.platform() == "cpu":
+    pad = jnp.zeros((STABLE_DOT_ROWS - m, x.shape[1]), x.dtype)
+    x = jnp.concatenate([x, pad])
+  y = jax.lax.dot_general(
+    x,
+    w,
+    (((1,), (contract_w,)), ((), ())),
+    preferred_element_type=preferred_element_type,
+  )
+  return y[:m]

@@ -224,7 +224,14 @@ def _gmm_windows_kernel(p: _Windows):
       def part(start, rows: int, x_win):
         """The product of rows [start, start + rows), f32."""
         pltpu.sync_copy(lhs_ref.at[pl.ds(start, rows)], x_win)
-        return _dot(x_win[...], w[...], p.contract_w, p.in_dtype)
+        # Each row rounded as in a dot of many rows, whatever the window's
+        # size: as the fused MoE kernel's tiles round it.
+        return _common.rows_dot(
+          x_win[...].astype(p.in_dtype),
+          w[...].astype(p.in_dtype),
+          p.contract_w,
+          jnp.float32,
+        )
 
       @_scoped(lambda rows: [((rows, k), p.lhs_dtype), ((rows, n), out_dtype)])
       def chunks(rows: int, x_win, y_win):

@@ -210,11 +210,10 @@ def _experts(p: _Plan, r: _Refs, source, i) -> None:
 
     @pl.when((lo < (i + 1) * tm) & (hi > i * tm))
     def _(e=e, lo=lo, hi=hi):
-      h = jnp.dot(
-        r.x_tile[...], r.w_in_v[e], preferred_element_type=jnp.float32
-      )
+      # Rows rounded as gmm's windows round them (``_common.rows_dot``).
+      h = _common.rows_dot(r.x_tile[...], r.w_in_v[e], 0, jnp.float32)
       a = p.activation(h).astype(dtype)
-      y = jnp.dot(a, r.w_out_v[e], preferred_element_type=jnp.float32)
+      y = _common.rows_dot(a, r.w_out_v[e], 0, jnp.float32)
       mine = (rows >= lo) & (rows < hi)
       r.y_tile[...] = jnp.where(mine, y.astype(dtype), r.y_tile[...])
 

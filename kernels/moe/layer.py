@@ -217,10 +217,9 @@ def moe(
   once and sends the result straight back, so communication overlaps
   compute (see ``mpmd/kernels/moe/_fused.py``). Same routing, same
   capacity drops, the same products summed in the same order: on the CPU
-  fallback the same numbers, bit for bit where XLA:CPU's dot rounds a row
-  the same whatever rows surround it, within a few float32 ulps where it
-  does not (the fused kernel multiplies tiles of ``tile_rows`` rows, the
-  unfused ``gmm`` windows of each expert's rows). Its gradient is
+  fallback the same numbers, bit for bit (both run every dot on at least
+  128 rows there, so that XLA:CPU rounds a row the same whatever rows
+  surround it: ``kernels/_common.py``, ``rows_dot``). Its gradient is
   the unfused layer's (a custom VJP that recomputes the layer unfused: the
   fused kernel keeps no intermediates).
 

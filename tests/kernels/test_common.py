@@ -1,4 +1,5 @@
-"""The kernels' shared checks: the error kind and message for each case."""
+"""The kernels' shared helpers: each check's error kind and message;
+rows_dot's rows, rounded whatever rows surround them."""
 
 import jax
 import jax.numpy as jnp
@@ -97,3 +98,26 @@ def test_out_type_varies_like_its_operands():
 
   f(jax.device_put(jnp.zeros((2,)), jax.NamedSharding(mesh, spec("x"))))
   assert _common.varying_axes(_X) == frozenset()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+  "k,n,contract_w", [(16, 24, 0), (12, 8, 0), (8, 12, 1), (256, 512, 0)]
+)
+def test_rows_dot_rounds_a_row_whatever_rows_surround_it(
+  rng, dtype, k, n, contract_w
+):
+  # XLA:CPU rounds a row of a few-row dot differently from a many-row one
+  # (f32 16x24: up to 48 rows one way, from 56 the other); rows_dot must
+  # not, wherever the rows start (the fused and unfused MoE layers agree
+  # bit for bit only so).
+  x = jnp.asarray(rng.standard_normal((600, k)), dtype)
+  w_shape = (k, n) if contract_w == 0 else (n, k)
+  w = jnp.asarray(rng.standard_normal(w_shape), dtype)
+  dot = jax.jit(lambda x, w: _common.rows_dot(x, w, contract_w, jnp.float32))
+  many = np.asarray(dot(x[:512], w))
+  assert many.shape == (512, n)
+  for m in (8, 40, 48, 56, 88, 120, 128, 136, 256, 264):
+    for start in (0, 3, 77):
+      few = np.asarray(dot(x[start : start + m], w))
+      np.testing.assert_array_equal(few, many[start : start + m])

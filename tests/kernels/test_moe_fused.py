@@ -3,14 +3,11 @@
 schedules on the checking executor; its TPU lowering.
 
 Against the unfused layer: the same products summed in the same order,
-but XLA:CPU's dot may round a row differently with a different number of
-rows around it (an 8-row dot and a 128-row dot of the same rows differ in
-the last bit; the fused kernel multiplies tiles of ``tile_rows``, the
-unfused ``gmm`` windows of a group's rows): so equal up to a few float32
-ulps of O(1) values (observed: 3.6e-7 at most, 8 devices, top-8), and in
-bfloat16 up to one bfloat16 ulp where such a difference crosses a rounding
-boundary of the output; bit for bit at most shapes, which the example
-checks.
+bit for bit, in float32 and bfloat16. XLA:CPU rounds a row of a dot of
+few rows (up to 40-80, depending on K and N) differently from one of
+many, so both the fused kernel's tiles and ``gmm``'s windows multiply at
+least ``_common.STABLE_DOT_ROWS`` rows on the CPU fallback (a row's
+result then depends on no other row).
 """
 
 import functools
@@ -38,15 +35,9 @@ import mpmd.kernels
 SILU = jax.nn.silu
 
 
-def assert_same(fused, unfused, dtype):
-  """Fused against unfused: a few f32 ulps; one bf16 ulp (module doc)."""
-  tight = jnp.dtype(dtype) == jnp.float32
-  np.testing.assert_allclose(
-    np.asarray(fused, np.float32),
-    np.asarray(unfused, np.float32),
-    rtol=1e-6 if tight else 1e-2,
-    atol=2e-6 if tight else 1e-2,
-  )
+def assert_same(fused, unfused):
+  """Fused against unfused: bit for bit (module doc)."""
+  np.testing.assert_array_equal(np.asarray(fused), np.asarray(unfused))
 
 
 def _both(p, **kwargs):
@@ -95,7 +86,7 @@ def test_matches_unfused_and_reference(
   )
   fused, unfused = _both(p, top_k=top_k, tile_rows=tile_rows)
   assert fused.dtype == dtype and fused.shape == p.x.shape
-  assert_same(fused, unfused, dtype)
+  assert_same(fused, unfused)
   want = dense_reference(*p.args, top_k=top_k, activation=SILU)
   assert_close(fused, want, dtype)
 
@@ -124,7 +115,7 @@ def test_capacity_drops_as_unfused(rng, devices, capacity_factor, routing):
   assert want_dropped.any()
   np.testing.assert_array_equal(np.asarray(dropped), want_dropped)
   np.testing.assert_array_equal(np.asarray(unfused_dropped), want_dropped)
-  assert_same(fused, unfused, jnp.float32)
+  assert_same(fused, unfused)
   want = dense_reference(
     *p.args, top_k=2, activation=SILU, dropped=want_dropped
   )
@@ -179,7 +170,12 @@ def test_tpu_simulator_finds_no_race(rng, devices):
     got = jax.block_until_ready(jax.jit(layer)(*p.placed()))
     assert not mpmd.get_races().races_found
   want = jax.jit(p.layer(top_k=2))(*p.placed())
-  assert_same(got, want, jnp.float32)
+  # Not bit for bit: the simulator evaluates the kernel body its own way
+  # (4 devices: 4 of 352 elements differ by one f32 ulp; why is not yet
+  # known, the dots there also run on 128 rows).
+  np.testing.assert_allclose(
+    np.asarray(got), np.asarray(want), rtol=1e-6, atol=2e-6
+  )
 
 
 def _lowered(target: str) -> str:
@@ -236,4 +232,4 @@ def test_vmap_over_token_sets_as_unfused(rng):
       )
     )
 
-  assert_same(layer(True)(*args), layer(False)(*args), jnp.float32)
+  assert_same(layer(True)(*args), layer(False)(*args))
