@@ -1,13 +1,13 @@
 """Packaging, the jax._src door, and the command line."""
 
 import importlib
-import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from python_runs import run_python
 
 import mpmd
 
@@ -180,13 +180,9 @@ def test_mpmd_bench_leaves_the_cpu_devices_to_the_benchmark():
     "cli._bench = lambda args: print('devices', jax.device_count())\n"
     "cli.main(['bench', 'any'])\n"
   )
-  out = subprocess.run(
-    [sys.executable, "-c", code],
-    capture_output=True,
-    text=True,
-    check=True,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
-  ).stdout
+  run = run_python(code, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  out = run.stdout
   assert "devices 1" in out, out
 
 

@@ -26,10 +26,7 @@ Bad arguments are in ``test_collective_matmul_errors.py``.
 """
 
 import functools
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from launches import kernel_path
+from python_runs import run_python
 
 import mpmd
 from mpmd import demos
@@ -512,14 +510,7 @@ class TestTpuSimulator(KernelRunner):
     # or the no-race tests above would prove nothing. In a subprocess: a
     # detected race leaves the runtime's ordered-effects token failed, which
     # would fail every later launch in this process.
-    result = subprocess.run(
-      [sys.executable, "-c", _RACY_RING_PROGRAM],
-      capture_output=True,
-      text=True,
-      timeout=300,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"},
-      check=False,
-    )
+    result = run_python(_RACY_RING_PROGRAM, timeout=300)
     assert result.returncode != 0, result.stdout
     assert "RaceError" in result.stderr, result.stderr[-2000:]
 

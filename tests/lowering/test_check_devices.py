@@ -8,11 +8,9 @@ arithmetic (a 256 x 256 matmul per program) to need that pool; it runs in a
 child process so that a hang ends as a failure of this test, not of the run.
 """
 
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from python_runs import run_python
 
 SCRIPT = textwrap.dedent(
   """
@@ -52,14 +50,10 @@ SCRIPT = textwrap.dedent(
 
 
 def test_checked_launch_with_real_arithmetic_on_four_devices():
-  try:
-    run = subprocess.run(
-      [sys.executable, "-c", SCRIPT],
-      capture_output=True,
-      text=True,
-      timeout=120,
-    )
-  except subprocess.TimeoutExpired:
-    pytest.fail("the checked launch hung inside the devices' host callbacks")
+  run = run_python(
+    SCRIPT,
+    timeout=120,
+    hang="the checked launch hung inside the devices' host callbacks",
+  )
   assert run.returncode == 0, run.stderr[-3000:]
   assert run.stdout.strip() == "OK"

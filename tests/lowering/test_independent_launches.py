@@ -8,12 +8,10 @@ simulator, while the first launch still needed it: ``jax.jit(lambda x, y:
 timeout, since it can hang.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from python_runs import run_python
 
 _TIMEOUT_S = 240  # a few seconds when they complete
 
@@ -134,16 +132,8 @@ jax.effects_barrier()
 @pytest.mark.parametrize("case", sorted(_CASES))
 def test_independent_launches_in_one_jit_complete(case):
   program = textwrap.dedent(_PRELUDE) + _CASES[case] + "\nprint('done')\n"
-  try:
-    result = subprocess.run(
-      [sys.executable, "-c", program],
-      capture_output=True,
-      text=True,
-      timeout=_TIMEOUT_S,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"},
-      check=False,
-    )
-  except subprocess.TimeoutExpired:
-    pytest.fail(f"{case}: the launches hung (no result in {_TIMEOUT_S} s)")
+  result = run_python(
+    program, timeout=_TIMEOUT_S, hang=f"{case}: the launches hung"
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.strip().endswith("done")
