@@ -9,7 +9,15 @@ import jax
 
 
 class LaunchError(jax.errors.JaxRuntimeError):
-  """A launch failed on the CPU fallback the way it would fail on hardware."""
+  """A launch failed on the CPU fallback the way it would fail on hardware.
+
+  Attributes:
+    schedule: on the checking executor, the schedule string under which it
+      failed (``mpmd.replay(f, *args, schedule=error.schedule)`` runs that
+      schedule again); None elsewhere.
+  """
+
+  schedule: str | None = None
 
 
 class DeadlockError(LaunchError):
