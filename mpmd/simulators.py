@@ -3,7 +3,7 @@ Mosaic GPU simulators, run by ``interpret=pltpu.InterpretParams()`` or
 ``mpmd.GPUInterpretParams()``): how long a simulated program may wait, and
 what a detected race does.
 
-Both are JAX config options, defined on first use (``import mpmd`` adds
+Both are JAX config options, defined when first set (``import mpmd`` adds
 nothing to JAX's config), in the jit key: a launch takes the values in force
 where it is traced, and their context managers act on their thread only.
 """
@@ -27,9 +27,14 @@ def _check_timeout(seconds) -> None:
     )
 
 
+def _defined(state_fn) -> bool:
+  """Whether the cached ``state_fn`` has defined its config state yet."""
+  return state_fn.cache_info().currsize > 0
+
+
 @functools.cache
 def _timeout_state():
-  """The ``mpmd_deadlock_timeout`` JAX config state, defined on first use
+  """The ``mpmd_deadlock_timeout`` JAX config state, defined when first set
   (``import mpmd`` adds nothing to JAX's config). In the jit key: a launch
   takes the timeout in force where it is lowered."""
   return _jax.config.string_or_object_state(
@@ -74,6 +79,11 @@ def get_deadlock_timeout() -> float:
     >>> mpmd.get_deadlock_timeout()  # the default
     10.0
   """
+  # Read without defining: a read (every simulator launch does one) must
+  # not add to JAX's config, or test suites that compare the config before
+  # and after each test (jtu.JaxTestCase) fail the first launch's test.
+  if not _defined(_timeout_state):
+    return DEFAULT_DEADLOCK_TIMEOUT_S
   return float(_timeout_state().value)
 
 
@@ -109,6 +119,7 @@ class Races:
 
 
 _RACE_POLICIES = ("raise", "record")
+_DEFAULT_RACE_POLICY = "raise"
 _races: list[Races] = []
 
 
@@ -121,11 +132,11 @@ def _check_policy(policy) -> None:
 
 @functools.cache
 def _policy_state():
-  """The ``mpmd_race_policy`` JAX config state, defined on first use; in
+  """The ``mpmd_race_policy`` JAX config state, defined when first set; in
   the jit key (a launch takes the policy in force where it is lowered)."""
   return _jax.config.string_or_object_state(
     name="mpmd_race_policy",
-    default="raise",
+    default=_DEFAULT_RACE_POLICY,
     help="jax-mpmd: what a simulator launch with detect_races=True does on "
     "a race: 'raise' (mpmd.RaceError) or 'record' (mpmd.get_races())",
     validator=_check_policy,
@@ -166,6 +177,8 @@ def get_race_policy() -> str:
     >>> mpmd.get_race_policy()  # the default
     'raise'
   """
+  if not _defined(_policy_state):  # read without defining, as above
+    return _DEFAULT_RACE_POLICY
   return _policy_state().value
 
 

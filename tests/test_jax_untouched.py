@@ -416,3 +416,54 @@ def test_the_cycle_check_sees_a_cycle():
   assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
     ["a", "b", "c"]
   ]
+
+
+# -- launches leave JAX's config as they found it ----------------------------
+
+
+def test_launches_leave_the_config_values_unchanged():
+  """Upstream's ``jtu.JaxTestCase`` fails any test after which
+  ``jax.config.values`` differ; the simulators' settings are read by every
+  launch, and a read must not define them (only setting them does)."""
+  out = json.loads(
+    _run("""
+      import json
+      import jax, jax.numpy as jnp
+      from jax.experimental import pallas as pl
+      from jax.experimental.pallas import mosaic_gpu as plgpu
+      from jax.experimental.pallas import tpu as pltpu
+      import mpmd
+
+      def gpu_body(o_gmem):
+        o_gmem[...] = jnp.full(o_gmem.shape, 1.0, jnp.float32)
+
+      def tpu_body(o_hbm, buf):
+        buf[...] = jnp.full(buf.shape, 2.0, jnp.float32)
+        pltpu.sync_copy(buf, o_hbm)
+
+      out = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+      gpu = plgpu.Mesh(num_threads=1, thread_name="wg")
+      tpu = mpmd.tensorcore_mesh("core", num_cores=1)
+      before = dict(jax.config.values)
+      sums = [
+        float(mpmd.kernel(gpu_body, out, mesh=gpu)().sum()),
+        float(mpmd.kernel(gpu_body, out, mesh=gpu,
+                          interpret=mpmd.GPUInterpretParams())().sum()),
+        float(mpmd.kernel(tpu_body, out, mesh=tpu,
+                          scratch_types=[pltpu.VMEM((8, 128), jnp.float32)],
+                          interpret=pltpu.InterpretParams())().sum()),
+      ]
+      unchanged = dict(jax.config.values) == before
+      read = [mpmd.get_deadlock_timeout(), mpmd.get_race_policy()]
+      mpmd.set_race_policy("record")
+      mpmd.set_deadlock_timeout(3.0)
+      set_ = [mpmd.get_deadlock_timeout(), mpmd.get_race_policy()]
+      print(json.dumps([sums, unchanged, read, set_]))
+    """)
+  )
+  assert out == [
+    [1024.0, 1024.0, 2048.0],
+    True,
+    [10.0, "raise"],
+    [3.0, "record"],
+  ]

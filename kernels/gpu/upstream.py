@@ -183,6 +183,7 @@ def emit_pipeline_warp_specialized(
   manual_consumed_barriers: bool = False,
   compute_context: Callable[..., Any] | None = None,
   memory_thread_idx: int | None = None,
+  manual_ready_barriers: bool = False,
 ) -> EmittedWarpSpecializedPipeline:
   """Drop-in for upstream's ``plgpu.emit_pipeline_warp_specialized``.
 
@@ -226,6 +227,8 @@ def emit_pipeline_warp_specialized(
       ``run(init_carry)`` runs the pipeline and returns the final carry.
     memory_thread_idx: the memory thread's index on ``wg_axis`` (default:
       the last, ``num_compute_wgs``).
+    manual_ready_barriers: ``manual_produced_barriers``' name in jax 0.11
+      and upstream's main; either turns the feature on.
 
   Returns:
     An :class:`EmittedWarpSpecializedPipeline`: call it with the GMEM refs.
@@ -247,6 +250,8 @@ def emit_pipeline_warp_specialized(
                   jnp.float32))(x)
   """
   where = "emit_pipeline_warp_specialized"
+  # jax 0.11 and upstream's main call the produced barriers "ready".
+  manual_produced_barriers = manual_produced_barriers or manual_ready_barriers
   if not isinstance(wg_axis, str):
     raise TypeError(
       f"{where}: expected 'wg_axis' a str (the mesh's thread axis), got "

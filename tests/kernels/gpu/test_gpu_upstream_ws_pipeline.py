@@ -343,6 +343,13 @@ class WsPipelineCases(PipelineCases):
     self.check(out, 5 * blocks_sum(x, (blk, blk)))
 
   def test_ws_manual_produced_barriers(self):
+    self.manual_loaded_barriers(manual_produced_barriers=True)
+
+  def test_ws_manual_ready_barriers(self):
+    # jax 0.11's and upstream main's name for manual_produced_barriers.
+    self.manual_loaded_barriers(manual_ready_barriers=True)
+
+  def manual_loaded_barriers(self, **flag):
     # The body waits for each input's load itself (x first, then y).
     m, n, blk = 64, 64, 32
     keys = jax.random.split(jax.random.key(9))
@@ -360,7 +367,7 @@ class WsPipelineCases(PipelineCases):
       x,
       y,
       grid=(m // blk, n // blk),
-      manual_produced_barriers=True,
+      **flag,
       in_specs=[spec, spec],
       out_specs=[spec],
     )
