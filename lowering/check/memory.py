@@ -86,15 +86,19 @@ Key = tuple[Hashable, ...]
 
 
 class Lazy(Deferred):
-  """Text made by ``fn()`` only when a message needs it."""
+  """Text made by ``fn()`` only when a message needs it, once (a label
+  names its buffer in every event that touches it)."""
 
-  __slots__ = ("fn",)
+  __slots__ = ("fn", "text")
 
   def __init__(self, fn: Callable[[], object]):
     self.fn = fn
+    self.text: str | None = None
 
   def __str__(self):
-    return str(self.fn())
+    if self.text is None:
+      self.text = str(self.fn())
+    return self.text
 
 
 class Buffer:

@@ -341,9 +341,11 @@ def _dma_lane(m, dma) -> tuple[int, int]:
 def _land(m, dma: machine_lib.Dma) -> None:
   """The DMA reads its source and writes its destination now."""
   comp, time = _dma_lane(m, dma)
-  issuer = m.name(dma.issuer.device, dma.issuer.program)
   describe = memory.Lazy(
-    lambda: f"DMA #{dma.index} issued by {issuer} at {dma.where}"
+    lambda: (
+      f"DMA #{dma.index} issued by "
+      f"{m.name(dma.issuer.device, dma.issuer.program)} at {dma.where}"
+    )
   )
   memory.check_access(
     dma.src, comp, time, dma.clock, False, describe, describe_comp=m.name_comp
@@ -422,18 +424,18 @@ def _end_scope(m, p, op: interp.ScopeEnd, where: str):
   _check_semaphores(
     m,
     [v.buffer for v in op.buffers if v.buffer.semaphore],
-    f"{_describe(m, p, 'run_scoped ends', where)}: ",
+    memory.Lazy(lambda: f"{_describe(m, p, 'run_scoped ends', where)}: "),
   )
   return None
 
 
-def _check_semaphores(m, buffers, prefix: str) -> None:
+def _check_semaphores(m, buffers, prefix: memory.Text) -> None:
   left = [
     f"{b.label} holds {b.data.reshape(-1).tolist()}"
     if b.data.size > 1
     else f"{b.label} holds {int(b.data.reshape(-1)[0])}"
     for b in buffers
-    if np.any(b.data != 0)
+    if b.data.any()
   ]
   if left:
     raise errors.LeftoverError(
