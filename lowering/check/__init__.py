@@ -3,7 +3,8 @@
 A plan in (``launch.plan_of``: the launch's kernels merged into one kernel
 over all programs, its devices), outputs and an event log out:
 
-* ``records``: Pallas' synchronisation equations read into named records;
+* ``records``: Pallas' synchronisation equations read into named records
+  (from a template per equation and scalar operands);
 * ``interp``: one program as a generator that stops at each
   synchronisation point;
 * ``memory``: simulated buffers and the race / uninitialised-read checks;

@@ -59,6 +59,10 @@ class Context:
     self.program = program
     self.axis_values = axis_values
     self.scope_depth = 0
+    # Segments compile for a client of our own (see ``_Segment``).
+    self.own_client = (
+      bool(machine.plan.device_axes) and host_client.CALLBACKS_FILL_POOL
+    )
     # The kernel source line of the equation running now (or of the
     # nearest enclosing one that has a line of the user's).
     self.where = ""
@@ -220,12 +224,14 @@ def bind_eqn(eqn, invals) -> list:
   return outs if eqn.primitive.multiple_results else [outs]
 
 
-def _steps(jaxpr: core.Jaxpr, memo: dict) -> list[Any]:
+def _steps(jaxpr: core.Jaxpr, memo: dict) -> tuple[list[Any], list[Any]]:
   """``jaxpr`` as steps: equations to interpret (with their source line)
-  and compiled segments of the pure equations between them."""
+  and compiled segments of the pure equations between them; and its
+  outputs, as (True, a literal's value) or (False, the variable)."""
   key = ("steps", jaxpr)
-  if key in memo:
-    return memo[key]
+  found = memo.get(key)
+  if found is not None:
+    return found
   last_use: dict[Any, int] = {}
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:
@@ -264,8 +270,12 @@ def _steps(jaxpr: core.Jaxpr, memo: dict) -> list[Any]:
     flush()
     steps.append(_Step(eqn))
   flush()
-  memo[key] = steps
-  return steps
+  outs = [
+    (True, _host(v.val)) if isinstance(v, core.Literal) else (False, v)
+    for v in jaxpr.outvars
+  ]
+  memo[key] = steps, outs
+  return steps, outs
 
 
 class _Step:
@@ -291,21 +301,15 @@ class _Step:
 def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
   """Evaluates ``jaxpr`` for one program; yields at synchronisation points;
   returns its outputs."""
-  env: dict[Any, Any] = {}
-  for v, x in zip(jaxpr.constvars, consts, strict=True):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args, strict=True):
-    env[v] = x
-  memo = ctx.machine.plan.memo
-  own_client = (
-    bool(ctx.machine.plan.device_axes) and host_client.CALLBACKS_FILL_POOL
-  )
+  env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  steps, outs = _steps(jaxpr, ctx.machine.plan.memo)
+  own_client = ctx.own_client
   enclosing = ctx.where
-  for step in _steps(jaxpr, memo):
+  for step in steps:
     if type(step) is _Segment:
-      outs = step.fn(own_client, *[env[v] for v in step.invars])
-      for v, x in zip(step.outvars, outs, strict=True):
-        env[v] = x
+      values = step.fn(own_client, *[env[v] for v in step.invars])
+      env.update(zip(step.outvars, values, strict=True))
       continue
     ctx.where = step.place or enclosing
     invals = [x if literal else env[x] for literal, x in step.ins]
@@ -317,12 +321,12 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
         "interpret=None (the CPU fallback's default paths) or "
         "pltpu.InterpretParams()"
       )
-    outs = yield from rule(ctx, step.eqn, invals)
-    for v, x in zip(step.outs, outs, strict=True):
+    values = yield from rule(ctx, step.eqn, invals)
+    for v, x in zip(step.outs, values, strict=True):
       if v is not None:
         env[v] = x
     ctx.where = enclosing
-  return [_read(env, v) for v in jaxpr.outvars]
+  return [x if literal else env[x] for literal, x in outs]
 
 
 def unsupported(jaxpr: core.Jaxpr) -> str | None:
@@ -353,23 +357,21 @@ def _remembered(ctx, eqn, values, make):
   """``make()``, a function of ``eqn`` and integer scalar ``values`` (an
   unflattened pytree of indexers), made once per kernel for the same
   values: Pallas' pytree nodes cost far more to build than to look up.
-  Other values are not remembered."""
-  key: list[Any] = [id(eqn)]
-  for x in values:
-    if isinstance(x, (np.ndarray, np.generic)) and x.shape == ():
-      if x.dtype.kind not in "biu":
-        return make()
-      key.append((x.dtype.str, int(x)))
-    elif type(x) is int or x is None:
-      key.append((None, x))
-    else:
-      return make()
+  Other values are not remembered. A remembered tuple of views is a
+  ``records.Views`` (a launch finds the window it cuts by its id)."""
+  scalars = records.scalar_key(values)
+  if scalars is None:
+    return make()
+  key = (id(eqn), *scalars)
   table = ctx.machine.plan.memo
-  entry = table.get(tuple(key))
+  entry = table.get(key)
   if entry is None:
-    entry = (make(), eqn)  # eqn: its id stays its own
+    made = make()
+    if type(made) is tuple:
+      made = records.Views(made)
+    entry = (made, eqn)  # eqn: its id stays its own
     if len(table) < MAX_REMEMBERED:
-      table[tuple(key)] = entry
+      table[key] = entry
   return entry[0]
 
 
@@ -378,8 +380,8 @@ MAX_REMEMBERED = 1 << 16
 
 
 def _sync(ctx, eqn, invals):
-  record = records.record_types()[eqn.primitive]
-  result = yield Sync(record.of(eqn, invals), ctx.where)
+  record = records.record_of(eqn, invals, ctx.machine.plan.memo)
+  result = yield Sync(record, ctx.where)
   if eqn.primitive is pallas_primitives.semaphore_read_p:
     return [np.int32(result)]
   return []

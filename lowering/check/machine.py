@@ -1,7 +1,10 @@
 """The checking executor: every program of a launch, one at a time.
 
 A :class:`Machine` holds one launch's whole state (memory, semaphores, DMAs
-in flight, vector clocks, the event log): nothing outlives it. Programs are
+in flight, vector clocks, the event log): nothing outlives it. (What its
+plan remembers for the kernel's next launches is what no launch changes:
+steps, records' templates, the ``arange`` ids of buffers and the windows
+cut from them.) Programs are
 generators (``interp``) that stop at each synchronisation point; the
 machine offers the scheduler every program that can go on and every DMA in
 flight, runs the pick, and repeats until all programs have ended (or none
@@ -62,6 +65,10 @@ class Plan:
     return f"device {device} {self.device_coords(device)} "
 
 
+# Windows of remembered views a kernel keeps (``Machine.resolve``).
+MAX_WINDOWS = 1 << 16
+
+
 class Dma:
   """A DMA in flight."""
 
@@ -109,7 +116,9 @@ class Machine:
     self.clocks: list[memory.Clock] = [{p: 1} for p in range(n)]
     self.memory: dict[tuple[int, int], dict[memory.Key, Buffer]] = {}
     self.semaphores: list[Buffer] = []
-    self.aranges = memory.Aranges()
+    # Shared by the kernel's launches: a window's ids, cut once, serve
+    # every launch (``resolve``).
+    self.aranges = plan.memo.setdefault(("aranges",), memory.Aranges())
 
   # -- naming ----------------------------------------------------------------
 
@@ -201,11 +210,39 @@ class Machine:
 
   def resolve(self, ref, transforms, describe: memory.Text) -> View:
     if isinstance(ref, records.RefOperand):
-      ref, transforms = ref.ref, (*ref.transforms, *transforms)
+      if transforms:
+        ref, transforms = ref.ref, (*ref.transforms, *transforms)
+      else:
+        ref, transforms = ref.ref, ref.transforms
     if not isinstance(ref, View):
       raise NotImplementedError(
         f"mpmd checker: a Ref of type {type(ref).__name__} ({describe})"
       )
+    b = ref.buffer
+    viewed = getattr(b, "viewed", None)
+    if type(transforms) is not records.Views or viewed is None:
+      return self._narrow(ref, transforms, describe)
+    if ref.ids is not b.ids:
+      return self._narrow(ref, transforms, describe)
+    # The same remembered views of the whole buffer: the same window, in
+    # this launch (``viewed``) and in every launch of the kernel (its
+    # buffers' ``ids`` are the kernel's aranges).
+    found = viewed.get(id(transforms))
+    if found is None:
+      key = ("window", id(transforms), id(b.ids))
+      ids = self.plan.memo.get(key)
+      if ids is None:
+        view = self._narrow(ref, transforms, describe)
+        if len(self.plan.memo) < MAX_WINDOWS:
+          self.plan.memo[key] = (transforms, b.ids, view.ids)
+      else:
+        view = View(b, ids[2])
+      found = (transforms, view)
+      if len(viewed) < memory.MAX_WINDOWS:
+        viewed[id(transforms)] = found
+    return found[1]
+
+  def _narrow(self, ref: View, transforms, describe: memory.Text) -> View:
     view = ref
     for t in transforms or ():
       if hasattr(t, "indices") and hasattr(t, "int_indexer_shape"):

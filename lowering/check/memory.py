@@ -25,9 +25,10 @@ Clock = dict[int, int]
 
 def join(a: Clock, b: Clock) -> Clock:
   """The least clock above both."""
-  out = dict(a)
+  out = a.copy()
+  get = out.get
   for k, t in b.items():
-    if t > out.get(k, 0):
+    if t > get(k, 0):
       out[k] = t
   return out
 
@@ -46,8 +47,9 @@ def garbage(shape, dtype) -> np.ndarray:
 
 
 class Aranges:
-  """``arange(size).reshape(shape)`` per shape, made once per launch and
-  shared by every buffer of that shape (views only read them)."""
+  """``arange(size).reshape(shape)`` per shape, made once per kernel and
+  shared by every buffer of that shape in all its launches (views only
+  read them)."""
 
   def __init__(self):
     self.cache: dict[tuple[int, ...], np.ndarray] = {}
@@ -56,7 +58,9 @@ class Aranges:
     shape = tuple(shape)
     if shape not in self.cache:
       size = int(np.prod(shape, dtype=np.int64))
-      self.cache[shape] = np.arange(size, dtype=np.int64).reshape(shape)
+      ids = np.arange(size, dtype=np.int64)
+      ids.flags.writeable = False  # shared by launches: nobody writes it
+      self.cache[shape] = ids.reshape(shape)
     return self.cache[shape]
 
 
@@ -82,15 +86,19 @@ Key = tuple[Hashable, ...]
 
 
 class Lazy(Deferred):
-  """Text made by ``fn()`` only when a message needs it."""
+  """Text made by ``fn()`` only when a message needs it, once (a label
+  names its buffer in every event that touches it)."""
 
-  __slots__ = ("fn",)
+  __slots__ = ("fn", "text")
 
   def __init__(self, fn: Callable[[], object]):
     self.fn = fn
+    self.text: str | None = None
 
   def __str__(self):
-    return str(self.fn())
+    if self.text is None:
+      self.text = str(self.fn())
+    return self.text
 
 
 class Buffer:
@@ -128,6 +136,9 @@ class Buffer:
     self.init = np.full(size, data is not None or semaphore)
     # Windows of the whole buffer taken so far (``index_view``).
     self.windows: dict[tuple[Hashable, ...], View] = {}
+    # Views of the whole buffer by the id of a remembered tuple of views
+    # taken of it (``records.Views``, kept alive in the entry).
+    self.viewed: dict[int, tuple[tuple, View]] = {}
     # comp -> a description of its latest access (for race reports).
     self.who: dict[int, Text] = {}
     # Last write and last read per element (semaphores have no data

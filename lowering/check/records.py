@@ -10,9 +10,19 @@ import dataclasses
 import functools
 from typing import Any
 
+import numpy as np
+
 from mpmd import _pallas_ops
-from mpmd._jax import core
+from mpmd._jax import core, state, tree_util
 from mpmd._pallas_ops import Sync, split_ref
+
+
+class Views(tuple):
+  """The views taken of a Ref, remembered per kernel (``record_of``,
+  ``interp``'s indexers): the same object stands for the same views each
+  time, so a launch can look up the window they cut by its id."""
+
+  __slots__ = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,3 +145,93 @@ def record_types() -> dict[core.Primitive, type]:
     Sync.SEMAPHORE_READ: SemRead,
   }
   return {_pallas_ops.primitive(k): r for k, r in records.items()}
+
+
+# Templates ``record_of`` keeps per kernel (past them, it reads anew).
+MAX_TEMPLATES = 1 << 16
+
+
+class _Slot:
+  """Stands for the ``index``-th operand (a Ref) while a template is read:
+  the record's views depend on the other operands only."""
+
+  __slots__ = ("index",)
+
+  def __init__(self, index: int):
+    self.index = index
+
+
+def scalar_key(values) -> list[Any] | None:
+  """What identifies integer scalar ``values`` (numpy scalars and 0-d
+  arrays, Python and JAX's typed integer literals, None), type and dtype
+  included; None if one is something else (an array, a float)."""
+  key: list[Any] = []
+  for x in values:
+    if isinstance(x, (np.ndarray, np.generic)):
+      if x.shape != () or x.dtype.kind not in "biu":
+        return None
+      key.append((type(x), x.dtype, int(x)))
+    elif isinstance(x, int):  # bool, int, JAX's typed literals
+      key.append((type(x), getattr(x, "dtype", None), int(x)))
+    elif x is None:
+      key.append(None)
+    else:
+      return None
+  return key
+
+
+def record_of(eqn: core.JaxprEqn, values, memo: dict):
+  """The record of a synchronisation equation on its operand ``values``
+  (Refs and integer scalars), as ``record_types()[eqn.primitive].of``
+  reads it, made from a template remembered in ``memo`` per equation and
+  scalar values: unflattening Pallas' pytree nodes costs far more than
+  putting this launch's Refs into the fields that hold them."""
+  found = memo.get(("record of", id(eqn)))
+  if found is None:
+    refs = [isinstance(v.aval, state.AbstractRef) for v in eqn.invars]
+    others = [i for i, is_ref in enumerate(refs) if not is_ref]
+    found = (record_types()[eqn.primitive], refs, others, eqn)  # eqn: its id
+    memo[("record of", id(eqn))] = found
+  make, refs, others, _ = found
+  scalars = scalar_key([values[i] for i in others])
+  if scalars is None:  # an index array: read it as it is
+    return make.of(eqn, values)
+  key = ("record", id(eqn), *scalars)
+  template = memo.get(key)
+  if template is None:
+    template = _template(eqn, values, refs, make)
+    if len(memo) < MAX_TEMPLATES:
+      memo[key] = template
+  if template is False:  # Refs somewhere else than a field's base
+    return make.of(eqn, values)
+  fields, slots = template
+  fields = list(fields)
+  for k, i, transforms in slots:
+    fields[k] = RefOperand(values[i], transforms)
+  return make(*fields)
+
+
+def _template(eqn, values, refs, make):
+  """(the record's fields, [(field, operand, views)] of its Ref fields),
+  or False where a Ref is elsewhere than a field's base Ref. (Operands
+  the record does not keep, such as the source of a ``dma_wait``, need
+  no slot.)"""
+  placeholders = [
+    _Slot(i) if is_ref else x
+    for i, (is_ref, x) in enumerate(zip(refs, values, strict=True))
+  ]
+  record = make.of(eqn, placeholders)
+  fields = [getattr(record, f.name) for f in dataclasses.fields(record)]
+  slots = [
+    (k, f.ref.index, Views(f.transforms))
+    for k, f in enumerate(fields)
+    if isinstance(f, RefOperand) and isinstance(f.ref, _Slot)
+  ]
+  rest = [f for f in fields if not isinstance(f, RefOperand)]
+  rest += [f.transforms for f in fields if isinstance(f, RefOperand)]
+  rest += [f.ref for f in fields if isinstance(f, RefOperand)]
+  if sum(isinstance(x, _Slot) for x in tree_util.tree_leaves(rest)) != len(
+    slots
+  ):
+    return False
+  return tuple(fields), slots

@@ -99,10 +99,7 @@ def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
       programs.append(_Program(d, g, gen, ctx))
   current = None
   while True:
-    options = [
-      ("p", i) for i, p in enumerate(programs) if not p.done and _enabled(m, p)
-    ]
-    options += [("d", k) for k in sorted(m.dmas)]
+    options = _options(m, programs)
     if not options:
       break
     default = schedule.default_choice(options, current)
@@ -135,6 +132,27 @@ def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
   ]
 
 
+def _options(m, programs: list[_Program]) -> list[schedule.Option]:
+  """What can go on now: the programs that have not started, or whose
+  pending operation's gate (``_gate``, worked out once per operation) is
+  open, then the DMAs in flight. (The loop asks every program at every
+  step: kept to a few Python steps per program.)"""
+  options: list[schedule.Option] = []
+  for i, p in enumerate(programs):
+    if p.done:
+      continue
+    if p.started:
+      gate = p.waiting.gate
+      if gate is None:
+        gate = p.waiting.gate = _gate(m, p)
+      if type(gate) is tuple and gate[0][gate[1]] < gate[2]:
+        continue
+    options.append(("p", i))
+  if m.dmas:
+    options += [("d", k) for k in sorted(m.dmas)]
+  return options
+
+
 def _next_after(options, current, default):
   """After a semaphore read, let the others run (a spinning poll)."""
   programs = [o for o in options if o[0] == "p" and o[1] != current]
@@ -146,18 +164,6 @@ def _next_after(options, current, default):
 
 def _describe(m, p, op: str, where: str):
   return machine_lib.Describe(m, p.device, p.program, op, where)
-
-
-def _enabled(m, p: _Program) -> bool:
-  if not p.started:
-    return True
-  gate = p.waiting.gate
-  if gate is None:
-    gate = p.waiting.gate = _gate(m, p)
-  if not isinstance(gate, tuple):
-    return True  # it need not wait
-  counts, e, need = gate
-  return counts[e] >= need
 
 
 def _gate(m, p: _Program) -> Gate:
@@ -335,9 +341,11 @@ def _dma_lane(m, dma) -> tuple[int, int]:
 def _land(m, dma: machine_lib.Dma) -> None:
   """The DMA reads its source and writes its destination now."""
   comp, time = _dma_lane(m, dma)
-  issuer = m.name(dma.issuer.device, dma.issuer.program)
   describe = memory.Lazy(
-    lambda: f"DMA #{dma.index} issued by {issuer} at {dma.where}"
+    lambda: (
+      f"DMA #{dma.index} issued by "
+      f"{m.name(dma.issuer.device, dma.issuer.program)} at {dma.where}"
+    )
   )
   memory.check_access(
     dma.src, comp, time, dma.clock, False, describe, describe_comp=m.name_comp
@@ -346,13 +354,19 @@ def _land(m, dma: machine_lib.Dma) -> None:
     dma.dst, comp, time, dma.clock, True, describe, describe_comp=m.name_comp
   )
   src, dst = dma.src, dma.dst
-  data = src.read()
   if dma.start.add:
+    data = src.read()
     memory.check_initialized(dst, describe)
     dst.write(dst.read() + data)
+    dst.set_init(src.init_of())
+  elif src.slab is not None and dst.slab is not None:
+    # Window to window, with no copy in between (numpy copies first where
+    # a local DMA's windows overlap).
+    dst.buffer.flat[dst.slab] = src.buffer.flat[src.slab]
+    dst.buffer.init[dst.slab] = src.buffer.init[src.slab]
   else:
-    dst.write(data)
-  dst.set_init(src.init_of())
+    dst.write(src.read())
+    dst.set_init(src.init_of())
   clock = memory.join(dma.clock, {comp: time})
   m.events.append(
     machine_lib.Event(
@@ -410,18 +424,18 @@ def _end_scope(m, p, op: interp.ScopeEnd, where: str):
   _check_semaphores(
     m,
     [v.buffer for v in op.buffers if v.buffer.semaphore],
-    f"{_describe(m, p, 'run_scoped ends', where)}: ",
+    memory.Lazy(lambda: f"{_describe(m, p, 'run_scoped ends', where)}: "),
   )
   return None
 
 
-def _check_semaphores(m, buffers, prefix: str) -> None:
+def _check_semaphores(m, buffers, prefix: memory.Text) -> None:
   left = [
     f"{b.label} holds {b.data.reshape(-1).tolist()}"
     if b.data.size > 1
     else f"{b.label} holds {int(b.data.reshape(-1)[0])}"
     for b in buffers
-    if np.any(b.data != 0)
+    if b.data.any()
   ]
   if left:
     raise errors.LeftoverError(
