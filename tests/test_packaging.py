@@ -59,8 +59,9 @@ def test_wheel_holds_only_the_mpmd_namespace(tmp_path):
   top = {n.split("/")[0] for n in names if not n.startswith("jax_mpmd-")}
   assert top == {"mpmd"}
   for package in (
-    "primitives",
-    "lowering",
+    "_primitives",
+    "_lowering",
+    "_lowering/check",
     "kernels",
     "kernels/gpu",
     "kernels/moe",
