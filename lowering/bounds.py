@@ -21,7 +21,7 @@ end-of-launch check of the kernel's own semaphores.
 """
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -41,30 +41,45 @@ from mpmd._pallas_ops import Sync
 DEADLOCK = "mpmd_map deadlock"
 
 
-def operand_names(kernel: core.Jaxpr, num_in: int, num_out: int) -> list[str]:
+def operand_names(
+  kernel: core.Jaxpr,
+  num_in: int,
+  num_out: int,
+  aliases: Mapping[int, int] | None = None,
+) -> list[str]:
   """``'x_hbm' (input 0, f32[16,128])`` for each operand of a traced kernel.
 
   ``num_in`` counts the values ``mpmd_map`` hoisted out of the kernel (its
   closed-over scalars and Refs): they follow the inputs and have no name.
+  ``aliases`` (input -> output) names the output that carries a Ref input
+  of the launch (discharged: it bears the Ref's name) as that input.
   """
   arg_names = kernel.debug_info.arg_names or ()
   num_hoisted = sum(1 for n in arg_names if not n)
   named = iter(n for n in arg_names if n)
   num_user_in = num_in - num_hoisted
-  names = []
+  carried = {o: i for i, o in (aliases or {}).items()}
+  names, given = [], []
   for k, v in enumerate(kernel.invars):
     if k < num_user_in:
       role = f"input {k}"
     elif k < num_in:
       names.append(f"(a closed-over value, {_short(v.aval)})")
+      given.append(None)
       continue
     elif k < num_in + num_out:
       role = f"output {k - num_in}"
     else:
       role = f"scratch {k - num_in - num_out}"
     name = next(named, None)
-    name = f"{name!r} " if name else ""
-    names.append(f"{name}({role}, {_short(v.aval)})")
+    source = carried.get(k - num_in)
+    # A Python function's parameters have distinct names: an output named
+    # as the input it is aliased to is that input's Ref, discharged.
+    if source is not None and name and given[source] == name:
+      role = f"input {source}"
+    given.append(name)
+    shown = f"{name!r} " if name else ""
+    names.append(f"{shown}({role}, {_short(v.aval)})")
   return names
 
 

@@ -18,7 +18,7 @@ from mpmd._jax import (
   state,
   tree_util,
 )
-from mpmd._lowering import jaxpr_util, paths
+from mpmd._lowering import bounds, jaxpr_util, paths
 from mpmd._primitives import mpmd_map as prim
 
 
@@ -279,3 +279,39 @@ def _distinct_refs(eqn, invals):
     operands = [*ones[0], *ones[1], *carry]
   outs = p.bind(*operands, **p.get_bind_params(new))
   return outs if p.multiple_results else [outs]
+
+
+# -- the launch's operands in the user's terms (simulator error messages) ----
+
+
+def operand_labels(params, num_in: int) -> list[str]:
+  """``'x_ref' (input 0, f32[256])`` for each operand and scratch of the
+  launch; where meshes name one differently, their names together."""
+  num_out = len(params["out_avals"])
+  per_mesh = [
+    bounds.operand_names(j, num_in, num_out, params["input_output_aliases"])
+    for j in user_jaxprs(params)
+  ]
+  labels = []
+  for names in zip(*per_mesh, strict=True):
+    # "'x' (input 0, f32[256])": the same role and type in every mesh.
+    named = [n.partition(" (") for n in names if not n.startswith("(")]
+    if not named:
+      labels.append(names[0])
+      continue
+    refs = " / ".join(dict.fromkeys(n for n, _, _ in named))
+    labels.append(f"{refs} ({named[0][2]}")
+  return labels
+
+
+def user_jaxprs(params):
+  """The launch's kernels as traced, one per mesh (not merged)."""
+  return params.get("user_jaxprs", params["jaxprs"])
+
+
+def kernel_name(params) -> str:
+  if params.get("name"):
+    return params["name"]
+  return " + ".join(
+    str(j.debug_info.func_src_info) for j in user_jaxprs(params)
+  )

@@ -164,7 +164,7 @@ def _fast_programs(num_in: int, params):
       if consts:
         raise NotImplementedError("mpmd_map: kernel captured constants")
       jaxpr = jaxpr_util.map_avals(jaxpr, lockstep.widen)
-    names = bounds.operand_names(traced, num_in, num_out)
+    names = bounds.operand_names(traced, num_in, num_out, aliases)
     refs = bounds.trace_refs(jaxpr, names)
     proven = ranges.prove(jaxpr, sizes)
     sparsecore_axis = merge.sparsecore_axis(mesh)

@@ -7,13 +7,11 @@ race detector's verdict into an error.
 
 import contextlib
 import re
-import threading
 from typing import Any
 
 from mpmd import _jax, _patches
 from mpmd._jax import core, gpu, mlir, pallas_core, source_info_util
 from mpmd._lowering import (
-  bounds,
   callbacks,
   common,
   errors,
@@ -30,23 +28,21 @@ def _watched(barrier, device, program, logging_info):
   where = ""
   if logging_info is not None and logging_info.source_info is not None:
     where = source_info_util.summarize(logging_info.source_info)
-
-  def notify():
-    with barrier.cv:
-      barrier.cv.notify_all()
-
-  raise_here = watchdog.raise_in_thread(threading.get_ident(), notify)
-
-  with (
-    watchdog.reraise_with_message(),
-    watchdog.waiting(
-      f"device {device} {watchdog.describe_program(program)}",
-      f"on a barrier (phase {barrier.phase})",
-      where,
-      raise_here,
-    ),
+  with watchdog.waiting(
+    f"device {device} {watchdog.describe_program(program)}",
+    f"on a barrier (phase {barrier.phase})",
+    where,
+    lambda message: _jax.abort_gpu_barrier(barrier),
   ):
-    yield
+    try:
+      yield
+    except Exception:
+      # The watchdog ended the wait (the barrier raises for its waiters):
+      # the launch's deadlock is this wait's error.
+      deadlock = watchdog.running_deadlock()
+      if deadlock is None:
+        raise
+      raise deadlock from None
 
 
 def _watch_wait(barrier, device, program, logging_info):
@@ -149,43 +145,11 @@ def lower(
   )
 
 
-def _operand_labels(params, num_in: int) -> list[str]:
-  """``'x_ref' (input 0, f32[256])`` for each operand and scratch of the
-  launch; where meshes name one differently, their names together."""
-  num_out = len(params["out_avals"])
-  per_mesh = [
-    bounds.operand_names(j, num_in, num_out) for j in _user_jaxprs(params)
-  ]
-  labels = []
-  for names in zip(*per_mesh, strict=True):
-    # "'x' (input 0, f32[256])": the same role and type in every mesh.
-    named = [n.partition(" (") for n in names if not n.startswith("(")]
-    if not named:
-      labels.append(names[0])
-      continue
-    refs = " / ".join(dict.fromkeys(n for n, _, _ in named))
-    labels.append(f"{refs} ({named[0][2]}")
-  return labels
-
-
-def _user_jaxprs(params):
-  """The launch's kernels as traced, one per mesh (not merged)."""
-  return params.get("user_jaxprs", params["jaxprs"])
-
-
-def _kernel_name(params) -> str:
-  if params.get("name"):
-    return params["name"]
-  return " + ".join(
-    str(j.debug_info.func_src_info) for j in _user_jaxprs(params)
-  )
-
-
 def _out_of_bounds_in_user_terms(params, num_in: int, invars, kept):
   """The launch's ``describe`` for the watchdog: the simulator's
   out-of-bounds report, naming the operand (its Ref's name, role and type)
   and the kernel instead of the simulator's buffer key."""
-  labels = _operand_labels(params, num_in)
+  labels = common.operand_labels(params, num_in)
   num_out = len(params["out_avals"])
   num_operands = num_in + num_out
   aliased = set(dict(params["input_output_aliases"]).values())
@@ -202,7 +166,7 @@ def _out_of_bounds_in_user_terms(params, num_in: int, invars, kept):
   order += [labels[num_operands + i] for i in scoped]
   first = FIRST_BUFFER_ID
   by_id = {first + n: label for n, label in enumerate(order)}
-  kernel = _kernel_name(params)
+  kernel = common.kernel_name(params)
 
   def describe(error):
     found = _out_of_bounds(error)

@@ -262,7 +262,12 @@ def lower(
     jaxpr = jaxpr_util.map_avals(jaxpr, widen)
     checks = bounds.Checks(
       traced.debug_info.func_src_info,
-      bounds.trace_refs(jaxpr, bounds.operand_names(traced, num_in, num_out)),
+      bounds.trace_refs(
+        jaxpr,
+        bounds.operand_names(
+          traced, num_in, num_out, params["input_output_aliases"]
+        ),
+      ),
       ranges.prove(jaxpr, {**mesh.shape, **sizes}),
       path="lockstep path (devices run in step)",
       where=functools.partial(_where, devices.all_axes),

@@ -11,6 +11,7 @@ Two traps of that simulator on jax 0.10.2 are worked around here, narrowly
    caller never sees.
 """
 
+import re
 from typing import Any
 
 import jax
@@ -28,9 +29,11 @@ from mpmd._jax import (
 from mpmd._lowering import (
   callbacks,
   common,
+  errors,
   host_programs,
   jaxpr_util,
   paths,
+  tpu_semaphores,
   watchdog,
 )
 from mpmd._primitives import mpmd_map as prim
@@ -70,6 +73,16 @@ def _watch_wait(semaphore, value, global_core_id, has_tasks, logging_info):
   if logging_info is not None and logging_info.source_info is not None:
     where = source_info_util.summarize(logging_info.source_info)
   kind = "DMA semaphore" if has_tasks else "semaphore"
+  named = watchdog.name_semaphore(semaphore.id)
+  if named is not None:
+    kind = f"the {kind} {named.label}"
+    if not where and named.lines:
+      # The kernel lines that wait on this semaphore (the simulator does not
+      # say which one waits).
+      lines = named.lines
+      where = lines[0] if len(lines) == 1 else f"one of {', '.join(lines)}"
+  else:
+    kind = f"a {kind}"
 
   def abort(message):
     _jax.fail_tpu_simulation(
@@ -85,7 +98,7 @@ def _watch_wait(semaphore, value, global_core_id, has_tasks, logging_info):
     finally:
       if locked:
         semaphore.cv.release()
-    return f"on a {kind} for {value} (it holds {holds} now)"
+    return f"on {kind} for {value} (it holds {holds} now)"
 
   return watchdog.waiting(
     f"device {device} {watchdog.describe_program(core)}",
@@ -138,11 +151,16 @@ def lower(
 
   # Trap 2: HBM scratch moves behind the outputs.
   ins, outs, scratch = util.split_list(jaxpr.invars, [num_in, num_out])
-  hidden = [v for v in scratch if _is_hbm(v.aval)]
+  hidden = [i for i, v in enumerate(scratch) if _is_hbm(v.aval)]
+  kept = [i for i, v in enumerate(scratch) if not _is_hbm(v.aval)]
+  describe = _out_of_bounds_in_user_terms(params, num_in, scratch, hidden)
+  semaphore_name = tpu_semaphores.namer(params, num_in, scratch)
   if hidden:
-    kept = [v for v in scratch if not _is_hbm(v.aval)]
-    jaxpr = jaxpr.replace(invars=[*ins, *outs, *hidden, *kept])
-    hidden_avals = [v.aval.inner_aval for v in hidden]
+    moved = [scratch[i] for i in hidden]
+    jaxpr = jaxpr.replace(
+      invars=[*ins, *outs, *moved, *(scratch[i] for i in kept)]
+    )
+    hidden_avals = [v.aval.inner_aval for v in moved]
     params = dict(params, out_avals=(*params["out_avals"], *hidden_avals))
   pallas_params = common.pallas_params(mesh, jaxpr, ctx, params)
   if ranges is None:
@@ -168,4 +186,65 @@ def lower(
     races_are_errors=races_are_errors,
     orders="semaphores or DMA waits",
     simulator_effects=pallas_core.get_interpret_effects(interpret),
+    describe=describe,
+    semaphore_name=semaphore_name,
   )
+
+
+# -- the TPU simulator's buffers, in the user's terms --------------------------
+
+# The TPU simulator numbers the buffers of each device and core from this id
+# on, in the order it allocates them: the launch's inputs, its outputs not
+# aliased to an input (HBM), then the kernel's operands outside HBM.
+FIRST_BUFFER_ID = 100
+
+# "Out-of-bounds read of (device core memory-space buffer-id): ..." (an
+# IndexError, 0.12: a ValueError for a write or swap): its only record of
+# the buffer, so the one route to the operand it belongs to.
+_TPU_BUFFER = re.compile(r"^Out-of-bounds [\w ]+? of \(\d+ \d+ (\w+) (\d+)\)")
+
+
+def _out_of_bounds_in_user_terms(params, num_in: int, scratch, hidden):
+  """The launch's ``describe`` for the watchdog: the simulator's
+  out-of-bounds report as an ``OutOfBoundsError`` naming the operand (its
+  Ref's name, role and type) the access touched, and the kernel.
+
+  ``scratch``: the kernel's scratch operands; ``hidden``: those in HBM,
+  which the simulator gets as extra outputs (trap 2), by scratch index.
+  """
+  labels = common.operand_labels(params, num_in)
+  num_out = len(params["out_avals"])
+  aliased = set(dict(params["input_output_aliases"]).values())
+  scratch_labels = labels[num_in + num_out :]
+  order = labels[:num_in]  # HBM buffers: inputs, then outputs not aliased
+  order += [labels[num_in + j] for j in range(num_out) if j not in aliased]
+  order += [scratch_labels[i] for i in hidden]
+  # Then a buffer per operand outside HBM (inputs and outputs are in HBM).
+  order += [
+    scratch_labels[i]
+    for i, v in enumerate(scratch)
+    if i not in hidden and _has_buffer(v.aval)
+  ]
+  by_id = {FIRST_BUFFER_ID + n: label for n, label in enumerate(order)}
+  kernel = common.kernel_name(params)
+
+  def describe(error):
+    if not isinstance(error, (IndexError, ValueError)):
+      return None
+    found = _TPU_BUFFER.search(str(error))
+    if found is None:
+      return None
+    space, buffer_id = found.group(1), int(found.group(2))
+    label = by_id.get(buffer_id, f"the simulator's {space} buffer {buffer_id}")
+    return errors.OutOfBoundsError(
+      "mpmd_map: a simulated access out of bounds (hardware faults) in "
+      f"kernel {kernel}, on {label}: {error}"
+    )
+
+  return describe
+
+
+def _has_buffer(aval) -> bool:
+  """Whether the TPU simulator gives a scratch operand of ``aval`` a
+  buffer (semaphores it counts apart)."""
+  return aval.memory_space is not tpu().core.MemorySpace.SEMAPHORE

@@ -17,23 +17,35 @@ the timeout without one simulated operation (a long stretch of pure math)
 needs a longer one (``mpmd.deadlock_timeout``).
 
 The simulators keep one global state per process, so their launches take
-turns: a launch holds the simulator from its first device's entry until
-every device has left or failed (``_Launch``). Launches from several
-threads queue there; only the launch that hangs fails.
+turns (``_Simulator``, the one object of the process): a run of a launch
+holds the simulator from its first device's entry until every device has
+left, having failed or not. Everything else belongs to the run
+(``_Launch``): who took part, its failure, its programs' waits, and its
+watchdog thread, which ends with it. Launches from several threads queue;
+only the launch that hangs fails. A wait the watchdog ends is ended
+cooperatively: the simulator's own failure path (TPU), or the barrier
+woken and made to raise (GPU), never an exception injected into a thread.
+
+Each device's part of a launch is one host callback of the caller's
+computation, which runs the device's simulation as a computation of its
+own (``_DeviceProgram``; docs/design.md, "One launch at a time").
 """
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import math
 import threading
 import time
 from collections.abc import Callable, Generator
+from typing import Any
+
+import jax
+import numpy as np
 
 from mpmd import _jax, simulators
 from mpmd._jax import callback, core, mlir
-from mpmd._lowering import errors
+from mpmd._lowering import errors, jaxpr_util
 from mpmd.simulators import (
   DEFAULT_DEADLOCK_TIMEOUT_S as DEFAULT_DEADLOCK_TIMEOUT_S,
 )
@@ -80,40 +92,62 @@ class LaunchInfo:
   describe: Describe | None
   timeout_s: float
   race_policy: str
+  # A semaphore id -> the user's name of it (tpu_semaphores.Named), if known.
+  semaphore_name: Callable[[int], Any] | None = None
+
+
+@dataclasses.dataclass
+class _Wait:
+  who: str
+  # What it waits for, worded when the deadlock is reported (a count it
+  # holds is then the count that has reached it, not the one it began at).
+  what: Callable[[], str]
+  where: str
+  since: float
+  abort: Callable[[str], None]
 
 
 @dataclasses.dataclass(eq=False)
 class _Launch:
-  """One run of a lowered launch, on ``num_devices`` device threads."""
+  """One run of a lowered launch, on ``num_devices`` device threads: who
+  took part, who left, its failure, its programs' waits and its watchdog."""
 
   info: LaunchInfo
   num_devices: int
   original_failure: Callable[[], BaseException | None]
-  entered: int = 0
+  devices: set = dataclasses.field(default_factory=set)  # those that entered
   left: int = 0
-  active: int = 0  # simulator callbacks running now
   reports: int = 0  # device threads that reported a failure
   idle_since: float = dataclasses.field(default_factory=time.monotonic)
   failure: errors.LaunchError | None = None
+  waits: dict[int, _Wait] = dataclasses.field(default_factory=dict)
+  over: threading.Event = dataclasses.field(default_factory=threading.Event)
 
-  def over(self) -> bool:
-    """Every device left; or it failed and no callback of it ran lately
-    (a failure ends each device's part in some callback of the simulator,
-    and the device threads of several simulated cores may fail at once)."""
-    if self.left >= self.num_devices:
-      return True
+  def admits(self, info: LaunchInfo, device: tuple) -> bool:
+    """Whether ``device``'s part of a run of ``info`` belongs to this run
+    (a device that took part in it already starts the next one)."""
     return (
-      self.failure is not None
-      and self.active == 0
-      and time.monotonic() - self.idle_since > _SETTLE_S
+      self.info is info
+      and device not in self.devices
+      and len(self.devices) < self.num_devices
     )
 
 
-_SETTLE_S = 0.2
-_REPORTS_S = 5.0
-_turn = threading.Condition()
-_running: list[_Launch] = []  # the launch holding the simulator, if any
-_last_failure: list[errors.LaunchError] = []
+class _Simulator:
+  """Which launch holds the simulator. Upstream's simulators keep one state
+  per process, so this is one object per process; all else belongs to the
+  launch that holds it (``_Launch``)."""
+
+  def __init__(self):
+    self.turn = threading.Condition()
+    self.launch: _Launch | None = None
+
+  def running(self) -> _Launch | None:
+    with self.turn:
+      return self.launch
+
+
+_SIMULATOR = _Simulator()
 
 
 def enter(
@@ -121,60 +155,66 @@ def enter(
   num_devices: int,
   reset: Callable[[], None],
   original_failure: Callable[[], BaseException | None],
+  device: tuple = (),
 ) -> None:
-  """A device thread starts launch ``info``: it waits for the simulator.
+  """Device ``device`` (its coordinates) starts launch ``info``: it waits
+  for the simulator.
 
   A new launch starts from a clean simulator (``reset``: a failed one
-  leaves its state behind for post-mortem inspection).
+  leaves its state behind for post-mortem inspection), with a watchdog of
+  its own, which ends with it.
   """
-  with _turn:
+  sim = _SIMULATOR
+  with sim.turn:
     while True:
-      if _running and _running[0].over():
-        _running.clear()
-      if not _running:
+      if sim.launch is None:
         reset()
-        _last_failure.clear()
-        _running.append(_Launch(info, num_devices, original_failure))
-      launch = _running[0]
-      if launch.info is info and launch.entered < launch.num_devices:
-        launch.entered += 1
+        sim.launch = _Launch(info, num_devices, original_failure)
+        threading.Thread(
+          target=_watch,
+          args=(sim.launch,),
+          name="mpmd-deadlock-watchdog",
+          daemon=True,
+        ).start()
+      launch = sim.launch
+      if launch.admits(info, device):
+        launch.devices.add(device)
         return
-      _turn.wait(_POLL_S)
+      sim.turn.wait()
 
 
 def leave(info: LaunchInfo, failure: errors.LaunchError | None):
-  """A device thread finished its part of launch ``info``; returns the
-  launch's failure (``failure``, or an earlier one), if any."""
-  with _turn:
-    if not _running or _running[0].info is not info:
+  """A device thread finished its part of launch ``info``, having failed
+  or not; returns the launch's failure (``failure``, or an earlier one)."""
+  sim = _SIMULATOR
+  with sim.turn:
+    launch = sim.launch
+    if launch is None or launch.info is not info:
       return failure
-    launch = _running[0]
     launch.failure = launch.failure or failure
     launch.left += 1
-    if launch.over():
-      _running.clear()
-      _turn.notify_all()
+    if launch.left >= launch.num_devices:
+      launch.over.set()
+      sim.launch = None
+      sim.turn.notify_all()
     return launch.failure
 
 
 def launch_running() -> bool:
   """Whether a launch of ours holds the simulator."""
-  return bool(_running)
+  return _SIMULATOR.running() is not None
 
 
 @contextlib.contextmanager
 def callback_running() -> Generator[None]:
-  """Marks a simulator callback of the running launch as running."""
-  with _turn:
-    launch = _running[0] if _running else None
-    if launch is not None:
-      launch.active += 1
+  """Marks a simulator callback of the running launch as running: its end
+  is progress (the watchdog times out only a launch that does not move)."""
+  launch = _SIMULATOR.running()
   try:
     yield
   finally:
     if launch is not None:
-      with _turn:
-        launch.active -= 1
+      with _SIMULATOR.turn:
         launch.idle_since = time.monotonic()
 
 
@@ -185,10 +225,11 @@ def failed(error: BaseException) -> errors.LaunchError:
   watchdog's), which the callback raises instead of the simulator's
   wrapping of it.
   """
-  with _turn:
-    if not _running:
-      return _last_failure[0] if _last_failure else _as_launch_error(error)
-    launch = _running[0]
+  sim = _SIMULATOR
+  with sim.turn:
+    launch = sim.launch
+    if launch is None:
+      return _as_launch_error(error)
     launch.reports += 1
     if launch.failure is None:
       original = launch.original_failure()
@@ -196,18 +237,18 @@ def failed(error: BaseException) -> errors.LaunchError:
         launch.failure = _as_launch_error(original or error, launch.info)
     # A device that only saw another device's failure (the simulator's
     # barrier broken, or its "computation failed" check) waits for that
-    # device's report: the simulator may have cleared its record of it.
-    _turn.notify_all()
-    _turn.wait_for(
+    # device's report (the simulator may have cleared its record of it), as
+    # long as a program may wait: the launch's deadlock timeout.
+    sim.turn.notify_all()
+    sim.turn.wait_for(
       lambda: (
         launch.failure is not None or launch.reports >= launch.num_devices
       ),
-      _REPORTS_S,
+      launch.info.timeout_s,
     )
     if launch.failure is None:
       launch.failure = _as_launch_error(error, launch.info)
-    _last_failure[:] = [launch.failure]
-    _turn.notify_all()
+    sim.turn.notify_all()
     return launch.failure
 
 
@@ -236,17 +277,10 @@ def _as_launch_error(
   )
 
 
-def _fail_running(error: errors.LaunchError) -> None:
-  with _turn:
-    if _running and _running[0].failure is None:
-      _running[0].failure = error
-      _last_failure[:] = [error]
-      _turn.notify_all()
-
-
 def describe_program(program: int) -> str:
   """``"mesh 1 program 0 (core=0)"`` for a flat program index."""
-  for r in _running[0].info.ranges if _running else ():
+  launch = _SIMULATOR.running()
+  for r in launch.info.ranges if launch is not None else ():
     if r.offset <= program < r.offset + r.size:
       local, coords = program - r.offset, []
       for name, size in reversed(r.shape.items()):
@@ -259,26 +293,7 @@ def describe_program(program: int) -> str:
   return f"program {program}"
 
 
-# -- races --------------------------------------------------------------------
-
-
 # -- waits --------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Wait:
-  who: str
-  # What it waits for, worded when the deadlock is reported (a count it
-  # holds is then the count that has reached it, not the one it began at).
-  what: Callable[[], str]
-  where: str
-  since: float
-  abort: Callable[[str], None]
-
-
-_waits: dict[int, _Wait] = {}
-_lock = threading.Lock()
-_watchdog: list[threading.Thread] = []
 
 
 @contextlib.contextmanager
@@ -288,51 +303,38 @@ def waiting(
   where: str,
   abort: Callable[[str], None],
 ):
-  """Records that the calling simulator thread waits, while it does;
-  ``what`` (or ``what()``, called when a deadlock is reported) says on
-  what."""
+  """Records that the calling simulator thread waits, while it does, in
+  the running launch; ``what`` (or ``what()``, called when a deadlock is
+  reported) says on what, ``abort(message)`` ends the wait."""
   ident = threading.get_ident()
   describe = what if callable(what) else (lambda: what)
-  with _lock:
-    _waits[ident] = _Wait(who, describe, where, time.monotonic(), abort)
-    if not _watchdog:
-      thread = threading.Thread(
-        target=_watch, name="mpmd-deadlock-watchdog", daemon=True
-      )
-      _watchdog.append(thread)
-      thread.start()
+  wait = _Wait(who, describe, where, time.monotonic(), abort)
+  sim = _SIMULATOR
+  with sim.turn:
+    launch = sim.launch
+    if launch is not None:
+      launch.waits[ident] = wait
   try:
     yield
   finally:
-    with _lock:
-      _waits.pop(ident, None)
+    if launch is not None:
+      with sim.turn:
+        launch.waits.pop(ident, None)
 
 
-def _running_launch() -> tuple[float, float] | None:
-  """(when a simulated operation of the running launch last completed,
-  its deadlock timeout), if one runs."""
-  with _turn:
-    if not _running:
-      return None
-    return _running[0].idle_since, _running[0].info.timeout_s
-
-
-def _watch() -> None:
-  while True:
-    time.sleep(_POLL_S)
+def _watch(launch: _Launch) -> None:
+  """The watchdog of ``launch``: ends it once a program has waited longer
+  than its timeout while nothing else of it moved. Ends with the launch."""
+  timeout_s = launch.info.timeout_s
+  while not launch.over.wait(_POLL_S):
     now = time.monotonic()
-    running = _running_launch()
-    if running is None:
-      continue
-    progress, timeout_s = running
-    if now - progress <= timeout_s:
-      continue  # the launch moves: whoever waits may still be woken
-    with _lock:
-      stuck = [w for w in _waits.values() if now - w.since > timeout_s]
-      if not stuck:
+    with _SIMULATOR.turn:
+      if now - launch.idle_since <= timeout_s:
+        continue  # the launch moves: whoever waits may still be woken
+      if not any(now - w.since > timeout_s for w in launch.waits.values()):
         continue
-      waits = list(_waits.values())
-      _waits.clear()
+      waits = list(launch.waits.values())
+      launch.waits.clear()
     lines = "\n".join(
       f"  {w.who} waits {w.what()}" + (f" at {w.where}" if w.where else "")
       for w in waits
@@ -343,41 +345,30 @@ def _watch() -> None:
       f"can wake it. Still waiting:\n{lines}\n"
       "(set the limit with mpmd.set_deadlock_timeout)"
     )
-    _fail_running(errors.remember(DeadlockError(message)))
+    with _SIMULATOR.turn:
+      if launch.failure is None:
+        launch.failure = errors.remember(DeadlockError(message))
+        _SIMULATOR.turn.notify_all()
     for w in waits:
       w.abort(message)
 
 
-_messages: dict[int, str] = {}
+def name_semaphore(semaphore_id: int) -> Any:
+  """The running launch's name of a simulator semaphore, if it has one."""
+  launch = _SIMULATOR.running()
+  if launch is None or launch.info.semaphore_name is None:
+    return None
+  return launch.info.semaphore_name(semaphore_id)
 
 
-def raise_in_thread(ident: int, notify: Callable[[], None]) -> Callable:
-  """An ``abort`` for a thread blocked on a condition variable.
-
-  Python can only raise an exception class asynchronously in another thread;
-  it fires when ``notify`` wakes the thread, and ``reraise_with_message``
-  (around the wait) gives it the message.
-  """
-
-  def abort(message: str) -> None:
-    _messages[ident] = message
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-      ctypes.c_ulong(ident), ctypes.py_object(DeadlockError)
-    )
-    notify()
-
-  return abort
-
-
-@contextlib.contextmanager
-def reraise_with_message() -> Generator[None]:
-  try:
-    yield
-  except DeadlockError as e:
-    message = _messages.pop(threading.get_ident(), None)
-    if message is None or e.args:
-      raise
-    raise DeadlockError(message) from None
+def running_deadlock() -> DeadlockError | None:
+  """The running launch's failure, if the watchdog ended it."""
+  launch = _SIMULATOR.running()
+  failure = None if launch is None else launch.failure
+  if not isinstance(failure, DeadlockError):
+    return None
+  # A copy: several simulated programs may raise it at once.
+  return DeadlockError(*failure.args)
 
 
 def lower_supervised(
@@ -394,6 +385,7 @@ def lower_supervised(
   orders,
   simulator_effects,
   describe: Describe | None = None,
+  semaphore_name: Callable[[int], Any] | None = None,
 ):
   """Lowers a simulator ``run`` between two ordered bookkeeping callbacks.
 
@@ -410,11 +402,11 @@ def lower_supervised(
     describe,
     simulators.get_deadlock_timeout(),
     simulators.get_race_policy(),
+    semaphore_name,
   )
 
-  def finish():
-    failure = None
-    if detect_races:
+  def finish(failure):
+    if failure is None and detect_races:
       found = races_found()
       simulators.record_races(found)
       if found and races_are_errors and info.race_policy == "raise":
@@ -424,22 +416,25 @@ def lower_supervised(
           "mpmd.set_race_policy('record') records races for "
           "mpmd.get_races() instead"
         )
-    failure = leave(info, failure)
-    if failure is not None:
-      raise failure
+    return leave(info, failure)
 
   def launch(*args):
     # As the simulators count them: one device thread per device of the
     # enclosing shard_map.
-    num_devices = math.prod(core.get_axis_env().axis_sizes.values())
-    callback.io_callback(
-      functools.partial(enter, info, num_devices, reset, original_failure),
-      None,
+    axis_sizes = dict(core.get_axis_env().axis_sizes)
+    num_devices = math.prod(axis_sizes.values())
+    coords = [jax.lax.axis_index(name) for name in axis_sizes]
+    program = _DeviceProgram(
+      jax.make_jaxpr(run)(*map(_shape_of, args)), tuple(axis_sizes)
+    )
+    device = _OnDevice(info, num_devices, reset, original_failure, finish)
+    return callback.io_callback(
+      functools.partial(_run_on_device, device, program),
+      [_shape_of(a) for a in program.closed.out_avals],
+      *coords,
+      *args,
       ordered=True,
     )
-    results = run(*args)
-    callback.io_callback(finish, None, ordered=True)
-    return results
 
   # The launch's ordered callbacks (ours and the simulator's) run on a token
   # chain of their own, started here. Were they on JAX's runtime token, a
@@ -455,3 +450,97 @@ def lower_supervised(
   # checked with vma, the simulator's axis_index would read as mistyped.
   with _jax.no_vma_check():
     return mlir.lower_fun(launch, multiple_results=True)(inner, *in_nodes)
+
+
+# -- one device's part of a launch, as a computation of its own ---------------
+
+
+def _shape_of(x) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+class _DeviceProgram:
+  """A launch's simulation for one device: ``run`` as traced in the
+  launch's ``shard_map``, compiled (on first use) as a computation of its
+  own that takes the device's coordinates as arguments.
+
+  The simulators call back into Python at every simulated operation. Were
+  those callbacks part of the caller's computation, XLA:CPU, which runs the
+  host callbacks of one execution on one thread, could interleave two
+  launches of one ``jax.jit`` that do not depend on each other: the
+  second's first callback would take the thread, waiting for the simulator,
+  while the first launch still needs it. The caller's computation holds
+  one callback per device and launch instead, which runs this one through
+  (docs/design.md, "One launch at a time").
+  """
+
+  def __init__(self, closed, axis_names: tuple):
+    self.closed = closed
+    self.axis_names = axis_names
+    self._lock = threading.Lock()
+    self._compiled = None
+
+  def _evaluate(self, consts, coords, args):
+    where = dict(zip(self.axis_names, coords, strict=True))
+
+    def rule(eqn, invals):
+      if eqn.primitive is _jax.lax_parallel.axis_index_p:
+        return [where[eqn.params["axis_name"]]]
+      if eqn.primitive is _jax.callback.io_callback_p and eqn.params["ordered"]:
+        # Ordered among themselves by the simulator's token values already;
+        # an ordered callback would put this computation on JAX's runtime
+        # token, which a failed launch would leave failed for every later
+        # ordered callback of the process.
+        return eqn.primitive.bind(*invals, **dict(eqn.params, ordered=False))
+      return None
+
+    jaxpr = self.closed.jaxpr
+    with _jax.no_vma_check():
+      return jaxpr_util.eval_with_rule(jaxpr, consts, args, rule)
+
+  def __call__(self, coords, args) -> list:
+    operands = (self.closed.consts, list(coords), list(args))
+    # Compiled once, before any device runs it: a device that called the
+    # jitted function while another's first call still ran would wait for
+    # that call, which waits for it in the simulator.
+    with self._lock:
+      if self._compiled is None:
+        traced = jax.jit(self._evaluate).trace(*operands)
+        self._compiled = traced.lower().compile()
+    return [np.asarray(o) for o in self._compiled(*operands)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _OnDevice:
+  """What a device's part of a launch needs besides its program."""
+
+  info: LaunchInfo
+  num_devices: int
+  reset: Callable[[], None]
+  original_failure: Callable[[], BaseException | None]
+  finish: Callable[[errors.LaunchError | None], errors.LaunchError | None]
+
+
+def _run_on_device(device: _OnDevice, program: _DeviceProgram, *operands):
+  """One device's part of a launch, in one host callback: waits for the
+  simulator, runs the device's simulation to its end, and leaves the
+  simulator to the next launch, having failed or not."""
+  num_coords = len(program.axis_names)
+  coords, args = operands[:num_coords], operands[num_coords:]
+  enter(
+    device.info,
+    device.num_devices,
+    device.reset,
+    device.original_failure,
+    tuple(int(c) for c in coords),
+  )
+  try:
+    outs = program(coords, args)
+  except Exception as e:  # noqa: BLE001 (every failure leaves the launch)
+    failure = device.finish(errors.launch_error(e) or failed(e))
+    assert failure is not None  # given a failure, finish returns one
+    raise failure from None
+  failure = device.finish(None)
+  if failure is not None:
+    raise failure
+  return outs

@@ -413,6 +413,21 @@ def gpu_barrier_waiter(args, kwargs) -> tuple[int, int, object]:
   return int(device), int(program), logging_info
 
 
+def abort_gpu_barrier(barrier) -> None:
+  """Ends every wait on a Mosaic GPU simulator ``barrier``: each waiter
+  raises (the launch has failed; its barriers are not used again).
+
+  0.11 aborts a barrier (``Barrier.abort``); 0.10's waiters raise once the
+  barrier's phase is past the one they await (drop with jax 0.10).
+  """
+  if JAX_VERSION >= (0, 11):
+    barrier.abort()
+    return
+  with barrier.cv:
+    barrier.phase = max(barrier.next_awaited_phase_by_thread, default=0) + 1
+    barrier.cv.notify_all()
+
+
 # -- TPU simulator differences ------------------------------------------------
 
 

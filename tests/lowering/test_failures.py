@@ -89,11 +89,17 @@ def _healthy() -> None:
 @pytest.mark.parametrize(
   "body, error, words",
   [
-    (_hang, mpmd.DeadlockError, "waits on a semaphore for 1"),
+    (
+      _hang,
+      mpmd.DeadlockError,
+      r"waits on the semaphore 'sem' \(scratch 0, semaphore\[\]\) for 1 "
+      r"\(it holds 0 now\) at .*test_failures.py:\d+",
+    ),
     (
       _oob,
       mpmd.OutOfBoundsError,
-      r"out of bounds \(hardware faults\): "
+      r"out of bounds \(hardware faults\) in kernel _oob, on 'x_hbm' "
+      r"\(input 0, f32\[8,128\]\): "
       r"Out-of-bounds read .* buffer has shape \(8, 128\)",
     ),
   ],
@@ -114,7 +120,9 @@ def test_an_eager_launch_raises_its_own_error_short():
       _launch(_hang)(jnp.ones((ROWS, COLS), jnp.float32))
   message = str(caught.value)
   assert message.startswith("mpmd_map deadlock: a simulated program waited")
-  assert "device 0 mesh 0 program 0 (core=0) waits on a semaphore" in message
+  assert (
+    "device 0 mesh 0 program 0 (core=0) waits on the semaphore 'sem'" in message
+  )
   assert "Traceback" not in message
   # Still JAX's runtime error, for code that catches that.
   assert isinstance(caught.value, jax.errors.JaxRuntimeError)
@@ -123,8 +131,8 @@ def test_an_eager_launch_raises_its_own_error_short():
 
 def _simulated_launch(num_devices):
   key = watchdog.LaunchInfo((), None, 10.0, "raise")
-  for _ in range(num_devices):
-    watchdog.enter(key, num_devices, lambda: None, lambda: None)
+  for d in range(num_devices):
+    watchdog.enter(key, num_devices, lambda: None, lambda: None, (d,))
   return key
 
 
@@ -167,8 +175,8 @@ def test_any_other_simulator_failure_is_a_launch_error_that_ends_the_launch():
     "mpmd_map: the simulated kernel failed: "
     "ValueError: unsupported by the simulator"
   )
-  # The device never leaves (its callback failed), yet the next launch runs.
-  del key
+  # The device leaves, having failed, and the next launch runs.
+  assert watchdog.leave(key, failure) is failure
   f, x = _per_device(_copy)
   np.testing.assert_array_equal(f(x), x)
 
@@ -264,7 +272,7 @@ def test_a_deadlock_in_one_thread_spares_another_threads_launch():
   np.testing.assert_array_equal(results["copy"], x)
   assert isinstance(results["hang"], jax.errors.JaxRuntimeError)
   assert "mpmd_map deadlock" in str(results["hang"])
-  assert str(results["hang"]).count("waits on a semaphore") == 1
+  assert str(results["hang"]).count("waits on the semaphore") == 1
   _healthy()
 
 

@@ -122,7 +122,7 @@ def test_the_34_programs_deadlock_when_all_run_compiled():
   f = all_to_all_barrier()
   with host_programs.limit_compiled(NUM_PROGRAMS):
     with mpmd.deadlock_timeout(2.0):
-      with pytest.raises(mpmd.DeadlockError, match=r"waits on a semaphore"):
+      with pytest.raises(mpmd.DeadlockError, match=r"waits on the semaphore"):
         with mpmd.typed_errors():
           jax.block_until_ready(f())
   # The process stays healthy: the next launch runs.

@@ -195,8 +195,8 @@ def test_tpu_cross_lowering_of_two_tensorcore_meshes():
     (
       pltpu.InterpretParams(),
       r"mpmd_map deadlock(.|\n)*mesh 1 "
-      r"program 1 \(b=1\) waits on a semaphore for 1 \(it "
-      r"holds 0 now\)",
+      r"program 1 \(b=1\) waits on the semaphore 'sem' \(scratch 0, "
+      r"semaphore\[\]\) for 1 \(it holds 0 now\) at .*test_multi_mesh.py:\d+",
     ),
   ],
   ids=["checker", "simulator"],

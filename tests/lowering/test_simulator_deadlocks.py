@@ -7,6 +7,7 @@
   longer than the timeout for a slow producer still completes.
 """
 
+import re
 import time
 
 import jax
@@ -57,9 +58,10 @@ def test_the_report_gives_the_count_reached_since_the_wait_began():
   ):
     jax.block_until_ready(f())
   message = str(raised.value)
-  assert "program 0 (core=0) waits on a semaphore for 4 (it holds 3 now)" in (
-    message
-  )
+  assert (
+    "program 0 (core=0) waits on the semaphore 'ready' (scratch 0, "
+    "semaphore[]) for 4 (it holds 3 now) at "
+  ) in message
   assert "holds 0" not in message
 
 
@@ -114,3 +116,44 @@ def test_a_wait_longer_than_the_timeout_for_a_working_producer_completes():
 def test_the_default_timeout_is_ten_seconds():
   assert watchdog.DEFAULT_DEADLOCK_TIMEOUT_S == 10.0
   assert mpmd.get_deadlock_timeout() == 10.0
+
+
+def test_the_report_names_an_element_of_a_semaphore_array_and_the_wait_line():
+  """Core 1 waits on element 1 of an array of semaphores, and on a DMA
+  semaphore nothing signals: the report names each as the kernel does, with
+  the line of the wait."""
+
+  def kernel(o_hbm, sems, copied):
+    c = jax.lax.axis_index("core")
+
+    @pl.when(c == 0)
+    def _():
+      pltpu.make_async_copy(o_hbm, o_hbm, copied).wait()  # nothing started
+
+    @pl.when(c == 1)
+    def _():
+      pl.semaphore_wait(sems.at[1], 2)
+
+  f = mpmd.mpmd_map(
+    [(_two_cores(), kernel)],
+    jax.ShapeDtypeStruct(ROWS, jnp.float32),
+    scratch_types=[
+      pltpu.SemaphoreType.REGULAR((3,)),
+      pltpu.SemaphoreType.DMA(()),
+    ],
+    interpret=SIMULATOR,
+  )
+  with mpmd.deadlock_timeout(1.0), pytest.raises(mpmd.DeadlockError) as raised:
+    f()
+  message = str(raised.value)
+  here = r"test_simulator_deadlocks.py:\d+"
+  assert re.search(
+    r"program 1 \(core=1\) waits on the semaphore \[1\] of 'sems' "
+    rf"\(scratch 0, semaphore\[3\]\) for 2 \(it holds 0 now\) at .*{here}",
+    message,
+  ), message
+  assert re.search(
+    r"program 0 \(core=0\) waits on the DMA semaphore 'copied' "
+    rf"\(scratch 1, dma_sem\[\]\) for \d+ \(it holds 0 now\) at .*{here}",
+    message,
+  ), message

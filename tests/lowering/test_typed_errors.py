@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
@@ -148,3 +149,81 @@ def test_an_eager_launch_raises_typed_on_every_call():
   for _ in range(CALLS):
     with pytest.raises(mpmd.OutOfBoundsError, match="out of bounds of 'x_hbm'"):
       jax.block_until_ready(f(PAST_THE_END, X))
+
+
+def _simulated(body, out_shape, mesh, **kwargs):
+  return mpmd.mpmd_map([(mesh, body)], out_shape, **kwargs)
+
+
+def _racy(o_ref):
+  # Two warpgroups write one buffer, nothing orders them.
+  o_ref[...] = jnp.full((ROWS, COLS), jax.lax.axis_index("wg"), jnp.float32)
+
+
+@pytest.mark.parametrize("jitted", [True, False], ids=["jit", "eager"])
+def test_simulator_errors_are_typed_on_every_call(jitted):
+  """The threaded simulators' errors (each launch one host callback per
+  device, running the device's simulation as a computation of its own):
+  typed on the first call and on later ones, of one jitted function (in
+  typed_errors) or of an eager launch, and a good call between them runs."""
+  wrap = jax.jit if jitted else (lambda f: f)
+  oob = wrap(
+    _simulated(
+      _window,
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      mpmd.tensorcore_mesh("core", num_cores=1),
+      scratch_types=[pltpu.SMEM((1,), jnp.int32)],
+      interpret=pltpu.InterpretParams(),
+    )
+  )
+  racy = wrap(
+    _simulated(
+      _racy,
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      plgpu.Mesh(num_threads=2, thread_name="wg"),
+      interpret=mpmd.GPUInterpretParams(detect_races=True),
+    )
+  )
+  for _ in range(CALLS):
+    with pytest.raises(
+      mpmd.OutOfBoundsError, match=r"on 'x_hbm' \(input 1, f32\[16,128\]\)"
+    ):
+      with mpmd.typed_errors():
+        jax.block_until_ready(oob(PAST_THE_END, X))
+    np.testing.assert_array_equal(oob(GOOD, X), X[ROWS:])
+  for _ in range(CALLS):
+    with pytest.raises(mpmd.RaceError, match="racing on a buffer"):
+      with mpmd.typed_errors():
+        jax.block_until_ready(racy())
+
+
+def _into_ref(start_hbm, x_ref, o_hbm, start_smem):
+  """Writes 8 rows into a Ref input from a start read at run time."""
+  pltpu.sync_copy(start_hbm, start_smem)
+  pltpu.sync_copy(o_hbm, x_ref.at[pl.ds(start_smem[0], ROWS)])
+
+
+@pytest.mark.parametrize(
+  "interpret", [None, pltpu.InterpretParams()], ids=["default", "simulator"]
+)
+def test_a_ref_input_out_of_bounds_is_named_as_the_input(interpret):
+  """A Ref passed to the launch becomes an output aliased to it inside;
+  errors name it as the user passed it: input 1, not output 1."""
+  launch = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), _into_ref)],
+    jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+    scratch_types=[pltpu.SMEM((1,), jnp.int32)],
+    interpret=interpret,
+  )
+
+  @jax.jit
+  def f(start, x):
+    ref = jax.new_ref(x)
+    launch(start, ref)
+    return ref[...]
+
+  with pytest.raises(mpmd.OutOfBoundsError) as caught:
+    with mpmd.typed_errors():
+      jax.block_until_ready(f(PAST_THE_END, X))
+  assert "'x_ref' (input 1, f32[16,128])" in str(caught.value)
+  assert "output 1" not in str(caught.value)
