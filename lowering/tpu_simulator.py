@@ -181,6 +181,7 @@ def lower(
     run=run,
     reset=_reset_if_failed,
     original_failure=_jax.tpu_simulator_failure,
+    abandon=_jax.fail_tpu_simulator_device,
     races_found=_races_found,
     detect_races=interpret.detect_races,
     races_are_errors=races_are_errors,

@@ -94,6 +94,14 @@ class LaunchInfo:
   race_policy: str
   # A semaphore id -> the user's name of it (tpu_semaphores.Named), if known.
   semaphore_name: Callable[[int], Any] | None = None
+  # Ends a device's part of the simulator's launch as failed (the other
+  # devices stop waiting for it), for a device that leaves it outside the
+  # simulator (in-computation launches), if the simulator has a way.
+  abandon: Callable[[Exception, int], None] | None = None
+  # Whether its devices' simulations are callbacks of the caller's
+  # computation (jax 0.10, ``_in_computation``): a device whose
+  # callback failed has then left (XLA runs none of its later ones).
+  in_computation: bool = False
 
 
 @dataclasses.dataclass
@@ -118,6 +126,25 @@ class _Launch:
   devices: set = dataclasses.field(default_factory=set)  # those that entered
   left: int = 0
   reports: int = 0  # device threads that reported a failure
+  # In-computation launches: the devices each thread runs a part of now
+  # (XLA:CPU may run several devices' computations on one thread; the
+  # simulator may run a device's programs on threads of its own), and the
+  # devices whose part failed.
+  threads: dict = dataclasses.field(default_factory=dict)
+  failed_devices: set = dataclasses.field(default_factory=set)
+
+  def part_failed(self, ident: int, device: tuple | None = None) -> None:
+    """The part of ``device`` (default: the last one ``ident`` entered)
+    failed: XLA runs none of its later callbacks."""
+    parts = self.threads.get(ident, [])
+    if device is None and parts:
+      device = parts[-1]
+    if device in parts:
+      parts.remove(device)
+    if device is not None:
+      self.failed_devices.add(device)
+      _end_if_over(self)
+
   idle_since: float = dataclasses.field(default_factory=time.monotonic)
   failure: errors.LaunchError | None = None
   waits: dict[int, _Wait] = dataclasses.field(default_factory=dict)
@@ -179,11 +206,104 @@ def enter(
       launch = sim.launch
       if launch.admits(info, device):
         launch.devices.add(device)
+        if info.in_computation:
+          launch.threads.setdefault(threading.get_ident(), []).append(device)
         return
+      if launch.threads.get(threading.get_ident()):
+        # This thread's part of the running launch is not over, and never
+        # will be: it went on in its computation (in-computation launches).
+        raise _Abandoned(launch, launch.failure or _interleaved(launch))
+      if info.in_computation:
+        ended = _wait_to_enter(launch, device)
+        if ended is not None:
+          raise _Abandoned(launch, ended)
+        continue
       sim.turn.wait()
 
 
-def leave(info: LaunchInfo, failure: errors.LaunchError | None):
+def _wait_to_enter(launch: _Launch, device: tuple):
+  """Waits (with the turn held) while ``launch`` holds the simulator, as a
+  wait of it that its watchdog sees: in one computation on jax 0.10, the
+  thread of ``device`` may be the one that ``launch`` waits for. Returns
+  the error to raise if the watchdog ended ``launch`` and with it this
+  wait, else None (once the simulator may be free)."""
+  sim, ident = _SIMULATOR, threading.get_ident()
+  ended: list[str] = []
+
+  def abort(message: str) -> None:
+    with sim.turn:
+      ended.append(message)
+      sim.turn.notify_all()
+
+  def what() -> str:
+    return (
+      "to begin another launch while this one has not begun on "
+      f"device {device}. If both are launches of one computation that do "
+      "not depend on each other, XLA:CPU interleaved them (jax 0.10 runs "
+      "the simulation inside the caller's computation): make one take the "
+      "other's results, call them from separate jax.jit calls, or use "
+      "jax >= 0.11"
+    )
+
+  launch.waits[ident] = _Wait(
+    f"device {device}", what, "", time.monotonic(), abort
+  )
+  try:
+    while sim.launch is launch and not ended:
+      sim.turn.wait()
+  finally:
+    launch.waits.pop(ident, None)
+  return errors.DeadlockError(ended[0]) if ended else None
+
+
+def _interleaved(launch: _Launch) -> errors.LaunchError:
+  """The calling thread, still in ``launch``'s simulation, starts another
+  launch (jax 0.10 only, see ``_in_computation``): neither can go on. Sets
+  and returns ``launch``'s failure (call with the turn held)."""
+  failure = errors.remember(
+    DeadlockError(
+      "mpmd_map deadlock: two simulator launches of one computation that "
+      "do not depend on each other ran interleaved on one thread, each "
+      "waiting for the other (XLA:CPU on jax 0.10 runs one computation's "
+      "host callbacks on one thread). Make the second launch's operands "
+      "depend on the first one's results, call them from separate jax.jit "
+      "calls, or use jax >= 0.11, where they run one after the other."
+    )
+  )
+  launch.failure = launch.failure or failure
+  return failure
+
+
+class _Abandoned(Exception):
+  """A device's thread cannot take (or go on with) its part of ``launch``:
+  ``error`` says why (in-computation launches)."""
+
+  def __init__(self, launch: _Launch, error: errors.LaunchError):
+    super().__init__(str(error))
+    self.launch, self.error = launch, error
+
+
+def _abandon(
+  abandoned: _Abandoned, device: tuple, device_id: int
+) -> errors.LaunchError:
+  """Ends the calling device thread's part of ``abandoned.launch`` (the
+  simulator's failure path first, without the turn held: it waits for the
+  other devices); returns the error to raise."""
+  launch = abandoned.launch
+  if launch.info.abandon is not None:
+    launch.info.abandon(abandoned.error, device_id)
+  with _SIMULATOR.turn:
+    launch.failure = launch.failure or abandoned.error
+    if _SIMULATOR.launch is launch:
+      launch.part_failed(threading.get_ident(), device)
+  return abandoned.error
+
+
+def leave(
+  info: LaunchInfo,
+  failure: errors.LaunchError | None,
+  device: tuple | None = None,
+):
   """A device thread finished its part of launch ``info``, having failed
   or not; returns the launch's failure (``failure``, or an earlier one)."""
   sim = _SIMULATOR
@@ -193,11 +313,20 @@ def leave(info: LaunchInfo, failure: errors.LaunchError | None):
       return failure
     launch.failure = launch.failure or failure
     launch.left += 1
-    if launch.left >= launch.num_devices:
-      launch.over.set()
-      sim.launch = None
-      sim.turn.notify_all()
+    parts = launch.threads.get(threading.get_ident(), [])
+    if device in parts:
+      parts.remove(device)
+    _end_if_over(launch)
     return launch.failure
+
+
+def _end_if_over(launch: _Launch) -> None:
+  """Hands the simulator to the next launch once every device of
+  ``launch`` has left (call with the turn held)."""
+  if launch.left + len(launch.failed_devices) >= launch.num_devices:
+    launch.over.set()
+    _SIMULATOR.launch = None
+    _SIMULATOR.turn.notify_all()
 
 
 def launch_running() -> bool:
@@ -248,8 +377,12 @@ def failed(error: BaseException) -> errors.LaunchError:
     )
     if launch.failure is None:
       launch.failure = _as_launch_error(error, launch.info)
+    failure = launch.failure
+    ident = threading.get_ident()
+    if launch.info.in_computation:
+      launch.part_failed(ident)
     sim.turn.notify_all()
-    return launch.failure
+    return failure
 
 
 def _follows_another_failure(error: BaseException) -> bool:
@@ -262,8 +395,9 @@ def _follows_another_failure(error: BaseException) -> bool:
 def _as_launch_error(
   error: BaseException, info: LaunchInfo | None = None
 ) -> errors.LaunchError:
-  if isinstance(error, errors.LaunchError):
-    return error
+  known = errors.launch_error(error)  # ours, as XLA reported it, or None
+  if known is not None:
+    return known
   describe = None if info is None else info.describe
   described = None if describe is None else describe(error)
   if described is not None:
@@ -349,8 +483,11 @@ def _watch(launch: _Launch) -> None:
       if launch.failure is None:
         launch.failure = errors.remember(DeadlockError(message))
         _SIMULATOR.turn.notify_all()
+      failure = launch.failure
     for w in waits:
-      w.abort(message)
+      # The failure's own words, with its key: whoever reports the ended
+      # wait (the simulator's wrapping of it included) reports it typed.
+      w.abort(str(failure))
 
 
 def name_semaphore(semaphore_id: int) -> Any:
@@ -386,6 +523,7 @@ def lower_supervised(
   simulator_effects,
   describe: Describe | None = None,
   semaphore_name: Callable[[int], Any] | None = None,
+  abandon: Callable[[Exception, int], None] | None = None,
 ):
   """Lowers a simulator ``run`` between two ordered bookkeeping callbacks.
 
@@ -403,9 +541,11 @@ def lower_supervised(
     simulators.get_deadlock_timeout(),
     simulators.get_race_policy(),
     semaphore_name,
+    abandon,
+    in_computation=not _jax.SIMULATE_DEVICES_AS_COMPUTATIONS,
   )
 
-  def finish(failure):
+  def finish(failure, device=None):
     if failure is None and detect_races:
       found = races_found()
       simulators.record_races(found)
@@ -416,7 +556,7 @@ def lower_supervised(
           "mpmd.set_race_policy('record') records races for "
           "mpmd.get_races() instead"
         )
-    return leave(info, failure)
+    return leave(info, failure, device)
 
   def launch(*args):
     # As the simulators count them: one device thread per device of the
@@ -424,10 +564,14 @@ def lower_supervised(
     axis_sizes = dict(core.get_axis_env().axis_sizes)
     num_devices = math.prod(axis_sizes.values())
     coords = [jax.lax.axis_index(name) for name in axis_sizes]
+    device = _OnDevice(info, num_devices, reset, original_failure, finish)
+    if info.in_computation:
+      return _in_computation(
+        device, run, coords, tuple(axis_sizes.values()), args
+      )
     program = _DeviceProgram(
       jax.make_jaxpr(run)(*map(_shape_of, args)), tuple(axis_sizes)
     )
-    device = _OnDevice(info, num_devices, reset, original_failure, finish)
     return callback.io_callback(
       functools.partial(_run_on_device, device, program),
       [_shape_of(a) for a in program.closed.out_avals],
@@ -450,6 +594,70 @@ def lower_supervised(
   # checked with vma, the simulator's axis_index would read as mistyped.
   with _jax.no_vma_check():
     return mlir.lower_fun(launch, multiple_results=True)(inner, *in_nodes)
+
+
+# -- jax 0.10: each device's simulation inside the caller's computation -------
+#
+# Run as a computation of its own (below), a device's simulation would wait
+# for a thread of XLA:CPU's pool on jax 0.10, whose threads the callers'
+# device computations hold: 8 devices with 256 KiB buffers hung. So on 0.10
+# the simulation stays in the caller's computation, between two callbacks
+# (entering and leaving the simulator). Two
+# launches that do not depend on each other can interleave on one thread
+# there: the second's first callback waits for the simulator that the
+# first one holds (``_interleaved`` reports it).
+
+
+def _in_computation(device: "_OnDevice", run, coords, sizes, args):
+  def begin(*operands):
+    where = tuple(int(c) for c in operands[: len(coords)])
+    try:
+      enter(
+        device.info,
+        device.num_devices,
+        device.reset,
+        device.original_failure,
+        where,
+      )
+    except _Abandoned as e:
+      raise _abandon(e, where, _flat_index(where, sizes)) from None
+
+  def end(*operands):
+    where = tuple(int(c) for c in operands[: len(coords)])
+    failure = device.finish(None, where)
+    if failure is not None:
+      raise failure
+    return operands[len(coords) :]
+
+  # The two callbacks take (and the second gives back) the first element of
+  # each operand and result: data that XLA cannot fold away orders them
+  # after the operands and before anything that reads the results. A
+  # launch that takes another's results thus begins after that one left.
+  callback.io_callback(begin, None, *coords, *_heads(args), ordered=True)
+  results = run(*args)
+  heads = _heads(results)
+  back = callback.io_callback(
+    end, [_shape_of(h) for h in heads], *coords, *heads, ordered=True
+  )
+  back = iter(back)
+  return [r if not r.size else _with_head(r, next(back)) for r in results]
+
+
+def _flat_index(coords: tuple, sizes: tuple) -> int:
+  """The simulator's number of the device at ``coords`` (row-major)."""
+  index = 0
+  for c, n in zip(coords, sizes, strict=True):
+    index = index * n + c
+  return index
+
+
+def _heads(xs) -> list:
+  return [x.reshape(-1)[:1] for x in xs if x.size]
+
+
+def _with_head(x, head):
+  flat = jax.lax.dynamic_update_slice(x.reshape(-1), head, (0,))
+  return flat.reshape(x.shape)
 
 
 # -- one device's part of a launch, as a computation of its own ---------------
@@ -518,7 +726,7 @@ class _OnDevice:
   num_devices: int
   reset: Callable[[], None]
   original_failure: Callable[[], BaseException | None]
-  finish: Callable[[errors.LaunchError | None], errors.LaunchError | None]
+  finish: Callable[..., errors.LaunchError | None]
 
 
 def _run_on_device(device: _OnDevice, program: _DeviceProgram, *operands):

@@ -42,6 +42,13 @@ FLOAT16_DYNAMIC_OPS_CONVERT = JAX_VERSION < (0, 11)
 # colour where a later launch takes the array back as a Ref.
 OUTPUTS_LEAVE_AS_DEVICE_ARRAYS = JAX_VERSION >= (0, 11)
 
+# A simulator launch runs each device's simulation as a computation of its
+# own, called from one host callback per device (lowering/watchdog.py). On
+# 0.10 that computation waits for a thread of XLA:CPU's pool, which the
+# callers' device computations hold (8 devices, 256 KiB buffers hung), so
+# there the simulation stays in the caller's computation (drop with 0.10).
+SIMULATE_DEVICES_AS_COMPUTATIONS = JAX_VERSION >= (0, 11)
+
 # ruff: noqa: E402, F401, I001
 from jax._src import api_util
 from jax._src import callback
@@ -506,6 +513,14 @@ def tpu_simulator_failure() -> BaseException | None:
   """What made the TPU simulator's last launch fail, if it kept it."""
   memory = tpu().simulator._shared_memory
   return None if memory is None else memory._failure
+
+
+def fail_tpu_simulator_device(error: Exception, device_id: int) -> None:
+  """Ends device ``device_id``'s part of the TPU simulator's launch as
+  failed, as its own failure would (the other devices stop waiting for it).
+  Used on 0.10 only (``SIMULATE_DEVICES_AS_COMPUTATIONS``)."""
+  if tpu().simulator._shared_memory is not None:
+    tpu().simulator.fail(error, device_id)
 
 
 def gpu_simulator_races_found() -> bool:
