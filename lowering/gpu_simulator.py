@@ -17,6 +17,7 @@ from mpmd._lowering import (
   errors,
   host_programs,
   jaxpr_util,
+  supervised,
   warps,
   watchdog,
 )
@@ -129,7 +130,7 @@ def lower(
       *args, interpret_params=interpret, **pallas_params
     )
 
-  return watchdog.lower_supervised(
+  return supervised.lower_supervised(
     ctx,
     in_nodes,
     ranges=ranges,

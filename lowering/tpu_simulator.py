@@ -33,6 +33,7 @@ from mpmd._lowering import (
   host_programs,
   jaxpr_util,
   paths,
+  supervised,
   tpu_semaphores,
   watchdog,
 )
@@ -174,7 +175,7 @@ def lower(
     )
     return results[:num_out]
 
-  return watchdog.lower_supervised(
+  return supervised.lower_supervised(
     ctx,
     in_nodes,
     ranges=ranges,
