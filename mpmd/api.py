@@ -11,6 +11,7 @@ from mpmd._arguments import (
   check_aliases,
   check_consts,
   check_consts_not_passed,
+  check_consts_unbatched,
   check_lojax,
   check_refs_passed_once,
   kernel_aval,
@@ -389,6 +390,7 @@ def _trace_kernel(kernels: Kernels, caller: int, views: _Views, reach):
     fn, kernels.meshes[caller], reach, views, debug_info
   )
   check_consts(consts, debug_info)
+  check_consts_unbatched(consts, debug_info)
   check_kernel(
     jaxpr,
     caller,
