@@ -118,8 +118,8 @@ def mpmd_map(
     A function of the inputs (a pytree of arrays, Refs or views of Refs:
     ``x_ref.at[i]``, ``x_ref.reshape(...)``, which the kernels see as such)
     returning outputs with the structure of ``out_types``. Kernels may
-    close over Refs and scalars; beyond upstream, ``vmap`` may batch a
-    closed-over scalar (each batch element gets its own launch).
+    close over Refs and scalars; as upstream, ``vmap`` may not batch a
+    closed-over scalar (pass it as an input instead).
 
   Raises:
     TypeError: an argument of the wrong kind (a ``name`` that is not a str,
