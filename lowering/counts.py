@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from mpmd import _pallas_ops
 from mpmd._jax import core, pallas_core, state_primitives, state_types, tpu
+from mpmd._lowering import jaxpr_util
 
 # Far below any count a kernel reaches, and far from wrapping around.
 _POISON = -(1 << 30)
@@ -39,6 +41,49 @@ def ref_bytes(ref: Any) -> int:
   """What a DMA of ``ref``'s shape adds to its semaphores (bytes, as on
   hardware and in the simulator)."""
   return math.prod(ref.shape) * np.dtype(ref.dtype).itemsize
+
+
+def dma_amount(once: bool, ref: Any) -> int:
+  """What a DMA of ``ref`` adds to a semaphore: its bytes, or 1 where
+  ``once`` (a REGULAR semaphore: ``_pallas_ops.signalled_once``)."""
+  return 1 if once else ref_bytes(ref)
+
+
+# Per dma_start: whether its receive and its send semaphore count 1.
+Once = tuple[bool, bool]
+
+
+def once_flags(jaxpr: core.Jaxpr) -> list[Once]:
+  """``Once`` of each ``dma_start`` of ``jaxpr`` (nested ones too, in
+  program order), read before its semaphores become plain integers (which
+  forgets their kind)."""
+  flags = []
+  for eqn in jaxpr_util.iter_eqns(jaxpr):
+    if _pallas_ops.kind(eqn) is _pallas_ops.Sync.DMA_START:
+      avals = _pallas_ops.DmaOperands.of(eqn, [v.aval for v in eqn.invars])
+      flags.append(
+        (
+          _pallas_ops.signalled_once(avals.dst_sem),
+          _pallas_ops.signalled_once(avals.src_sem),
+        )
+      )
+  return flags
+
+
+def once_by_eqn(jaxpr: core.Jaxpr, flags: list[Once]) -> dict[int, Once]:
+  """``flags`` (``once_flags`` of the same kernel before its semaphores
+  became integers) by the id of each ``dma_start`` of ``jaxpr``: turning
+  semaphores into integers keeps every equation, in order."""
+  starts = [
+    eqn
+    for eqn in jaxpr_util.iter_eqns(jaxpr)
+    if _pallas_ops.kind(eqn) is _pallas_ops.Sync.DMA_START
+  ]
+  if len(starts) != len(flags):
+    raise AssertionError(
+      f"mpmd: internal error: {len(flags)} dma_starts became {len(starts)}"
+    )
+  return {id(eqn): f for eqn, f in zip(starts, flags, strict=True)}
 
 
 def widen(aval: core.AbstractValue) -> core.AbstractValue:

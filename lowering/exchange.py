@@ -23,7 +23,12 @@ from mpmd._jax import (
   tree_util,
 )
 from mpmd._lowering import packing, xla_cpu
-from mpmd._lowering.counts import ref_bytes, signal, with_transforms
+from mpmd._lowering.counts import (
+  Once,
+  dma_amount,
+  signal,
+  with_transforms,
+)
 from mpmd._lowering.devices import Devices
 from mpmd._pallas_ops import Sync
 
@@ -413,20 +418,24 @@ def _land_shifted(devices: Devices, send: _Send, branch, moving_all) -> None:
 
 
 def remote_copy(
-  exchanges: Exchanges, dma: _pallas_ops.DmaOperands, shift=None
+  exchanges: Exchanges,
+  dma: _pallas_ops.DmaOperands,
+  shift=None,
+  once: Once = (False, False),
 ) -> None:
   """A remote DMA: its data leaves now, and lands on its target in step
   with every device, at the next exchange (``Exchanges``). Buffers are
   written outside any conditional where they can be (a conditional that
   threads a buffer costs XLA a copy of it). ``shift``: the ring shift
   ``dma.device_id`` makes, if known when traced
-  (``Devices.static_shift``)."""
+  (``Devices.static_shift``); ``once``: whether its receive and send
+  semaphores count 1 rather than bytes (``counts.dma_amount``)."""
   data = state_primitives.ref_get(dma.src, None)
-  signal(dma.src_sem, ref_bytes(dma.src))
+  signal(dma.src_sem, dma_amount(once[1], dma.src))
   dst_ref, dst_transforms = _pallas_ops.split_ref(dma.dst)
   sem_ref, sem_transforms = _pallas_ops.split_ref(dma.dst_sem)
   leaves, tree = tree_util.tree_flatten((dst_transforms, sem_transforms))
-  size = ref_bytes(dma.dst)
+  size = dma_amount(once[0], dma.dst)
 
   def land(value, moved, found, counted=None):
     dst_t, sem_t = tree_util.tree_unflatten(tree, moved)

@@ -26,6 +26,7 @@ from mpmd._jax import (
 from mpmd._lowering import (
   bounds,
   common,
+  counts,
   errors,
   jaxpr_util,
   lockstep,
@@ -160,13 +161,15 @@ def _fast_programs(num_in: int, params):
     jaxpr = common.alias_refs(traced, num_in, aliases, mesh, meshes)
     sizes = dict(mesh.shape)
     with prim.tracing_context(mesh, meshes):
+      flags = counts.once_flags(jaxpr)
       jaxpr, consts = hlo_interpreter.resolve_physical_types(jaxpr, ())
       if consts:
         raise NotImplementedError("mpmd_map: kernel captured constants")
       jaxpr = jaxpr_util.map_avals(jaxpr, lockstep.widen)
+      once = counts.once_by_eqn(jaxpr, flags)
     names = bounds.operand_names(traced, num_in, num_out, aliases)
     refs = bounds.trace_refs(jaxpr, names)
-    proven = ranges.prove(jaxpr, sizes)
+    proven = ranges.prove(jaxpr, sizes, once)
     sparsecore_axis = merge.sparsecore_axis(mesh)
     for program in range(math.prod(sizes.values())):
       values = jaxpr_util.literal_axis_values(sizes, program)
@@ -185,7 +188,9 @@ def _fast_programs(num_in: int, params):
         where=lambda args, label=label: f", {label}",
       )
       rule = lockstep.sync_rule(
-        checks, first=jaxpr_util.axis_index_rule(values.get, sizes)
+        checks,
+        first=jaxpr_util.axis_index_rule(values.get, sizes),
+        once=once,
       )
       with prim.tracing_context(mesh, meshes):
         unrolled = jaxpr_util.rewrite(jaxpr, rule)

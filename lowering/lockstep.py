@@ -62,7 +62,11 @@ from mpmd._lowering import (
   words,
 )
 from mpmd._lowering.counts import (
+  Once,
+  dma_amount,
   is_count,
+  once_by_eqn,
+  once_flags,
   ref_bytes,
   signal,
   wait,
@@ -80,10 +84,12 @@ def sync_rule(
   devices: Devices | None = None,
   barrier: tuple[Any, ...] = (),
   first: jaxpr_util.EqnRule | None = None,
+  once: dict[int, Once] | None = None,
 ) -> jaxpr_util.EqnRule:
   """The rewrite of every synchronising operation (see module docstring),
   with ``checks`` of DMA windows and scoped waits; ``first`` (say an axis
-  index rule) goes before it on every equation, nested ones included.
+  index rule) goes before it on every equation, nested ones included;
+  ``once``: ``counts.once_by_eqn`` of the jaxpr it rewrites.
 
   The fast path uses it too, for its local DMAs and semaphores (no
   ``devices``): the same int32 byte counts, the same poisoned waits.
@@ -111,7 +117,8 @@ def sync_rule(
       return list(barrier)
     if kind is Sync.DMA_START:
       checks.dma(eqn, invals)
-      _dma_start(eqn, invals, exchanges)
+      flags = (False, False) if once is None else once[id(eqn)]
+      _dma_start(eqn, invals, exchanges, flags)
       return []
     if kind is Sync.DMA_WAIT:
       buffer, sem = _pallas_ops.DmaOperands.of(eqn, invals).awaited
@@ -154,24 +161,25 @@ def sync_rule(
 _WAITS = (Sync.DMA_WAIT, Sync.SEMAPHORE_WAIT)
 
 
-def _dma_start(eqn, invals, exchanges: Exchanges | None) -> None:
-  """A DMA: remote ones leave in the next exchange; local ones land now."""
+def _dma_start(eqn, invals, exchanges: Exchanges | None, once: Once) -> None:
+  """A DMA: remote ones leave in the next exchange; local ones land now;
+  ``once``: whether its receive and send semaphores count 1."""
   dma = _pallas_ops.DmaOperands.of(eqn, invals)
   if dma.device_id is not None:
     assert exchanges is not None, "a remote DMA off the lockstep path"
     names = _pallas_ops.DmaOperands.of(eqn).device_id
-    remote_copy(exchanges, dma, exchanges.devices.static_shift(names))
+    remote_copy(exchanges, dma, exchanges.devices.static_shift(names), once)
     return
   data = state_primitives.ref_get(dma.src, None)
   if dma.add:
     data = data + state_primitives.ref_get(dma.dst, None)
   state_primitives.ref_set(dma.dst, None, data)
   if dma.dst_sem is not None:
-    signal(dma.dst_sem, ref_bytes(dma.dst))
+    signal(dma.dst_sem, dma_amount(once[0], dma.dst))
   if dma.src_sem is not None:
     # The data has left: its send semaphore counts, as in Pallas' discharge
     # rule (a DMA to an external mesh's one program runs as a local one).
-    signal(dma.src_sem, ref_bytes(dma.src))
+    signal(dma.src_sem, dma_amount(once[1], dma.src))
 
 
 def _signal(eqn, invals, exchanges: Exchanges | None) -> None:
@@ -256,10 +264,12 @@ def lower(
     values = jaxpr_util.literal_axis_values(dict(mesh.shape), 0)
     jaxpr = jaxpr_util.rewrite_axis_indices(kernel, values.get, mesh.shape)
     # Semaphores as plain integer refs (int16), then widened to int32.
+    flags = once_flags(jaxpr)
     jaxpr, consts = hlo_interpreter.resolve_physical_types(jaxpr, ())
     if consts:
       raise NotImplementedError("mpmd_map: kernel captured constants")
     jaxpr = jaxpr_util.map_avals(jaxpr, widen)
+    once = once_by_eqn(jaxpr, flags)
     checks = bounds.Checks(
       traced.debug_info.func_src_info,
       bounds.trace_refs(
@@ -268,7 +278,7 @@ def lower(
           traced, num_in, num_out, params["input_output_aliases"]
         ),
       ),
-      ranges.prove(jaxpr, {**mesh.shape, **sizes}),
+      ranges.prove(jaxpr, {**mesh.shape, **sizes}, once),
       path="lockstep path (devices run in step)",
       where=functools.partial(_where, devices.all_axes),
     )
@@ -278,7 +288,7 @@ def lower(
 
     def make_rule(barrier):
       devices.top_trace = core.unsafe_get_current_trace()
-      return sync_rule(checks, devices, barrier)
+      return sync_rule(checks, devices, barrier, once=once)
 
     jaxpr = jaxpr_util.rewrite_with_inputs(
       jaxpr,

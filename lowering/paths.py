@@ -242,6 +242,7 @@ def choose(
     if not isinstance(interpret, (tpu_params, gpu_params)):
       return Path(CHECK, "the mpmd_check config state asks for it", forced)
   if isinstance(interpret, tpu_params):
+    _check_simulator_counts(jaxprs)
     return Path(TPU_SIMULATOR, "interpret= gave TPU InterpretParams", interpret)
   if isinstance(interpret, gpu_params):
     return Path(GPU_SIMULATOR, "interpret= gave GPU InterpretParams", interpret)
@@ -279,9 +280,32 @@ def choose(
       "runs it (its default schedule: deterministic, deadlocks at once)",
       checked,
     )
+  _check_simulator_counts(jaxprs)
   return Path(
     TPU_SIMULATOR, f"{reason}, and not in lockstep: {why_not}", tpu_params()
   )
+
+
+def _check_simulator_counts(jaxprs: Sequence[core.Jaxpr]) -> None:
+  """Raises for a DMA whose semaphore is a REGULAR one: Mosaic adds 1 to it
+  when the copy is done, Pallas' TPU simulator adds the copy's bytes (and
+  only prints the count left at the kernel's exit), so the simulator would
+  not run the program that TPUs run."""
+  for jaxpr in jaxprs:
+    for eqn in jaxpr_util.iter_eqns(jaxpr):
+      if _pallas_ops.kind(eqn) is not Sync.DMA_START:
+        continue
+      avals = _pallas_ops.DmaOperands.of(eqn, [v.aval for v in eqn.invars])
+      if any(
+        _pallas_ops.signalled_once(s) for s in (avals.dst_sem, avals.src_sem)
+      ):
+        raise NotImplementedError(
+          "mpmd_map: Pallas' TPU simulator cannot run a DMA whose semaphore "
+          "is a REGULAR semaphore: it adds the copy's bytes to it, where "
+          "Mosaic adds 1 when the copy is done. Run the launch on the "
+          "checking executor (interpret=mpmd.CheckParams()), or give the "
+          "DMA a pltpu.SemaphoreType.DMA semaphore."
+        )
 
 
 def _checker_covers(jaxprs, meshes):

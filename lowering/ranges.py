@@ -112,8 +112,9 @@ class _Prover:
   ``pl.run_scoped`` semaphores that are satisfied, whatever the program and
   the values the kernel reads (``proven``; equations hash by identity)."""
 
-  def __init__(self, axis_sizes: dict[core.AxisName, int]):
+  def __init__(self, axis_sizes: dict[core.AxisName, int], once):
     self.axis_sizes = axis_sizes
+    self.once = once
     self.ranges: dict[core.Var, Range] = {}
     # A jaxpr may be called from several places (a jitted helper): what it
     # does must hold for every call.
@@ -298,7 +299,7 @@ class _Prover:
     code signals (or DMAs into) enough before (a ``sync_copy``)."""
     counts: dict[core.Var, int] = {v: 0 for v in scope.invars}
     for eqn in scope.eqns:
-      op = _semaphore_op(eqn, self.range)
+      op = _semaphore_op(eqn, self.range, self.once)
       if op is None:
         # Anything else that takes a semaphore (a loop, a branch): its count
         # is not followed any more.
@@ -321,9 +322,12 @@ class _Prover:
         del counts[sem]
 
 
-def _semaphore_op(eqn: core.JaxprEqn, range_of) -> tuple | None:
+def _semaphore_op(
+  eqn: core.JaxprEqn, range_of, once: dict[int, tuple[bool, bool]]
+) -> tuple | None:
   """(semaphore, amount, is a wait, decrements) of a local signal or wait on
-  a whole semaphore by a static amount; None for anything else."""
+  a whole semaphore by a static amount; None for anything else. ``once``:
+  ``counts.once_by_eqn`` (a DMA adds 1 to a REGULAR semaphore)."""
   kind = _pallas_ops.kind(eqn)
   if kind in (Sync.DMA_START, Sync.DMA_WAIT):
     dma = _pallas_ops.DmaOperands.of(eqn)
@@ -339,6 +343,8 @@ def _semaphore_op(eqn: core.JaxprEqn, range_of) -> tuple | None:
     else:
       sem, counted = dma.dst_sem, by_avals.dst
     amount = math.prod(counted.shape) * np.dtype(counted.dtype).itemsize
+    if not wait and once.get(id(eqn), (False, False))[0]:
+      amount = 1
     decrement = True
   elif kind is Sync.SIGNAL:
     op = _pallas_ops.SignalOperands.of(eqn)
@@ -389,14 +395,17 @@ def _step(body: core.Jaxpr, carry: core.Var, out: Any) -> int | None:
 
 
 def prove(
-  jaxpr: core.Jaxpr, axis_sizes: dict[core.AxisName, int]
+  jaxpr: core.Jaxpr,
+  axis_sizes: dict[core.AxisName, int],
+  once: dict[int, tuple[bool, bool]] | None = None,
 ) -> set[core.JaxprEqn]:
   """The equations of ``jaxpr`` (nested ones too) whose run-time
   check cannot fail: ``dma_start``s in bounds, satisfied scoped waits.
 
   ``axis_sizes``: the kernel mesh's axes, in order (``program_id`` counts
-  them), then any device axes of an enclosing ``shard_map``.
+  them), then any device axes of an enclosing ``shard_map``; ``once``:
+  ``counts.once_by_eqn`` of ``jaxpr``.
   """
-  prover = _Prover(axis_sizes)
+  prover = _Prover(axis_sizes, {} if once is None else once)
   prover.walk(jaxpr)
   return prover.proven

@@ -16,6 +16,7 @@ from mpmd._jax import (
   state,
 )
 from mpmd._lowering import addressing, paths
+from mpmd._primitives import mpmd_map as prim
 
 
 def short(aval) -> str:
@@ -505,6 +506,24 @@ def check_consts(consts: Sequence[Any], debug_info) -> None:
       f"{[short(a) for a in bad]}; pass them as inputs (only Refs and "
       "scalars may be closed over)"
     )
+
+
+def check_consts_unbatched(consts: Sequence[Any], debug_info) -> None:
+  """A kernel that closes over a value ``vmap`` batches is an error, as
+  upstream's batching rule says: raised here, where the kernel is traced,
+  before any check of the kernel itself, the order upstream's errors come
+  in (its batching rule runs before Mosaic sees the kernel). Under ``jit``
+  inside ``vmap`` the batching rule itself raises it."""
+  for c in consts:
+    if (
+      isinstance(c, _jax.batching.BatchTracer)
+      and c.batch_dim is not None  # None: not mapped
+      and not isinstance(core.typeof(c), state.AbstractRef)
+    ):
+      raise ValueError(
+        f"mpmd_map: kernel {debug_info.func_src_info} closes over "
+        f"{short(core.typeof(c))}, which vmap batches: {prim.UNBATCHABLE_CONST}"
+      )
 
 
 def check_aliases(aliases, in_avals, out_avals) -> None:

@@ -357,6 +357,8 @@ def _operands_of(eqn, sub: core.Jaxpr):
 
 def _check_dma(top, eqn, outer, roles: Roles, kernel: str) -> None:
   by_avals = _pallas_ops.DmaOperands.of(eqn, [v.aval for v in eqn.invars])
+  if _pallas_ops.kind(eqn) is Sync.DMA_START:
+    _check_dma_semaphores(by_avals, kernel)
   src, dst = by_avals.src, by_avals.dst
   try:
     # The windows' shapes follow from the static slice sizes.
@@ -376,6 +378,35 @@ def _check_dma(top, eqn, outer, roles: Roles, kernel: str) -> None:
     f"dtype on both sides, got {_type_str(*src_type)} and "
     f"{_type_str(*dst_type)}"
   )
+
+
+def _check_dma_semaphores(dma: _pallas_ops.DmaOperands, kernel: str) -> None:
+  """Mosaic's rules for a DMA's semaphores (which its verifier enforces on
+  TPU), at trace time on every path: both of one kind, and a REGULAR one
+  (counted once, ``_pallas_ops.signalled_once``) not for SMEM."""
+  once = [
+    _pallas_ops.signalled_once(s)
+    for s in (dma.dst_sem, dma.src_sem)
+    if s is not None
+  ]
+  if len(set(once)) > 1:
+    raise ValueError(
+      f"{kernel}: a DMA's receive and send semaphores are of different "
+      "kinds (one pltpu.SemaphoreType.DMA, one not): DMA source and target "
+      "semaphore must have the same type"
+    )
+  smem = _jax.tpu().core.MemorySpace.SMEM
+  spaces = [
+    getattr(_pallas_ops.split_ref(r)[0], "memory_space", None)
+    for r in (dma.src, dma.dst)
+  ]
+  spaces = [getattr(x, "memory_space", x) for x in spaces]  # `SMEM @ mesh`
+  if any(once) and smem in spaces:
+    raise ValueError(
+      f"{kernel}: a DMA to or from SMEM signals a REGULAR semaphore: "
+      "Non-DMA semaphores are not supported for DMAs involving SMEM; use a "
+      "pltpu.SemaphoreType.DMA semaphore"
+    )
 
 
 def _type_str(shape, dtype) -> str:

@@ -15,6 +15,8 @@ import functools
 import sys
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
+
 from mpmd import _jax
 from mpmd._jax import core, pallas_primitives, state_types, tree_util
 
@@ -96,6 +98,21 @@ def kind(eqn_or_primitive: core.JaxprEqn | core.Primitive) -> Sync | None:
 def is_dma(eqn: core.JaxprEqn) -> bool:
   """A ``dma_start`` or ``dma_wait`` equation."""
   return kind(eqn) in (Sync.DMA_START, Sync.DMA_WAIT)
+
+
+def signalled_once(sem: Any) -> bool:
+  """Whether a DMA adds 1 to semaphore ``sem`` (an aval, or a view of one)
+  rather than its bytes: Mosaic accepts a REGULAR (or barrier) semaphore
+  as a DMA's semaphore and signals it once, when the copy is done
+  (upstream's ``test_remote_dma_regular_semaphore`` waits for 1), while
+  a DMA semaphore counts the bytes that ``dma_wait`` then waits for."""
+  base, _ = split_ref(sem)
+  dtype = getattr(base, "dtype", None)
+  if dtype is None or not jnp.issubdtype(
+    dtype, _jax.pallas_core.semaphore_dtype
+  ):
+    return False  # a physical count (int): the kind is no longer known
+  return not jnp.issubdtype(dtype, _jax.tpu().core.dma_semaphore)
 
 
 def split_ref(ref: Any) -> tuple[Any, tuple[Any, ...]]:

@@ -131,6 +131,57 @@ def _install_tpu_queries() -> None:
   _wrap("tpu_device_kind", modules, "get_device_kind", target_part(0))
   _wrap("tpu_num_device_cores", modules, "get_num_device_cores", target_part(1))
   _wrap("tpu_info", modules, "get_tpu_info", tpu_info)
+  _install_default_core_count()
+
+
+def _install_default_core_count() -> None:
+  """A TensorCore mesh built without ``num_cores`` (``TensorCoreMesh(
+  axis_name=...)``; ``pltpu.create_tensorcore_mesh(name)`` on jax 0.10.2)
+  counts the cores of the attached device, which a CPU device does not
+  have: under ``mpmd.tpu_target`` it gets the target's."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  core = _jax.tpu().core
+
+  def cores(original):
+    @functools.wraps(original)
+    def default_num_cores():
+      target = _target()
+      return original() if target is None else target[1]
+
+    return default_num_cores
+
+  if hasattr(core, "_get_default_num_cores"):  # jax >= 0.11
+    _wrap("tpu_default_num_cores", [core], "_get_default_num_cores", cores)
+
+    def init(original):
+      # The dataclass keeps the default factory it was built with.
+      @functools.wraps(original)
+      def __init__(self, **kwargs):  # keyword-only dataclass
+        target = _target()
+        if target is not None and "num_cores" not in kwargs:
+          kwargs["num_cores"] = target[1]
+        original(self, **kwargs)
+
+      return __init__
+
+    _wrap("tpu_tensorcore_mesh_cores", [core.TensorCoreMesh], "__init__", init)
+    return
+
+  def create(original):
+    @functools.wraps(original)
+    def create_tensorcore_mesh(axis_name, devices=None, num_cores=None):
+      target = _target()
+      if target is not None and devices is None and num_cores is None:
+        num_cores = target[1]
+      return original(axis_name, devices=devices, num_cores=num_cores)
+
+    return create_tensorcore_mesh
+
+  # Looked up in each module's own namespace (not through a deprecation
+  # shim, which a wrapper must not replace).
+  owners = [m for m in (core, pltpu) if "create_tensorcore_mesh" in vars(m)]
+  _wrap("tpu_create_tensorcore_mesh", owners, "create_tensorcore_mesh", create)
 
 
 # -- simulator callbacks take numpy (docs/design.md, trap 3) -----------------

@@ -11,6 +11,7 @@ from mpmd._arguments import (
   check_aliases,
   check_consts,
   check_consts_not_passed,
+  check_consts_unbatched,
   check_lojax,
   check_refs_passed_once,
   kernel_aval,
@@ -117,8 +118,8 @@ def mpmd_map(
     A function of the inputs (a pytree of arrays, Refs or views of Refs:
     ``x_ref.at[i]``, ``x_ref.reshape(...)``, which the kernels see as such)
     returning outputs with the structure of ``out_types``. Kernels may
-    close over Refs and scalars; beyond upstream, ``vmap`` may batch a
-    closed-over scalar (each batch element gets its own launch).
+    close over Refs and scalars; as upstream, ``vmap`` may not batch a
+    closed-over scalar (pass it as an input instead).
 
   Raises:
     TypeError: an argument of the wrong kind (a ``name`` that is not a str,
@@ -389,6 +390,7 @@ def _trace_kernel(kernels: Kernels, caller: int, views: _Views, reach):
     fn, kernels.meshes[caller], reach, views, debug_info
   )
   check_consts(consts, debug_info)
+  check_consts_unbatched(consts, debug_info)
   check_kernel(
     jaxpr,
     caller,

@@ -443,6 +443,25 @@ def _written_inputs(jaxprs, num_args: int) -> set[int]:
   return written
 
 
+# Upstream's words (its batching rule of mpmd_map_p).
+UNBATCHABLE_CONST = (
+  "Closed-over scalar constants cannot be batched. Pass them as inputs instead."
+)
+
+
+def _check_no_batched_scalar(jaxprs, dims) -> None:
+  """Upstream's rule: a kernel operand taken by value (a closed-over
+  scalar; inputs are Refs) must not be batched. ``mpmd.mpmd_map`` says so
+  where it traces the kernel; this catches ``vmap`` of a ``jit`` of it."""
+  for jaxpr in jaxprs:
+    for var, d in zip(jaxpr.invars[: len(dims)], dims, strict=True):
+      if d is not None and not isinstance(var.aval, state.AbstractRef):
+        raise ValueError(
+          "mpmd_map: vmap batches a value a kernel closes over: "
+          + UNBATCHABLE_CONST
+        )
+
+
 def _mpmd_map_batching(axis_data, args, dims, **params):
   """``vmap`` of a launch: one launch per batch element, results stacked.
 
@@ -454,6 +473,7 @@ def _mpmd_map_batching(axis_data, args, dims, **params):
   if all(d is None for d in dims):
     outs = mpmd_map_p.bind(*args, **params)
     return outs, [None] * len(outs)
+  _check_no_batched_scalar(params["jaxprs"], dims)
   size = axis_data.size
   written = _written_inputs(params["jaxprs"], len(args))
   for i, (x, d) in enumerate(zip(args, dims, strict=True)):

@@ -13,6 +13,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
+from mpmd import _jax
 
 SHAPE = (16, 128)
 
@@ -163,6 +164,18 @@ def test_tpu_target_names_the_generation():
     with mpmd.tpu_target(target):
       text = jax.jit(f).trace(x).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("target, cores", [("v5p", 2), ("v6e", 1)])
+def test_tpu_target_counts_a_tensorcore_meshs_default_cores(target, cores):
+  """A mesh built without ``num_cores`` counts the attached device's cores,
+  which a CPU device lacks: under a target, the target's."""
+  with mpmd.tpu_target(target):
+    if _jax.JAX_VERSION >= (0, 11):
+      mesh = pltpu.TensorCoreMesh(axis_name="core")
+    else:  # its mesh is built from devices
+      mesh = pltpu.create_tensorcore_mesh("core")
+  assert dict(mesh.shape) == {"core": cores}
 
 
 # -- bad input ----------------------------------------------------------------

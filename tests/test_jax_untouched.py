@@ -204,8 +204,10 @@ def test_adaptations_install_on_first_use_and_take_effect():
   }
   if _jax.JAX_VERSION < (0, 11):
     expected.add("tpu_simulator_run_jaxpr")  # 0.11 compiles once itself
+    expected.add("tpu_create_tensorcore_mesh")  # counts its cores inline
   else:
     expected.add("gpu_simulator_to_int")  # 0.10 takes numpy already
+    expected |= {"tpu_default_num_cores", "tpu_tensorcore_mesh_cores"}
   assert out["at_import"] == {}
   assert out["installed"] == dict.fromkeys(expected, True)
   assert out["device_kind"] == "cpu" and not out["is_tpu"]

@@ -215,15 +215,35 @@ def scaled(s, x):
   return mpmd.mpmd_map([(tc(), kernel)], OUT, scratch_types=VMEM)(x)
 
 
-def test_vmap_over_a_closed_over_scalar_is_our_extension():
-  """Upstream: "Closed-over scalar constants cannot be batched". Here each
-  batch element is its own launch with its own scalar."""
+@pytest.mark.parametrize("jit_inside", [False, True])
+def test_vmap_over_a_closed_over_scalar_is_upstreams_error(jit_inside):
+  """Upstream: "Closed-over scalar constants cannot be batched", whether
+  the kernel is traced under vmap or in a jit that vmap then batches."""
   scales = jnp.arange(3, dtype=jnp.float32)
   x = jnp.ones(ROWS, jnp.float32)
-  out = jax.jit(jax.vmap(scaled, in_axes=(0, None)))(scales, x)
-  np.testing.assert_array_equal(
-    out, np.arange(3, dtype=np.float32)[:, None, None] * np.ones(ROWS)
-  )
+  f = jax.jit(scaled) if jit_inside else scaled
+  with pytest.raises(ValueError, match="Closed-over scalar constants cannot"):
+    jax.vmap(f, in_axes=(0, None))(scales, x)
+
+
+def test_vmap_over_an_unbatched_closed_over_scalar_runs():
+  x = jnp.ones((3, *ROWS), jnp.float32)
+  out = jax.vmap(scaled, in_axes=(None, 0))(jnp.float32(2), x)
+  np.testing.assert_array_equal(out, np.full((3, *ROWS), 2.0))
+
+
+def test_batched_closed_over_scalar_is_reported_before_kernel_checks():
+  """Upstream's batching rule runs before Mosaic sees the kernel, so its
+  error comes first for a kernel that also writes HBM in place."""
+
+  def writes_hbm(s):
+    def kernel(o_hbm):
+      o_hbm[...] = jnp.broadcast_to(s, ROWS)
+
+    return mpmd.mpmd_map([(tc(), kernel)], OUT)()
+
+  with pytest.raises(ValueError, match="Closed-over scalar constants cannot"):
+    jax.vmap(writes_hbm)(jnp.arange(3, dtype=jnp.float32))
 
 
 # -- check_vma ----------------------------------------------------------------

@@ -51,10 +51,15 @@ class DmaStart:
   device_id: Any
   device_id_type: Any
   add: bool
+  # Semaphores that count 1 when the copy lands rather than its bytes
+  # (REGULAR semaphores: ``_pallas_ops.signalled_once``).
+  recv_once: bool = False
+  send_once: bool = False
 
   @classmethod
   def of(cls, eqn: core.JaxprEqn, values) -> "DmaStart":
     dma = _pallas_ops.DmaOperands.of(eqn, values)
+    avals = _pallas_ops.DmaOperands.of(eqn, [v.aval for v in eqn.invars])
     return cls(
       RefOperand.of(dma.src),
       RefOperand.of(dma.dst),
@@ -63,6 +68,8 @@ class DmaStart:
       dma.device_id,
       dma.device_id_type,
       dma.add,
+      _pallas_ops.signalled_once(avals.dst_sem),
+      _pallas_ops.signalled_once(avals.src_sem),
     )
 
 

@@ -380,9 +380,10 @@ def _land(m, dma: machine_lib.Dma) -> None:
     )
   )
   event = len(m.events) - 1
-  for sem in (dma.recv, dma.send):
+  once = (dma.start.recv_once, dma.start.send_once)
+  for sem, one in zip((dma.recv, dma.send), once, strict=True):
     if sem is not None:
-      _add(sem, dma.src.nbytes, clock, event)
+      _add(sem, 1 if one else dma.src.nbytes, clock, event)
 
 
 def _deadlock_report(m, waiting) -> str:
