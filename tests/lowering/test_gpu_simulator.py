@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -66,21 +65,3 @@ def test_simulator_callbacks_take_numpy(rng):
   np.testing.assert_array_equal(_launch(_halves, None)(x), x + 1.0)
   to_int = getattr(_jax.gpu().simulator_memory, "_to_int", None)
   assert to_int is None or to_int(np.int32(3)) == 3
-
-
-def test_an_ordered_io_callback_in_a_kernel_runs():
-  """An ordered ``io_callback`` in a GPU kernel body makes the launch
-  ordered-effectful; its CPU lowering passes JAX's tokens on (the simulator
-  orders its callbacks on a token chain of its own)."""
-  seen = []
-
-  def kernel(o_ref):
-    io_callback(lambda: seen.append("kernel"), None, ordered=True)
-    o_ref[...] = jnp.full(o_ref.shape, 7.0, jnp.float32)
-
-  f = mpmd.kernel(
-    kernel, jax.ShapeDtypeStruct(SHAPE, jnp.float32), mesh=plgpu.Mesh()
-  )
-  assert any(e == _jax.ordered_io_effect() for e in jax.make_jaxpr(f)().effects)
-  np.testing.assert_array_equal(f(), np.full(SHAPE, 7.0, np.float32))
-  assert seen == ["kernel"]
