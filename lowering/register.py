@@ -60,7 +60,11 @@ def _cpu(ctx, *in_nodes, **params):
   callbacks = len(module.host_callbacks) + len(module.keepalives)
   if module.lowering_parameters.for_export and callbacks > callbacks_before:
     _refuse_export(ctx, params)
-  return outs
+  # The kernels' own ordered effects (an ordered io_callback in a body, or
+  # the interpreter effect of a warp map traced under upstream's
+  # force_gpu_interpret_mode) are declared on the launch, but the simulators
+  # run them on a token chain of their own (watchdog.lower_supervised).
+  return _pass_tokens(ctx, outs)
 
 
 def _kernel_name(params) -> str:

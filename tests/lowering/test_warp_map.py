@@ -200,6 +200,24 @@ def test_warp_awaits_another_warps_copy():
   assert re.search(r"custom_call @mosaic_gpu", _cuda_text(f, x))
 
 
+def test_core_map_under_upstreams_forced_interpret_mode():
+  """Under upstream's ``force_gpu_interpret_mode`` (its Blackwell examples'
+  way to run on CPU), ``pl.core_map`` binds the warp map with interpreter
+  params, whose ordered effect reaches the launch: the launch still runs."""
+
+  def body(o_ref):
+    @_core_map(plgpu.WarpMesh(axis_name="warp"))
+    def _():
+      warp = jax.lax.axis_index("warp")
+      o_ref[warp] = warp + 1
+
+  f = _one_warpgroup(body, jax.ShapeDtypeStruct((WARPS,), jnp.int32))
+  interpret = _jax.gpu().interpret
+  with interpret.force_gpu_interpret_mode(interpret.InterpretGPUParams()):
+    out = jax.jit(f)()
+  np.testing.assert_array_equal(out, np.arange(1, WARPS + 1))
+
+
 def test_warp_map_inside_a_warp_map_names_upstreams_error():
   def body(o_ref):
     def outer():
