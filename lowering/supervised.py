@@ -21,7 +21,7 @@ import numpy as np
 
 from mpmd import _jax, simulators
 from mpmd._jax import callback, core, mlir
-from mpmd._lowering import errors, jaxpr_util, watchdog
+from mpmd._lowering import errors, jaxpr_util, watchdog, xla_cpu
 
 
 def lower_supervised(
@@ -176,7 +176,8 @@ def _flat_index(coords: tuple, sizes: tuple) -> int:
 
 
 def _heads(xs) -> list:
-  return [x.reshape(-1)[:1] for x in xs if x.size]
+  """One element of each non-empty ``x``, there once all of ``x`` is."""
+  return [xla_cpu.witness(x) for x in xs if x.size]
 
 
 def _with_head(x, head):

@@ -1,4 +1,5 @@
-"""What the lockstep path relies on XLA:CPU to do, or not to do.
+"""What the lockstep path (and jax 0.10's simulator launches) rely on
+XLA:CPU to do, or not to do.
 
 The lockstep path runs every device's kernel as one XLA program whose
 devices meet in collectives. XLA is free to simplify and reorder what it
@@ -12,7 +13,9 @@ a new XLA sees through one):
   collective that should wait for a whole result is handed one element of
   it behind an optimization barrier. (jaxlib 0.10.2's XLA fuses through
   the barrier when nothing else reads the value whole; in an exchange the
-  ring shift that carries the data does.)
+  ring shift that carries the data does.) On jax 0.10 the callbacks that
+  enter and leave the simulator take witnesses of a launch's operands and
+  results, which orders them (``lowering/supervised.py``).
 * ``arrival``: XLA folds what it can compute when compiling. A count that
   every device knows when traced is a constant, so what reads it (the
   failure report of a short wait) may run before the collective that
