@@ -443,8 +443,10 @@ def land(m, op: Async) -> None:
   """A TMA copy or a WGMMA reads and writes its memory now."""
   lane = _lane(m, op.issuer, op.kind)
   who = m.name(op.issuer.device, op.issuer.program)
+  # Not ``op`` (it leads back to the machine): buffers keep the text.
+  text = (op.kind, op.index, op.where)
   describe = memory.Lazy(
-    lambda: f"{op.kind} #{op.index} issued by {who} at {op.where}"
+    lambda: f"{text[0]} #{text[1]} issued by {who} at {text[2]}"
   )
 
   def access(view, write):

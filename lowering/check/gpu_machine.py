@@ -213,8 +213,8 @@ class GpuMachine(machine.Machine):
       key = ("scoped", id(eqn), k, ctx.scope_depth, owner)
       if key not in mine:
         label = memory.Lazy(
-          lambda k=k, d=ctx.device, g=ctx.program, at=ctx.where: (
-            f"run_scoped buffer {k} at {at} ({self.name(d, g)})"
+          lambda k=k, d=ctx.device, g=ctx.program, at=ctx.where, p=self.plan: (
+            f"run_scoped buffer {k} at {at} ({p.name(d, g)})"
           )
         )
         mine[key] = self.buffer(label, key, v.aval)

@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Generator
 from typing import Any
 
-import jax
 import numpy as np
 
 from mpmd import _jax
@@ -26,7 +25,8 @@ from mpmd._jax import (
   state_primitives,
 )
 from mpmd._lowering import jaxpr_util
-from mpmd._lowering.check import host_client, records, scalars
+from mpmd._lowering.check import host_client, records, scalars, segments
+from mpmd._lowering.check.segments import Segment
 
 _custom = _jax.custom_derivatives()
 
@@ -59,7 +59,7 @@ class Context:
     self.program = program
     self.axis_values = axis_values
     self.scope_depth = 0
-    # Segments compile for a client of our own (see ``_Segment``).
+    # Segments compile for a client of our own (see ``Segment``).
     self.own_client = (
       bool(machine.plan.device_axes) and host_client.CALLBACKS_FILL_POOL
     )
@@ -106,124 +106,6 @@ def _eqn_needs(eqn: core.JaxprEqn, memo: dict) -> bool:
   )
 
 
-def _read(env: dict, v):
-  if isinstance(v, core.Literal):
-    # On the host: a literal traced as a jax Array carries the mesh of the
-    # shard_map it was traced in, which another launch's segment of the
-    # same text (compiled once for both) must not see.
-    return _host(v.val)
-  return env[v]
-
-
-# A segment that has run this often (in any launch: explore runs the same
-# kernel many times) is compiled; below, compiling would cost more than
-# running its equations one by one.
-COMPILE_AFTER = 16
-
-
-class _Shared:
-  """What launches know of one segment's text: how often it ran, and its
-  compiled functions once it has them."""
-
-  def __init__(self):
-    self.calls = 0
-    self.compiled = None
-    self.on_host = None
-
-
-@_jax.util.cache(max_size=4096, trace_context_in_key=False)
-def _shared(text: str) -> _Shared:
-  # Reached by jax.clear_caches() (JAX's own cache utility).
-  return _Shared()
-
-
-class _Segment:
-  """A run of pure equations: integer scalar arithmetic in numpy
-  (``scalars``); else run one by one, then, once segments of the same text
-  have run ``COMPILE_AFTER`` times, as one jitted function.
-
-  Inside the host callbacks of a multi-device program on jax 0.10 the
-  process's CPU client has no thread left to run a computation (see
-  ``host_client``): there a segment is compiled at once for a
-  client of our own. Values of extended dtypes (PRNG keys) have no numpy
-  form; their segments always run on the process's client.
-  """
-
-  def __init__(self, eqns, invars, outvars):
-    self.invars, self.outvars = invars, outvars
-    self.text = _text(eqns, invars, outvars)
-    self.extended = any(
-      _jax.is_extended(v.aval.dtype) for v in (*invars, *outvars)
-    )
-    self.in_numpy = scalars.plan(eqns, invars, outvars)
-
-    def fn(*values):
-      env = dict(zip(invars, values, strict=True))
-      for eqn in eqns:
-        outs = bind_eqn(eqn, [_read(env, v) for v in eqn.invars])
-        for v, x in zip(eqn.outvars, outs, strict=True):
-          if not isinstance(v, core.DropVar):
-            env[v] = x
-      return [_read(env, v) for v in outvars]
-
-    self.eager = fn
-
-  def fn(self, own_client: bool, *values):
-    if self.in_numpy is not None:
-      try:
-        return self.in_numpy(*values)
-      except scalars.Fallback:
-        pass
-    shared = _shared(self.text)
-    if own_client and not self.extended:
-      if shared.on_host is None:
-        avals = [
-          jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in self.invars
-        ]
-        shared.on_host = host_client.compile_on_host(self.eager, avals)
-      return shared.on_host(*values)
-    shared.calls += 1
-    if shared.compiled is None and shared.calls > COMPILE_AFTER:
-      shared.compiled = jax.jit(self.eager)
-    return [_host(x) for x in (shared.compiled or self.eager)(*values)]
-
-
-def _host(x):
-  """Values live on the host as numpy arrays (no device, sharding or mesh
-  of the trace that made them), extended dtypes (PRNG keys) aside."""
-  if isinstance(x, jax.Array) and not _jax.is_extended(x.dtype):
-    return np.asarray(x)
-  return x
-
-
-def _text(eqns, invars, outvars) -> str:
-  """The segment's structure as text (operations, types, parameters and
-  dataflow by position): equal texts compute the same function."""
-  number = {v: k for k, v in enumerate(invars)}
-  parts: list[Any] = [[str(v.aval) for v in invars]]
-  for eqn in eqns:
-    ins = [
-      ("literal", repr(v.val), str(v.aval))
-      if isinstance(v, core.Literal)
-      else number[v]
-      for v in eqn.invars
-    ]
-    for v in eqn.outvars:
-      number[v] = len(number)
-    params = sorted((k, str(p)) for k, p in eqn.params.items())
-    outs = [str(v.aval) for v in eqn.outvars]
-    parts.append((eqn.primitive.name, ins, outs, params))
-  parts.append([number[v] for v in outvars])
-  return repr(parts)
-
-
-def bind_eqn(eqn, invals) -> list:
-  """Binds a pure equation on values; its outputs as a list."""
-  params = eqn.primitive.get_bind_params(eqn.params)
-  outs = eqn.primitive.bind(*invals, **params)
-  return outs if eqn.primitive.multiple_results else [outs]
-
-
 def _steps(jaxpr: core.Jaxpr, memo: dict) -> tuple[list[Any], list[Any]]:
   """``jaxpr`` as steps: equations to interpret (with their source line)
   and compiled segments of the pure equations between them; and its
@@ -243,39 +125,77 @@ def _steps(jaxpr: core.Jaxpr, memo: dict) -> tuple[list[Any], list[Any]]:
   steps: list[Any] = []
   run: list[tuple[int, Any]] = []
 
+  def segment(part) -> Segment:
+    defined = {v for _, e in part for v in e.outvars}
+    free, seen = [], set()
+    for _, e in part:
+      for v in e.invars:
+        if isinstance(v, core.Literal) or v in defined or v in seen:
+          continue
+        seen.add(v)
+        free.append(v)
+    end = part[-1][0]
+    outs = [
+      v
+      for _, e in part
+      for v in e.outvars
+      if not isinstance(v, core.DropVar) and last_use.get(v, -1) > end
+    ]
+    return Segment([e for _, e in part], free, outs)
+
   def flush():
-    if run:
-      defined = {v for _, e in run for v in e.outvars}
-      free, seen = [], set()
-      for _, e in run:
-        for v in e.invars:
-          if isinstance(v, core.Literal) or v in defined or v in seen:
-            continue
-          seen.add(v)
-          free.append(v)
-      end = run[-1][0]
-      outs = [
-        v
-        for _, e in run
-        for v in e.outvars
-        if not isinstance(v, core.DropVar) and last_use.get(v, -1) > end
-      ]
-      steps.append(_Segment([e for _, e in run], free, outs))
+    if not run:
+      return
+    whole = segment(run)
+    if whole.in_numpy is not None or all(
+      e.primitive is not pjit.jit_p for _, e in run
+    ):
+      steps.append(whole)
+    else:
+      # Not numpy's alone (floats): the calls stay steps of their own, so
+      # that XLA computes the rest in the same segments as ever.
+      part: list[tuple[int, Any]] = []
+      for i, e in run:
+        if e.primitive is not pjit.jit_p:
+          part.append((i, e))
+          continue
+        if part:
+          steps.append(segment(part))
+          part = []
+        steps.append(_Step(e))
+      if part:
+        steps.append(segment(part))
     run.clear()
 
   for i, eqn in enumerate(jaxpr.eqns):
-    if RULES.get(eqn.primitive) is None and not _eqn_needs(eqn, memo):
+    if _pure(eqn, memo):
       run.append((i, eqn))
       continue
     flush()
     steps.append(_Step(eqn))
   flush()
   outs = [
-    (True, _host(v.val)) if isinstance(v, core.Literal) else (False, v)
+    (True, segments.host(v.val)) if isinstance(v, core.Literal) else (False, v)
     for v in jaxpr.outvars
   ]
   memo[key] = steps, outs
   return steps, outs
+
+
+def _pure(eqn: core.JaxprEqn, memo: dict) -> bool:
+  """Whether ``eqn`` joins a segment: an equation that no rule interprets
+  and that touches no Ref, or a ``jit`` call of integer scalar arithmetic
+  (``jnp.floor_divide``, ``remainder``, ``where`` on indices: numpy runs
+  its equations inside the segment, as it ran them in the call's own
+  segments, with no step of its own)."""
+  if _eqn_needs(eqn, memo):
+    return False
+  if RULES.get(eqn.primitive) is None:
+    return True
+  if eqn.primitive is not pjit.jit_p:
+    return False
+  ins = [v for v in eqn.invars if not isinstance(v, core.Literal)]
+  return scalars.plan([eqn], ins, eqn.outvars) is not None
 
 
 class _Step:
@@ -290,7 +210,9 @@ class _Step:
     self.eqn = eqn
     self.place = where(eqn)
     self.ins = [
-      (True, _host(v.val)) if isinstance(v, core.Literal) else (False, v)
+      (True, segments.host(v.val))
+      if isinstance(v, core.Literal)
+      else (False, v)
       for v in eqn.invars
     ]
     self.outs = [
@@ -307,7 +229,7 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
   own_client = ctx.own_client
   enclosing = ctx.where
   for step in steps:
-    if type(step) is _Segment:
+    if type(step) is Segment:
       values = step.fn(own_client, *[env[v] for v in step.invars])
       env.update(zip(step.outvars, values, strict=True))
       continue
@@ -321,7 +243,11 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
         "interpret=None (the CPU fallback's default paths) or "
         "pltpu.InterpretParams()"
       )
-    values = yield from rule(ctx, step.eqn, invals)
+    plain = getattr(rule, "plain", None)
+    if plain is not None:
+      values = plain(ctx, step.eqn, invals)
+    else:
+      values = yield from rule(ctx, step.eqn, invals)
     for v, x in zip(step.outs, values, strict=True):
       if v is not None:
         env[v] = x
@@ -351,6 +277,19 @@ def opened(j):
 
 
 # -- rules: each returns a generator of Sync that returns the outputs -------
+
+
+def _plain(fn):
+  """The rule of an operation that never synchronises: ``fn`` as a
+  generator (the table's form), with ``fn`` itself at ``.plain``, which
+  ``run_jaxpr`` calls directly (no generator to make and run)."""
+
+  def rule(ctx, eqn, invals):
+    return fn(ctx, eqn, invals)
+    yield
+
+  rule.plain = fn
+  return rule
 
 
 def _remembered(ctx, eqn, values, make):
@@ -387,14 +326,14 @@ def _sync(ctx, eqn, invals):
   return []
 
 
+@_plain
 def _axis_index(ctx, eqn, invals):
   return [ctx.axis_index(eqn)]
-  yield  # a generator
 
 
+@_plain
 def _nothing(ctx, eqn, invals):
   return [] if eqn.primitive.multiple_results else [None]
-  yield
 
 
 def _transforms(ctx, eqn, flat):
@@ -402,14 +341,15 @@ def _transforms(ctx, eqn, flat):
   return _remembered(ctx, eqn, flat, lambda: tree.unflatten(flat))
 
 
+@_plain
 def _get(ctx, eqn, invals):
   ref, *flat = invals
   transforms = _transforms(ctx, eqn, flat)
   view = ctx.machine.view(ctx, ref, transforms, eqn)
   return [ctx.machine.load(ctx, view, eqn)]
-  yield
 
 
+@_plain
 def _swap(ctx, eqn, invals):
   ref, value, *flat = invals
   transforms = _transforms(ctx, eqn, flat)
@@ -417,9 +357,9 @@ def _swap(ctx, eqn, invals):
   old = ctx.machine.load(ctx, view, eqn, check_init=False)
   ctx.machine.store(ctx, view, value, eqn)
   return [old]
-  yield
 
 
+@_plain
 def _addupdate(ctx, eqn, invals):
   ref, value, *flat = invals
   transforms = _transforms(ctx, eqn, flat)
@@ -427,7 +367,6 @@ def _addupdate(ctx, eqn, invals):
   old = ctx.machine.load(ctx, view, eqn)
   ctx.machine.store(ctx, view, np.asarray(old + np.asarray(value)), eqn)
   return []
-  yield
 
 
 def _masked_operands(ctx, eqn, ref, transforms, mask):
@@ -437,6 +376,7 @@ def _masked_operands(ctx, eqn, ref, transforms, mask):
   return view, None if mask is None else np.asarray(mask)
 
 
+@_plain
 def _masked_load(ctx, eqn, invals):
   ref, transforms, mask, other = eqn.params["args_tree"].unflatten(invals)
   view, mask = _masked_operands(ctx, eqn, ref, transforms, mask)
@@ -445,21 +385,20 @@ def _masked_load(ctx, eqn, invals):
     fill = 0 if other is None else np.asarray(other)
     value = np.where(mask, value, fill).astype(value.dtype)
   return [value]
-  yield
 
 
+@_plain
 def _masked_swap(ctx, eqn, invals):
   ref, transforms, value, mask = eqn.params["args_tree"].unflatten(invals)
   view, mask = _masked_operands(ctx, eqn, ref, transforms, mask)
   old = ctx.machine.load(ctx, view, eqn, check_init=False)
   ctx.machine.store(ctx, view, value, eqn, mask=mask)
   return [old]
-  yield
 
 
+@_plain
 def _barrier_semaphore(ctx, eqn, invals):
   return [ctx.machine.barrier_semaphore(ctx)]
-  yield
 
 
 def _run_scoped(ctx, eqn, invals):

@@ -62,7 +62,15 @@ class Plan:
   def device_name(self, device: int) -> str:
     if not self.device_axes:
       return ""
-    return f"device {device} {self.device_coords(device)} "
+    key = ("device name", device)
+    name = self.memo.get(key)
+    if name is None:
+      name = self.memo[key] = f"device {device} {self.device_coords(device)} "
+    return name
+
+  def name(self, device: int, program: int) -> str:
+    """``device 1 {'x': 1} mesh 0 program {'core': 0}``."""
+    return f"{self.device_name(device)}{self.program_names[program]}"
 
 
 # Windows of remembered views a kernel keeps (``Machine.resolve``).
@@ -120,13 +128,22 @@ class Machine:
     # every launch (``resolve``).
     self.aranges = plan.memo.setdefault(("aranges",), memory.Aranges())
 
+  def release(self) -> None:
+    """Drops the views each buffer keeps of itself (they name it back):
+    then nothing of the machine is in a reference cycle, and refcounting
+    frees it all, the cyclic collector never walking it. (What it has to
+    show after its launch, events and errors, holds no view.)"""
+    for mine in self.memory.values():
+      for b in mine.values():
+        b.forget_views()
+
   # -- naming ----------------------------------------------------------------
 
   def comp(self, device: int, program: int) -> int:
     return device * self.plan.num_programs + program
 
   def name(self, device: int, program: int) -> str:
-    return f"{self.plan.device_name(device)}{self.plan.program_names[program]}"
+    return self.plan.name(device, program)
 
   def name_comp(self, comp: int) -> str:
     n = self.plan.num_devices * self.plan.num_programs
@@ -308,8 +325,8 @@ class Machine:
         views.append(mine[key].whole)
         continue
       label = memory.Lazy(
-        lambda k=k, d=ctx.device, g=ctx.program, at=ctx.where: (
-          f"run_scoped buffer {k} at {at} ({self.name(d, g)})"
+        lambda k=k, d=ctx.device, g=ctx.program, at=ctx.where, p=self.plan: (
+          f"run_scoped buffer {k} at {at} ({p.name(d, g)})"
         )
       )
       buffer = self._new(label, key, v.aval)
@@ -320,8 +337,9 @@ class Machine:
   def _like(self, buffer: Buffer, device: int, program: int) -> Buffer:
     """Program ``(device, program)``'s copy of a scoped buffer that it has
     not allocated yet (a peer DMAs or signals into it first)."""
+    plan = self.plan  # not self: a label must not keep the machine alive
     label = memory.Lazy(
-      lambda: f"{buffer.label} (the copy of {self.name(device, program)})"
+      lambda: f"{buffer.label} (the copy of {plan.name(device, program)})"
     )
     copy = Buffer(
       label,
@@ -411,16 +429,19 @@ class Machine:
 
 class Describe(memory.Deferred):
   """``device 1 {'x': 1} mesh 0 program {'core': 0}: load at k.py:12``,
-  formatted only when a message needs it (accesses are many, errors few)."""
+  formatted only when a message needs it (accesses are many, errors few).
+  It keeps the machine's plan, not the machine: buffers keep descriptions
+  of their last accesses, and a machine that they led back to would be a
+  reference cycle, freed only by the cyclic collector."""
 
-  __slots__ = ("machine", "device", "program", "op", "where")
+  __slots__ = ("plan", "device", "program", "op", "where")
 
   def __init__(self, machine, device, program, op, where):
-    self.machine, self.device, self.program = machine, device, program
+    self.plan, self.device, self.program = machine.plan, device, program
     self.op, self.where = op, where
 
   def __str__(self):
-    who = self.machine.name(self.device, self.program)
+    who = self.plan.name(self.device, self.program)
     return f"{who}: {self.op} at {self.where}"
 
 

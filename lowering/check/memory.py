@@ -13,6 +13,7 @@ with a ``slab`` also read and write by slicing).
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Hashable
 
 import numpy as np
@@ -36,14 +37,20 @@ def join(a: Clock, b: Clock) -> Clock:
 def garbage(shape, dtype) -> np.ndarray:
   """What uninitialised memory reads as: NaN for floats, the most negative
   value for integers (hardware gives whatever was there)."""
-  dtype = np.dtype(dtype)
+  out = np.empty(shape, dtype)
+  out.fill(_garbage_value(out.dtype))
+  return out
+
+
+@functools.cache
+def _garbage_value(dtype: np.dtype):
   if np.issubdtype(dtype, np.inexact):
-    return np.full(shape, np.nan, dtype)
+    return np.nan
   if np.issubdtype(dtype, np.integer):
-    return np.full(shape, np.iinfo(dtype).min, dtype)
+    return np.iinfo(dtype).min
   if dtype == np.bool_:
-    return np.ones(shape, dtype)
-  return np.zeros(shape, dtype)  # 16-bit floats from ml_dtypes come above
+    return True
+  return 0  # 16-bit floats from ml_dtypes come above
 
 
 class Aranges:
@@ -118,8 +125,8 @@ class Buffer:
     self.label = label
     self.key = key
     self.semaphore = semaphore
-    shape = tuple(shape)
-    size = int(np.prod(shape, dtype=np.int64))
+    shape = tuple(int(d) for d in shape)
+    size = math.prod(shape)  # (np.prod costs microseconds per buffer)
     if semaphore:
       self.data = np.zeros(shape, np.int64)
       self.clocks: list[Clock] = [{} for _ in range(size)]
@@ -149,6 +156,14 @@ class Buffer:
 
   def __repr__(self):
     return f"Buffer({self.label})"
+
+  def forget_views(self) -> None:
+    """Drops the views it keeps of itself (``whole``, ``windows``,
+    ``viewed``): they refer back to it, a cycle that only the cyclic
+    collector frees. Views taken later are made anew."""
+    self.windows.clear()
+    self.viewed.clear()
+    self.__dict__.pop("whole", None)
 
   @functools.cached_property
   def whole(self) -> "View":

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from mpmd._jax import core
+from mpmd import _jax
+from mpmd._jax import core, pjit
 from mpmd._lowering import jaxpr_util
 
 # Input values a segment remembers its outputs for (past them, it computes).
@@ -94,6 +95,55 @@ def _exact(aval) -> bool:
   )
 
 
+class _Numbering:
+  """Slots of a plan's values while its steps are read: the inputs by
+  position, literals numbered from -1 down (placed after the inputs once
+  all are known), each step's output after the inputs."""
+
+  def __init__(self, invars):
+    self.num_in = len(invars)
+    self.literals: list[np.ndarray] = []
+    self.slots: dict[Any, int] = {v: k for k, v in enumerate(invars)}
+    self.steps: list[Any] = []
+
+  def slot(self, v) -> int:
+    if isinstance(v, core.Literal):
+      value = np.asarray(v.val, dtype=jaxpr_util.shaped(v.aval).dtype)
+      value.setflags(write=False)
+      self.literals.append(value)
+      return -len(self.literals)
+    return self.slots[v]
+
+  def add(self, eqns) -> bool:
+    """Appends the steps of ``eqns``, the equations of nested ``jit``
+    calls inlined (``jnp.floor_divide``, ``remainder`` and ``where`` on
+    indices are such calls); False where one is not scalar arithmetic."""
+    slots, steps = self.slots, self.steps
+    for eqn in eqns:
+      avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+      if not all(_exact(a) for a in avals):
+        return False
+      if eqn.primitive is pjit.jit_p:
+        body, consts = _jax.open_jaxpr(eqn.params["jaxpr"])
+        if consts or body.constvars:
+          return False
+        for inner, outer in zip(body.invars, eqn.invars, strict=True):
+          slots[inner] = self.slot(outer)
+        if not self.add(body.eqns):
+          return False
+        for outer, inner in zip(eqn.outvars, body.outvars, strict=True):
+          slots[outer] = self.slot(inner)
+        continue
+      rule = _rule(eqn)
+      if rule is None or len(eqn.outvars) != 1:
+        return False
+      ins = [self.slot(v) for v in eqn.invars]
+      out = eqn.outvars[0]
+      slots[out] = self.num_in + len(steps)  # literals shift it, later
+      steps.append((rule, ins, len(steps), out.aval.dtype))
+    return True
+
+
 def plan(eqns, invars, outvars) -> Callable[..., list] | None:
   """``eqns`` as a numpy function of ``invars``' values (a list of
   ``outvars``' values out, that may raise ``Fallback``); None where some
@@ -101,30 +151,11 @@ def plan(eqns, invars, outvars) -> Callable[..., list] | None:
 
   Values sit in a list by slot: the inputs, then the literals (made once,
   read-only: every run shares them), then one per equation."""
-  literals: list[np.ndarray] = []
-  slots: dict[Any, int] = {v: k for k, v in enumerate(invars)}
-
-  def slot(v) -> int:
-    if isinstance(v, core.Literal):
-      value = np.asarray(v.val, dtype=jaxpr_util.shaped(v.aval).dtype)
-      value.setflags(write=False)
-      literals.append(value)
-      return -len(literals)  # numbered from the end for now
-    return slots[v]
-
-  steps = []
-  for eqn in eqns:
-    rule = _rule(eqn)
-    avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
-    if rule is None or not all(_exact(a) for a in avals):
-      return None
-    if len(eqn.outvars) != 1:
-      return None
-    ins = [slot(v) for v in eqn.invars]
-    out = eqn.outvars[0]
-    slots[out] = len(invars) + len(steps)  # literals shift it, below
-    steps.append((rule, ins, len(steps), out.aval.dtype))
-  outs = [slot(v) for v in outvars]
+  numbering = _Numbering(invars)
+  if not numbering.add(eqns):
+    return None
+  outs = [numbering.slot(v) for v in outvars]
+  literals, steps = numbering.literals, numbering.steps
   num_in, num_lit = len(invars), len(literals)
   first_step = num_in + num_lit
 

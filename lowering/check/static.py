@@ -25,7 +25,7 @@ from mpmd._jax import (
   state_primitives,
 )
 from mpmd._lowering import errors, jaxpr_util
-from mpmd._lowering.check import interp, memory, records
+from mpmd._lowering.check import interp, memory, records, segments
 
 _UNKNOWN = object()
 
@@ -112,7 +112,7 @@ def _evaluate(eqn, ins):
   if any(getattr(v.aval, "shape", None) != () for v in eqn.outvars):
     return None
   try:
-    return [np.asarray(x) for x in interp.bind_eqn(eqn, ins)]
+    return [np.asarray(x) for x in segments.bind_eqn(eqn, ins)]
   except Exception:  # noqa: BLE001 (what cannot be evaluated stays unknown)
     return None
 

@@ -35,9 +35,10 @@ class _Waiting:
 
 
 class _Program:
-  def __init__(self, device, program, gen, ctx):
+  def __init__(self, device, program, gen, ctx, option):
     self.device = device
     self.program = program
+    self.option = option  # ("p", its index): how the scheduler names it
     self.gen = gen
     self.ctx = ctx
     self.pending: interp.Sync | None = None
@@ -96,7 +97,7 @@ def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
     for g in range(plan.num_programs):
       values = {**axis_values, plan.super_axis: (g, plan.num_programs)}
       gen, ctx = start(m, inputs, d, g, values)
-      programs.append(_Program(d, g, gen, ctx))
+      programs.append(_Program(d, g, gen, ctx, ("p", len(programs))))
   current = None
   while True:
     options = _options(m, programs)
@@ -138,7 +139,7 @@ def _options(m, programs: list[_Program]) -> list[schedule.Option]:
   open, then the DMAs in flight. (The loop asks every program at every
   step: kept to a few Python steps per program.)"""
   options: list[schedule.Option] = []
-  for i, p in enumerate(programs):
+  for p in programs:
     if p.done:
       continue
     if p.started:
@@ -147,7 +148,7 @@ def _options(m, programs: list[_Program]) -> list[schedule.Option]:
         gate = p.waiting.gate = _gate(m, p)
       if type(gate) is tuple and gate[0][gate[1]] < gate[2]:
         continue
-    options.append(("p", i))
+    options.append(p.option)
   if m.dmas:
     options += [("d", k) for k in sorted(m.dmas)]
   return options
@@ -341,11 +342,12 @@ def _dma_lane(m, dma) -> tuple[int, int]:
 def _land(m, dma: machine_lib.Dma) -> None:
   """The DMA reads its source and writes its destination now."""
   comp, time = _dma_lane(m, dma)
+  # The text's parts, not the DMA or the machine: buffers keep it (their
+  # last access), and it must not lead back to the machine (a cycle).
+  index, where, plan = dma.index, dma.where, m.plan
+  device, program = dma.issuer.device, dma.issuer.program
   describe = memory.Lazy(
-    lambda: (
-      f"DMA #{dma.index} issued by "
-      f"{m.name(dma.issuer.device, dma.issuer.program)} at {dma.where}"
-    )
+    lambda: f"DMA #{index} issued by {plan.name(device, program)} at {where}"
   )
   memory.check_access(
     dma.src, comp, time, dma.clock, False, describe, describe_comp=m.name_comp

@@ -90,3 +90,29 @@ def test_floats_and_arrays_stay_with_xla():
   ]:
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     assert scalars.plan(jaxpr.eqns, jaxpr.invars, jaxpr.outvars) is None
+
+
+def test_nested_jit_calls_are_inlined_and_match_xla():
+  # jnp's floor_divide, remainder and where are jit calls (nested ones
+  # too): numpy runs their equations, with no step of their own.
+  def fn(i, n):
+    return [
+      jnp.floor_divide(i, n),
+      jnp.remainder(i - 7, n),
+      jnp.where(i > n, i, n),
+    ]
+
+  n = np.int32(3)
+  jaxpr = jax.make_jaxpr(fn)(np.int32(0), n).jaxpr
+  assert any(e.primitive.name in ("jit", "pjit") for e in jaxpr.eqns), jaxpr
+  for i in [np.int32(v) for v in (-8, -1, 0, 2, 5, 2**31 - 1)]:
+    got, want = _both(fn, i, n)
+    assert got is not None
+    for g, w in zip(got, want, strict=True):
+      assert g.dtype == w.dtype and g.tobytes() == w.tobytes(), (i, g, w)
+  assert _numpy(fn, np.int32(5), np.int32(0)) is None  # x % 0: XLA's
+
+
+def test_jit_calls_of_floats_are_not_planned():
+  jaxpr = jax.make_jaxpr(lambda x: jnp.floor_divide(x, 2.0))(1.0).jaxpr
+  assert scalars.plan(jaxpr.eqns, jaxpr.invars, jaxpr.outvars) is None

@@ -1,0 +1,92 @@
+"""A checked launch leaves no reference cycle behind: its machine, buffers
+and views are freed by refcounting when it ends, so Python's cyclic
+collector never walks them (its collections, a large share of a launch's
+time, ran later inside whatever ran next)."""
+
+import gc
+
+import example_scripts
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mpmd
+from mpmd.kernels import all_gather_matmul
+
+_example = example_scripts.load("producer_consumer")
+
+
+def _cyclic_garbage_of_checker(call) -> list[str]:
+  """Types of the checker's objects left in reference cycles by
+  ``call()`` (run once before, so that compilation is not counted)."""
+  jax.block_until_ready(call())
+  gc.collect()
+  gc.disable()
+  gc.set_debug(gc.DEBUG_SAVEALL)
+  try:
+    jax.block_until_ready(call())
+    gc.collect()
+    return sorted(
+      {
+        type(o).__qualname__
+        for o in gc.garbage
+        if type(o).__module__.startswith("mpmd._lowering.check")
+      }
+    )
+  finally:
+    gc.set_debug(0)
+    gc.garbage.clear()
+    gc.enable()
+
+
+def test_producer_consumer_launch_leaves_no_cycle():
+  x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+
+  @jax.jit
+  def f(x):
+    return mpmd.mpmd_map(
+      [
+        (_example.consumers, _example.consume),
+        (_example.producer, _example.produce),
+      ],
+      jax.ShapeDtypeStruct((_example.NUM_CONSUMERS, *x.shape), x.dtype),
+      scratch_types=[
+        pltpu.HBM(x.shape, x.dtype),
+        pltpu.SemaphoreType.REGULAR @ _example.consumers,
+        pltpu.VMEM(x.shape, x.dtype) @ _example.consumers,
+      ],
+      interpret=mpmd.CheckParams(schedule="random:3"),
+    )(x)
+
+  assert _cyclic_garbage_of_checker(lambda: f(x)) == []
+
+
+def test_ring_launch_leaves_no_cycle():
+  # Remote DMAs, run_scoped buffers, windows of whole buffers: every kind
+  # of object a launch keeps views of.
+  d = 4
+  mesh = jax.make_mesh((d,), ("x",), devices=jax.devices()[:d])
+  rng = np.random.default_rng(0)
+  lhs = jnp.asarray(rng.standard_normal((64, 128 * d)), jnp.float32)
+  rhs = jnp.asarray(rng.standard_normal((128 * d, 128)), jnp.float32)
+  lhs = jax.device_put(lhs, NamedSharding(mesh, P(None, "x")))
+  rhs = jax.device_put(rhs, NamedSharding(mesh, P()))
+  f = jax.jit(
+    jax.shard_map(
+      lambda a, b: all_gather_matmul(
+        a,
+        b,
+        axis_name="x",
+        implementation="ring",
+        interpret=mpmd.CheckParams(schedule="random:1"),
+      ),
+      mesh=mesh,
+      in_specs=(P(None, "x"), P()),
+      out_specs=P("x"),
+      check_vma=False,
+    )
+  )
+  assert _cyclic_garbage_of_checker(lambda: f(lhs, rhs)) == []
