@@ -118,7 +118,7 @@ class Launch:
     # The collector stays off until the machine is gone: its objects,
     # which hold no reference cycle, are freed by refcounting as
     # ``_launch`` returns, and the collector never walks them.
-    with _collector_paused():
+    with _COLLECTOR.paused():
       return self._launch(inputs)
 
   def _launch(self, inputs):
@@ -141,24 +141,41 @@ class Launch:
     return outs[0]
 
 
-@contextlib.contextmanager
-def _collector_paused():
-  """Python's cyclic garbage collector off while a launch runs (and back
-  on after, unless it was off already). A launch makes and drops hundreds
-  of thousands of small objects, which refcounting frees; they trigger
-  collections all the same, and the full ones walk the whole process
-  (500K objects of JAX and the user's): a third of a D=8 ring launch's
-  time went there. A launch that ends without error leaves no cycle (its
-  machine is freed by refcounting before the collector is back on); a
-  failed one's (the error's traceback) are collected later, as any other
-  garbage."""
-  enabled = gc.isenabled()
-  gc.disable()
-  try:
-    yield
-  finally:
-    if enabled:
-      gc.enable()
+class _Collector:
+  """Python's cyclic garbage collector, paused while any checked launch
+  runs (``paused``). It is one switch for the process, so launches from
+  several threads share one pause: the first one in turns it off (if it
+  was on), the last one out turns it back on. Why pause: a launch makes
+  and drops hundreds of thousands of small objects, which refcounting
+  frees; they trigger collections all the same, and the full ones walk the
+  whole process (500K objects of JAX and the user's): a third of a D=8
+  ring launch's time went there. A launch that ends without error leaves
+  no cycle (its machine is freed by refcounting before the collector is
+  back on); a failed one's (the error's traceback) are collected later, as
+  any other garbage."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._running = 0
+    self._was_enabled = False
+
+  @contextlib.contextmanager
+  def paused(self):
+    with self._lock:
+      if self._running == 0:
+        self._was_enabled = gc.isenabled()
+        gc.disable()
+      self._running += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._running -= 1
+        if self._running == 0 and self._was_enabled:
+          gc.enable()
+
+
+_COLLECTOR = _Collector()
 
 
 def _same(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> bool:

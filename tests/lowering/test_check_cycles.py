@@ -3,6 +3,7 @@ and views are freed by refcounting when it ends, so Python's cyclic
 collector never walks them (its collections, a large share of a launch's
 time, ran later inside whatever ran next)."""
 
+import concurrent.futures
 import gc
 
 import example_scripts
@@ -90,3 +91,37 @@ def test_ring_launch_leaves_no_cycle():
     )
   )
   assert _cyclic_garbage_of_checker(lambda: f(lhs, rhs)) == []
+
+
+def _checked_copy():
+  def copy(x_hbm, o_hbm):
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  return jax.jit(
+    mpmd.mpmd_map(
+      [(mpmd.tensorcore_mesh("core", num_cores=1), copy)],
+      jax.ShapeDtypeStruct((8, 128), jnp.float32),
+      interpret=mpmd.CheckParams(),
+    )
+  )
+
+
+def test_a_launch_leaves_the_collector_as_it_found_it():
+  f, x = _checked_copy(), jnp.ones((8, 128), jnp.float32)
+  assert gc.isenabled()
+  jax.block_until_ready(f(x))
+  assert gc.isenabled()
+  gc.disable()
+  try:
+    jax.block_until_ready(f(x))
+    assert not gc.isenabled()  # the user's choice stays
+  finally:
+    gc.enable()
+
+
+def test_launches_from_several_threads_turn_the_collector_back_on():
+  f, x = _checked_copy(), jnp.ones((8, 128), jnp.float32)
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    outs = list(pool.map(lambda _: np.asarray(f(x)), range(16)))
+  assert all((o == 1.0).all() for o in outs)
+  assert gc.isenabled()
