@@ -80,4 +80,10 @@ def __getattr__(name: str):
   # resolved on first use, so `import mpmd` needs no GPU backend.
   if name == "GPUInterpretParams":
     return _jax.gpu().interpret.InterpretGPUParams
+  # `mpmd.kernels.gmm(...)` after a plain `import mpmd`: the kernels are
+  # imported on first use (they import much of Pallas).
+  if name == "kernels":
+    import importlib
+
+    return importlib.import_module("mpmd.kernels")
   raise AttributeError(f"module 'mpmd' has no attribute {name!r}")

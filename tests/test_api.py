@@ -11,6 +11,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
+from python_runs import run_python
 
 import mpmd
 from mpmd import _jax
@@ -395,3 +396,18 @@ def test_gpu_kernel_closing_over_a_scalar(rng):
   np.testing.assert_allclose(f(x), x + 10.0)
   text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def test_the_kernels_after_a_plain_import_mpmd():
+  # A fresh interpreter: this one imported mpmd.kernels already.
+  result = run_python(
+    "import mpmd\n"
+    "print(mpmd.kernels.moe.__name__, mpmd.kernels.ragged_all_to_all.__name__,"
+    " mpmd.kernels.gmm.__name__, mpmd.kernels.gpu.pipeline.__name__)",
+    timeout=120,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  names = ["moe", "ragged_all_to_all", "gmm", "pipeline"]
+  assert result.stdout.split() == names
+  with pytest.raises(AttributeError, match="no attribute 'kernal'"):
+    mpmd.kernal  # noqa: B018 (the lookup is the test)
