@@ -105,6 +105,9 @@ class _Wait:
   where: str
   since: float
   abort: Callable[[str], None]
+  # A device waiting to begin another launch (``_wait_to_enter``), not a
+  # program of this one.
+  entering: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -238,7 +241,7 @@ def _wait_to_enter(launch: _Launch, device: tuple):
     )
 
   launch.waits[ident] = _Wait(
-    f"device {device}", what, "", time.monotonic(), abort
+    f"device {device}", what, "", time.monotonic(), abort, entering=True
   )
   try:
     while sim.launch is launch and not ended:
@@ -450,7 +453,13 @@ def waiting(
 
 def _watch(launch: _Launch) -> None:
   """The watchdog of ``launch``: ends it once a program has waited longer
-  than its timeout while nothing else of it moved. Ends with the launch."""
+  than its timeout while nothing else of it moved. Ends with the launch.
+
+  It ends its programs' waits first. Devices that wait to begin another
+  launch (in-computation launches) it ends only if the launch is still
+  stuck one timeout later without program waits: then the launch waits for
+  one of them (two launches of one computation interleaved), while a
+  launch of another thread's call merely queues behind it."""
   timeout_s = launch.info.timeout_s
   while not launch.over.wait(_POLL_S):
     now = time.monotonic()
@@ -459,8 +468,10 @@ def _watch(launch: _Launch) -> None:
         continue  # the launch moves: whoever waits may still be woken
       if not any(now - w.since > timeout_s for w in launch.waits.values()):
         continue
-      waits = list(launch.waits.values())
-      launch.waits.clear()
+      programs = [i for i, w in launch.waits.items() if not w.entering]
+      ended = programs or list(launch.waits)
+      waits = [launch.waits.pop(i) for i in ended]
+      launch.idle_since = now  # what ends now moves the launch
     lines = "\n".join(
       f"  {w.who} waits {w.what()}" + (f" at {w.where}" if w.where else "")
       for w in waits
