@@ -20,10 +20,12 @@ the simulators runs as JAX wrote it.
 """
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from mpmd import _jax, _patches
@@ -36,28 +38,58 @@ from mpmd._lowering import jaxpr_util, watchdog
 # work), so compiled programs take half.
 _COMPILED_LIMIT = 16
 
-_limit = _COMPILED_LIMIT
+# How many simulated programs run compiled now, in the whole process: the
+# count of a process-wide resource (XLA:CPU's concurrent computations on
+# the default device, which every launch's programs share, whichever
+# thread started it), so it is one count, not one per launch or thread.
 _compiled_now = 0
 _lock = threading.Lock()
 
 
+def _check_limit(limit) -> None:
+  if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+    raise ValueError(f"limit_compiled: expected 'limit' >= 0, got {limit!r}")
+
+
+@functools.cache
+def _limit_state():
+  """The ``mpmd_compiled_programs_limit`` JAX config state, defined on
+  first use (``import mpmd`` adds nothing to JAX's config). Not in the jit
+  key: it changes where programs run, never what they compute."""
+  return _jax.config.int_state(
+    name="mpmd_compiled_programs_limit",
+    default=_COMPILED_LIMIT,
+    help="jax-mpmd: how many simulated programs run compiled at once (the "
+    "others run on the host); XLA:CPU runs at most 32 computations at once",
+    validator=_check_limit,
+  )
+
+
 def compiled_limit() -> int:
   """How many simulated programs may run compiled at once."""
-  return _limit
+  # Read without defining (every simulated program reads it): a read must
+  # not add to JAX's config (see ``mpmd.simulators.get_deadlock_timeout``).
+  if _limit_state.cache_info().currsize == 0:
+    return _COMPILED_LIMIT
+  return _limit_state().value
 
 
 @contextlib.contextmanager
 def limit_compiled(limit: int) -> Generator[None, None, None]:
   """Inside: at most ``limit`` simulated programs run compiled at once (0:
-  every program runs on the host)."""
-  global _limit
-  if limit < 0:
-    raise ValueError(f"limit_compiled: expected 'limit' >= 0, got {limit}")
-  previous, _limit = _limit, limit
+  every program runs on the host).
+
+  It sets the option's process-wide value (``jax.config.update``), not a
+  value of this thread: the programs run in the simulators' threads, and
+  share XLA:CPU's process-wide room for computations."""
+  _check_limit(limit)
+  state = _limit_state()
+  previous = state.value
+  jax.config.update("mpmd_compiled_programs_limit", limit)
   try:
     yield
   finally:
-    _limit = previous
+    jax.config.update("mpmd_compiled_programs_limit", previous)
 
 
 def install() -> None:
@@ -75,8 +107,9 @@ def _run(compiled: Callable[[], Any], jaxpr, consts, args) -> None:
   if not watchdog.launch_running():
     compiled()
     return
+  limit = compiled_limit()
   with _lock:
-    room = _compiled_now < _limit
+    room = _compiled_now < limit
     if room:
       _compiled_now += 1
   if not room:

@@ -27,10 +27,6 @@ short, fails the launch too (``mpmd._lowering.bounds``).
 """
 
 import functools
-import itertools
-import math
-import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +52,7 @@ from mpmd._lowering import (
   device_ids,
   errors,
   jaxpr_util,
+  packing,
   paths,
   ranges,
   watchdog,
@@ -314,8 +311,6 @@ def lower(
     names=names,
     devices=devices,
     num_checks=checks.count,
-    failure_key=failures.new_key(),
-    num_devices=math.prod(sizes[a] for a in axes),
   )
   # The kernel's values carry no varying-axes types: check none here.
   with _jax.no_vma_check():
@@ -359,8 +354,6 @@ def _run(
   names,
   devices,
   num_checks,
-  failure_key,
-  num_devices,
 ):
   avals = [v.aval for v in program.jaxpr.invars]
 
@@ -402,21 +395,33 @@ def _run(
     coords = jnp.stack([lax.axis_index(a) for a in devices.all_axes])
     short = jnp.stack([f.astype(jnp.int32) for f in flags])
     leaves, treedef = tree_util.tree_flatten(error)
+    # The verdicts of every device this one runs in step with (those along
+    # the axes it exchanges over; a launch under a condition on another
+    # axis runs on some rows only), in one collective: each then holds the
+    # same reports, so the error names the same devices whatever the
+    # threads' timing, and no device waits on the host for another's
+    # report. Python runs only when one of them failed, and then on each of
+    # them, raising the same error (none runs on into a later collective).
+    mine = [coords, short, *leaves]
+    if devices.axes:
+      gathered = packing.Gathered(devices.axes, mine)
+      # A static leaf (a Python int) is the same on every device.
+      count = devices.count
+      stacked = [
+        x if (x := gathered.stacked(i)) is not None else jnp.full(count, leaf)
+        for i, leaf in enumerate(mine)
+      ]
+    else:
+      stacked = [jnp.stack([leaf]) for leaf in mine]
     report = functools.partial(
-      failures.report,
-      failure_key,
+      _report,
       functools.partial(
         _raise_for_reports, names, devices.all_axes, treedef if leaves else None
       ),
-      num_devices,
     )
-    # Python runs only on a device that failed (a callback per device and
-    # launch would cost more than a ring step), and no device waits for the
-    # others' verdict (a collective would be a rendezvous of all of them):
-    # the failing devices' reports meet on the host (``_Failures``).
     lax.cond(
-      jnp.any(short != 0),
-      lambda: callback.io_callback(report, None, coords, short, *leaves),
+      jnp.any(stacked[1] != 0),
+      lambda: callback.io_callback(report, None, *stacked),
       lambda: None,
     )
   return final[num_in : num_in + num_out]
@@ -426,54 +431,15 @@ def _run(
 SHORT, LEFTOVER = 1, 2
 
 
-class _Failures:
-  """The reports of the devices of one launch that failed, gathered on the
-  host: the first to report waits for the others, then raises one error
-  naming them all; the others return, and their launch fails with that
-  error. It waits until every device has reported, or until no report has
-  come for ``grace`` seconds (the devices that failed reach their reports
-  about together: they ran in step up to the last exchange), at most
-  ``patience`` seconds. A report later than that raises an error of its
-  own, which the launch, already failed, drops.
-
-  Keyed by the launch's lowering (``key``): reports of concurrent
-  executions of one compiled launch (from several Python threads) would
-  mix, naming devices of both.
-  """
-
-  grace = 0.25
-  patience = 2.0
-
-  def __init__(self):
-    self._arrived = threading.Condition()
-    self._pending: dict[Any, list[tuple[Any, ...]]] = {}
-    self._keys = itertools.count()
-
-  def new_key(self) -> int:
-    return next(self._keys)
-
-  def report(self, key, raise_error, num_devices, coords, short, *leaves):
-    entry = (np.asarray(coords), np.asarray(short), *map(np.asarray, leaves))
-    with self._arrived:
-      reports = self._pending.setdefault(key, [])
-      reports.append(entry)
-      self._arrived.notify_all()
-      if len(reports) > 1:
-        return
-      give_up = time.monotonic() + self.patience
-      while len(reports) < num_devices:
-        heard = len(reports)
-        left = min(self.grace, give_up - time.monotonic())
-        self._arrived.wait_for(
-          lambda heard=heard: len(reports) > heard, max(left, 0)
-        )
-        if len(reports) == heard:
-          break
-      del self._pending[key]
-    raise_error(sorted(reports, key=lambda r: tuple(r[0])))
-
-
-failures = _Failures()
+def _report(raise_error, coords, short, *leaves) -> None:
+  """Raises the launch's error from every device's report (gathered:
+  ``coords``, ``short`` and the check error's ``leaves``, each stacked
+  over the devices), on each device alike."""
+  reports = [
+    (coords[d], short[d], *(np.asarray(x)[d] for x in leaves))
+    for d in range(len(coords))
+  ]
+  raise_error(sorted(reports, key=lambda r: tuple(r[0])))
 
 
 def _raise_for_reports(names, axes, treedef, reports) -> None:

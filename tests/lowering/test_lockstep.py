@@ -248,13 +248,15 @@ def test_remote_operations_in_a_row_travel_in_one_exchange(exchange):
   np.testing.assert_array_equal(out[:, 1], np.roll(blocks[:, 1], -1, axis=0))
   collectives = _top_level_collectives(fn.lower(x).compile())
   if exchange == "gathered":
-    # The handshake with the data.
-    assert collectives == ["all-gather"]
+    # The handshake with the data; then every device's end-of-launch
+    # verdict (``lockstep._run``).
+    assert collectives == ["all-gather", "all-gather"]
   else:
     # The device ids are the devices' own coordinates, shifted: known when
     # traced, so the ring shifts move the data alone, and every device
-    # knows who signals it (``device_ids``).
-    assert collectives == ["collective-permute"] * 2
+    # knows who signals it (``device_ids``). Then every device's
+    # end-of-launch verdict.
+    assert collectives == ["collective-permute"] * 2 + ["all-gather"]
 
 
 @pytest.mark.parametrize("form", ["dict", "flat"])

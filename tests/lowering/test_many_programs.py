@@ -8,6 +8,8 @@ to deadlock, its waits short of their count as though signals were lost
 run on the host.
 """
 
+import threading
+
 import addressing_util
 import jax
 import jax.numpy as jnp
@@ -220,3 +222,19 @@ def test_stress_all_to_all_barrier(launches):
   with mpmd.deadlock_timeout(30.0):
     for _ in range(launches):
       np.testing.assert_array_equal(f(), expected)
+
+
+def test_the_limit_holds_in_every_thread_and_is_restored():
+  """The simulated programs run in the simulators' threads: the limit set
+  in this one is the one they read (XLA:CPU's room is process-wide), and
+  it is back to the default afterwards."""
+  default = host_programs.compiled_limit()
+  seen = []
+  with host_programs.limit_compiled(3):
+    thread = threading.Thread(
+      target=lambda: seen.append(host_programs.compiled_limit())
+    )
+    thread.start()
+    thread.join()
+  assert seen == [3]
+  assert host_programs.compiled_limit() == default == 16
