@@ -10,12 +10,10 @@ import example_scripts
 import jax
 import jax.numpy as jnp
 import numpy as np
+from checked_ring import ring_launch
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import mpmd
-from mpmd.kernels import all_gather_matmul
 
 _example = example_scripts.load("producer_consumer")
 
@@ -68,29 +66,8 @@ def test_producer_consumer_launch_leaves_no_cycle():
 def test_ring_launch_leaves_no_cycle():
   # Remote DMAs, run_scoped buffers, windows of whole buffers: every kind
   # of object a launch keeps views of.
-  d = 4
-  mesh = jax.make_mesh((d,), ("x",), devices=jax.devices()[:d])
-  rng = np.random.default_rng(0)
-  lhs = jnp.asarray(rng.standard_normal((64, 128 * d)), jnp.float32)
-  rhs = jnp.asarray(rng.standard_normal((128 * d, 128)), jnp.float32)
-  lhs = jax.device_put(lhs, NamedSharding(mesh, P(None, "x")))
-  rhs = jax.device_put(rhs, NamedSharding(mesh, P()))
-  f = jax.jit(
-    jax.shard_map(
-      lambda a, b: all_gather_matmul(
-        a,
-        b,
-        axis_name="x",
-        implementation="ring",
-        interpret=mpmd.CheckParams(schedule="random:1"),
-      ),
-      mesh=mesh,
-      in_specs=(P(None, "x"), P()),
-      out_specs=P("x"),
-      check_vma=False,
-    )
-  )
-  assert _cyclic_garbage_of_checker(lambda: f(lhs, rhs)) == []
+  launch = ring_launch("random:1", rows=64)
+  assert _cyclic_garbage_of_checker(launch) == []
 
 
 def _checked_copy():

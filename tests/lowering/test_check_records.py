@@ -6,43 +6,12 @@ id of remembered views are the ones it would cut."""
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from checked_ring import ring_launch
 
-import mpmd
 from mpmd._jax import tree_util
 from mpmd._lowering.check import machine, records
-from mpmd.kernels import all_gather_matmul
-
-D = 4
-
-
-def _ring(schedule: str):
-  mesh = jax.make_mesh((D,), ("x",), devices=jax.devices()[:D])
-  rng = np.random.default_rng(0)
-  lhs = jnp.asarray(rng.standard_normal((8 * D, 128 * D)), jnp.float32)
-  rhs = jnp.asarray(rng.standard_normal((128 * D, 128)), jnp.float32)
-  lhs = jax.device_put(lhs, NamedSharding(mesh, P(None, "x")))
-  rhs = jax.device_put(rhs, NamedSharding(mesh, P()))
-  f = jax.jit(
-    jax.shard_map(
-      lambda a, b: all_gather_matmul(
-        a,
-        b,
-        axis_name="x",
-        implementation="ring",
-        interpret=mpmd.CheckParams(schedule=schedule),
-      ),
-      mesh=mesh,
-      in_specs=(P(None, "x"), P()),
-      out_specs=P("x"),
-      check_vma=False,
-    )
-  )
-  return lambda: f(lhs, rhs)
 
 
 def _leaves(tree):
@@ -73,7 +42,7 @@ def test_templates_make_the_records_pallas_operands_read(monkeypatch):
     return got
 
   monkeypatch.setattr(records, "record_of", checked)
-  launch = _ring("random:3")
+  launch = ring_launch("random:3")
   first = np.asarray(launch())
   second = np.asarray(launch())  # from the templates of the first
   np.testing.assert_array_equal(first, second)
@@ -102,7 +71,7 @@ def test_remembered_views_resolve_to_the_windows_they_cut(monkeypatch):
     return got
 
   monkeypatch.setattr(machine.Machine, "resolve", checked)
-  launch = _ring("random:5")
+  launch = ring_launch("random:5")
   for _ in range(2):  # the second launch finds the first's windows
     jax.block_until_ready(launch())
   assert seen["remembered"] > 0
