@@ -6,6 +6,8 @@ It lowers to Mosaic on TPU, Mosaic GPU on CUDA, and runs through a CPU
 fallback on CPU.
 """
 
+from typing import Any as _Any
+
 from mpmd import _jax as _jax  # checks the jax pin before anything else
 from mpmd import testing as testing
 from mpmd._lowering import register as _register  # the per-platform rules
@@ -75,7 +77,7 @@ __all__ = [
 del _register
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> _Any:
   # jax 0.10.2 has no public name for the Mosaic GPU simulator's settings;
   # resolved on first use, so `import mpmd` needs no GPU backend.
   if name == "GPUInterpretParams":

@@ -40,6 +40,13 @@ class CheckParams:
       from the seed and the call's number (what ``MPMD_CHECK`` does).
     trace: a path: each launch writes its timeline there (Chrome trace
       events; ``mpmd.timeline`` says more).
+    identical_writes_race: whether two unordered writes that store the same
+      bytes are a data race (True, the default). False reports only the
+      races whose result can depend on the order: a write that changes
+      nothing (each program copying the same data to one place, as on
+      hardware) is not one. The CPU fallback's default path, which runs a
+      launch on this executor without being asked, uses False, so that a
+      program means what it means on upstream's simulator.
 
   Example (a program that waits for a signal nobody sends: on the checker
   a ``DeadlockError`` at once, naming the wait and its count)::
@@ -60,6 +67,7 @@ class CheckParams:
   schedule: str | int = "default"
   per_call: bool = False
   trace: str | None = None
+  identical_writes_race: bool = True
 
   def __post_init__(self):
     if isinstance(self.schedule, bool) or not isinstance(

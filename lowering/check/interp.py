@@ -9,7 +9,7 @@ without interruption: loads and stores go to the launch's simulated memory
 """
 
 import dataclasses
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
@@ -243,7 +243,7 @@ def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
         "interpret=None (the CPU fallback's default paths) or "
         "pltpu.InterpretParams()"
       )
-    plain = getattr(rule, "plain", None)
+    plain = _PLAIN.get(rule)
     if plain is not None:
       values = plain(ctx, step.eqn, invals)
     else:
@@ -279,16 +279,21 @@ def opened(j):
 # -- rules: each returns a generator of Sync that returns the outputs -------
 
 
+# The rules of operations that never synchronise -> the plain functions
+# behind them, which ``run_jaxpr`` calls directly (no generator to make and
+# run). Filled once, as the rules are defined.
+_PLAIN: dict[Callable, Callable] = {}
+
+
 def _plain(fn):
   """The rule of an operation that never synchronises: ``fn`` as a
-  generator (the table's form), with ``fn`` itself at ``.plain``, which
-  ``run_jaxpr`` calls directly (no generator to make and run)."""
+  generator (the table's form), ``fn`` itself in ``_PLAIN``."""
 
   def rule(ctx, eqn, invals):
     return fn(ctx, eqn, invals)
     yield
 
-  rule.plain = fn
+  _PLAIN[rule] = fn
   return rule
 
 

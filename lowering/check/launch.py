@@ -235,6 +235,11 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, path, **params):
     dict(params, num_inputs=len(in_nodes)),
     [(a, sizes[a]) for a in axes],
   )
+  from mpmd import checking  # (mpmd.checking imports this package)
+
+  asked = path.params  # CheckParams, or an explore / replay session
+  if isinstance(asked, checking.CheckParams):
+    plan.identical_writes_race = asked.identical_writes_race
   launch = Launch(plan, path.params.owner())
   out_avals = plan.out_avals
 

@@ -12,6 +12,7 @@ can go on: a deadlock, reported at once).
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Hashable
 from typing import Any
@@ -39,6 +40,8 @@ class Plan:
   kernel: str
   labels: tuple[str, ...]  # per kernel operand
   memo: dict = dataclasses.field(default_factory=dict)
+  # Whether unordered writes of the same bytes race (CheckParams).
+  identical_writes_race: bool = True
 
   @property
   def num_devices(self) -> int:
@@ -287,11 +290,22 @@ class Machine:
     describe = self.describe(ctx, "store", ctx.where)
     comp = self.comp(ctx.device, ctx.program)
     clock = self.clocks[comp]
-    memory.check_access(
-      view, comp, clock[comp], clock, True, describe, mask, self.name_comp
-    )
     b = view.buffer
     value = np.broadcast_to(np.asarray(value, b.data.dtype), view.shape)
+    unchanged = None
+    if mask is None and not self.plan.identical_writes_race:
+      unchanged = functools.partial(memory.same_bytes, view, value)
+    memory.check_access(
+      view,
+      comp,
+      clock[comp],
+      clock,
+      True,
+      describe,
+      mask,
+      self.name_comp,
+      unchanged=unchanged,
+    )
     if mask is None:
       view.write(value)
       view.set_init(True)

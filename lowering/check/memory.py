@@ -242,9 +242,12 @@ def check_access(
   describe: Text,
   mask: np.ndarray | None = None,
   describe_comp=None,
+  unchanged: Callable[[], bool] | None = None,
 ) -> None:
   """Raises ``RaceError`` if this access and an earlier one of someone else
-  touch the same element unordered (at least one writing); records it."""
+  touch the same element unordered (at least one writing); records it.
+  ``unchanged()``, for a write, says whether it stores what is there
+  already: two such writes do not race (``identical_writes_race``)."""
   b = view.buffer
   s = view.slab if mask is None else None
   writes, reads = b.writes, b.reads
@@ -260,11 +263,20 @@ def check_access(
       b.who[comp] = describe
       return
     # A race: the element-wise pass below finds and reports it.
-  _check_elements(view, comp, time, clock, write, describe, mask, describe_comp)
+  _check_elements(
+    view, comp, time, clock, write, describe, mask, describe_comp, unchanged
+  )
+
+
+def same_bytes(view: View, value: np.ndarray) -> bool:
+  """Whether ``view`` holds ``value``'s bytes already (NaNs included)."""
+  held = np.ascontiguousarray(view.read())
+  value = np.ascontiguousarray(np.broadcast_to(value, held.shape))
+  return held.dtype == value.dtype and held.tobytes() == value.tobytes()
 
 
 def _check_elements(
-  view, comp, time, clock, write, describe, mask, describe_comp
+  view, comp, time, clock, write, describe, mask, describe_comp, unchanged
 ) -> None:
   """``check_access`` element by element, on the shadows' arrays."""
   b = view.buffer
@@ -280,6 +292,8 @@ def _check_elements(
   if write:
     earlier.append((r_comp, r_time, "read"))
   for comps, times, kind in earlier:
+    if kind == "write" and unchanged is not None and unchanged():
+      continue  # both store the same bytes: either order leaves them
     c = comps[where]
     low, high = c.min(), c.max()
     if low == high and low in (NOBODY, comp):

@@ -8,6 +8,7 @@ when the programs have ended, races and uninitialised reads at the access.
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -339,6 +340,11 @@ def _dma_lane(m, dma) -> tuple[int, int]:
   return programs + issuer, dma.lane_time
 
 
+def _lands_unchanged(dma: machine_lib.Dma) -> bool:
+  """Whether the DMA's destination holds what it copies already."""
+  return memory.same_bytes(dma.dst, dma.src.read())
+
+
 def _land(m, dma: machine_lib.Dma) -> None:
   """The DMA reads its source and writes its destination now."""
   comp, time = _dma_lane(m, dma)
@@ -352,8 +358,18 @@ def _land(m, dma: machine_lib.Dma) -> None:
   memory.check_access(
     dma.src, comp, time, dma.clock, False, describe, describe_comp=m.name_comp
   )
+  unchanged = None
+  if not dma.start.add and not m.plan.identical_writes_race:
+    unchanged = functools.partial(_lands_unchanged, dma)
   memory.check_access(
-    dma.dst, comp, time, dma.clock, True, describe, describe_comp=m.name_comp
+    dma.dst,
+    comp,
+    time,
+    dma.clock,
+    True,
+    describe,
+    describe_comp=m.name_comp,
+    unchanged=unchanged,
   )
   src, dst = dma.src, dma.dst
   if dma.start.add:

@@ -1,0 +1,70 @@
+"""Unordered writes of the same bytes: a race the checker reports when
+asked to check (``CheckParams()``), and not on the CPU fallback's default
+path, which runs such launches on the checker unasked and must mean what
+upstream's simulator means (two cores copying one array to one place)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import mpmd
+
+ROWS, COLS = 8, 128
+X = jnp.arange(ROWS * COLS, dtype=jnp.float32).reshape(ROWS, COLS)
+
+
+def _handshake(sem):
+  # The cores wait on each other: no lockstep path, the checker runs it.
+  c = jax.lax.axis_index("core")
+  pl.semaphore_signal(sem, 1, core_index=1 - c)
+  pl.semaphore_wait(sem, 1)
+  return c
+
+
+def both_copy(x_hbm, o_hbm, sem):
+  _handshake(sem)
+  pltpu.sync_copy(x_hbm, o_hbm)
+
+
+def each_its_own(x_hbm, o_hbm, sem, buf):
+  c = _handshake(sem)
+  pltpu.sync_copy(x_hbm, buf)
+  buf[...] = buf[...] + c.astype(jnp.float32)
+  pltpu.sync_copy(buf, o_hbm)
+
+
+def _launch(kernel, interpret, scratch=()):
+  return jax.jit(
+    mpmd.mpmd_map(
+      [(mpmd.tensorcore_mesh("core", num_cores=2), kernel)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[pltpu.SemaphoreType.REGULAR, *scratch],
+      interpret=interpret,
+    )
+  )
+
+
+def test_the_default_path_runs_cores_that_copy_the_same_bytes():
+  np.testing.assert_array_equal(_launch(both_copy, None)(X), X)
+
+
+def test_asked_to_check_it_is_a_race():
+  with pytest.raises(mpmd.RaceError, match="data race on"):
+    with mpmd.typed_errors():
+      jax.block_until_ready(_launch(both_copy, mpmd.CheckParams())(X))
+
+
+def test_the_race_can_be_switched_off():
+  params = mpmd.CheckParams(schedule="random:1", identical_writes_race=False)
+  np.testing.assert_array_equal(_launch(both_copy, params)(X), X)
+
+
+@pytest.mark.parametrize("interpret", [None, mpmd.CheckParams()])
+def test_writes_of_different_bytes_race_on_every_path(interpret):
+  f = _launch(each_its_own, interpret, [pltpu.VMEM((ROWS, COLS), jnp.float32)])
+  with pytest.raises(mpmd.RaceError, match="data race on"):
+    with mpmd.typed_errors():
+      jax.block_until_ready(f(X))
