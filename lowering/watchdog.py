@@ -312,6 +312,7 @@ def leave(
     if device in parts:
       parts.remove(device)
     _end_if_over(launch)
+    sim.turn.notify_all()  # a failure now set wakes those in ``failed``
     return launch.failure
 
 
@@ -457,20 +458,29 @@ def _watch(launch: _Launch) -> None:
 
   It ends its programs' waits first. Devices that wait to begin another
   launch (in-computation launches) it ends only if the launch is still
-  stuck one timeout later without program waits: then the launch waits for
-  one of them (two launches of one computation interleaved), while a
-  launch of another thread's call merely queues behind it."""
+  stuck one more timeout later without program waits: then the launch
+  waits for one of them (two launches of one computation interleaved),
+  while a launch of another thread's call merely queues behind it. A
+  failed launch that nothing moves or waits in for a timeout has lost a
+  device that never comes (its computation failed before its part began):
+  it hands the simulator on."""
   timeout_s = launch.info.timeout_s
+  queued_stuck = False  # only devices of other launches waited, once
   while not launch.over.wait(_POLL_S):
     now = time.monotonic()
     with _SIMULATOR.turn:
       if now - launch.idle_since <= timeout_s:
         continue  # the launch moves: whoever waits may still be woken
+      if launch.failure is not None and not launch.waits:
+        _give_up(launch)
+        return
       if not any(now - w.since > timeout_s for w in launch.waits.values()):
         continue
       programs = [i for i, w in launch.waits.items() if not w.entering]
-      ended = programs or list(launch.waits)
-      waits = [launch.waits.pop(i) for i in ended]
+      if not programs and not queued_stuck:
+        queued_stuck, launch.idle_since = True, now
+        continue
+      waits = [launch.waits.pop(i) for i in programs or list(launch.waits)]
       launch.idle_since = now  # what ends now moves the launch
     lines = "\n".join(
       f"  {w.who} waits {w.what()}" + (f" at {w.where}" if w.where else "")
@@ -491,6 +501,15 @@ def _watch(launch: _Launch) -> None:
       # The failure's own words, with its key: whoever reports the ended
       # wait (the simulator's wrapping of it included) reports it typed.
       w.abort(str(failure))
+
+
+def _give_up(launch: _Launch) -> None:
+  """Hands the simulator on from a failed ``launch`` that some device will
+  never leave (call with the turn held)."""
+  launch.over.set()
+  if _SIMULATOR.launch is launch:
+    _SIMULATOR.launch = None
+    _SIMULATOR.turn.notify_all()
 
 
 def name_semaphore(semaphore_id: int) -> Any:

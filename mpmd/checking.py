@@ -46,7 +46,9 @@ class CheckParams:
       nothing (each program copying the same data to one place, as on
       hardware) is not one. The CPU fallback's default path, which runs a
       launch on this executor without being asked, uses False, so that a
-      program means what it means on upstream's simulator.
+      program means what it means on upstream's simulator. (False keeps
+      the later of two such writes only: a third write ordered after it
+      but not after the earlier one is not reported.)
 
   Example (a program that waits for a signal nobody sends: on the checker
   a ``DeadlockError`` at once, naming the wait and its count)::

@@ -127,7 +127,7 @@ class Launch:
     try:
       outs = execute(inputs)
     except errors.LaunchError as e:
-      error = _with_schedule(e, run.text)
+      error = _with_schedule(e, run.text, self.plan.identical_writes_race)
       run.finish(m, error)
       return error
     except Exception as e:  # noqa: BLE001 (the launch's own failure)
@@ -208,12 +208,15 @@ def _machine(plan: machine.Plan, strategy):
   return m, lambda inputs: sync.run(m, inputs)
 
 
-def _with_schedule(error: errors.LaunchError, text: str):
+def _with_schedule(
+  error: errors.LaunchError, text: str, identical_writes_race: bool = True
+):
   """The error, saying which schedule produced it and how to rerun it."""
+  option = "" if identical_writes_race else ", identical_writes_race=False"
   again = type(error)(
     f"{error}\n(schedule {text!r}: mpmd.replay(f, *args, schedule={text!r})"
-    f", or interpret=mpmd.CheckParams(schedule={text!r}) on the launch, "
-    "runs it again)"
+    f", or interpret=mpmd.CheckParams(schedule={text!r}{option}) on the "
+    "launch, runs it again)"
   )
   again.schedule = text
   return again

@@ -65,6 +65,9 @@ def test_the_race_can_be_switched_off():
 @pytest.mark.parametrize("interpret", [None, mpmd.CheckParams()])
 def test_writes_of_different_bytes_race_on_every_path(interpret):
   f = _launch(each_its_own, interpret, [pltpu.VMEM((ROWS, COLS), jnp.float32)])
-  with pytest.raises(mpmd.RaceError, match="data race on"):
+  with pytest.raises(mpmd.RaceError, match="data race on") as caught:
     with mpmd.typed_errors():
       jax.block_until_ready(f(X))
+  # The rerun it suggests checks as this path did.
+  option = "identical_writes_race=False"
+  assert (option in str(caught.value)) == (interpret is None)
