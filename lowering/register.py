@@ -63,7 +63,7 @@ def _cpu(ctx, *in_nodes, **params):
   # The kernels' own ordered effects (an ordered io_callback in a body, or
   # the interpreter effect of a warp map traced under upstream's
   # force_gpu_interpret_mode) are declared on the launch, but the simulators
-  # run them on a token chain of their own (watchdog.lower_supervised).
+  # run them on a token chain of their own (supervised.lower_supervised).
   return _pass_tokens(ctx, outs)
 
 
