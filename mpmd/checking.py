@@ -79,6 +79,11 @@ class CheckParams:
         "mpmd.CheckParams: expected 'schedule' to be a schedule string or "
         f"an int seed, got {self.schedule!r}"
       )
+    if not isinstance(self.identical_writes_race, bool):
+      raise TypeError(
+        "mpmd.CheckParams: expected 'identical_writes_race' to be a bool, "
+        f"got {self.identical_writes_race!r}"
+      )
     schedule = self.schedule
     if isinstance(schedule, int):
       schedule = f"random:{schedule}"

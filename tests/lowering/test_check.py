@@ -221,6 +221,8 @@ def test_check_params_rejects_bad_values():
     mpmd.CheckParams(schedule=1.5)
   with pytest.raises(ValueError, match="unknown schedule"):
     mpmd.CheckParams(schedule="always")
+  with pytest.raises(TypeError, match="'identical_writes_race'.*'no'"):
+    mpmd.CheckParams(identical_writes_race="no")  # pyrefly: ignore
 
 
 # -- timeline -----------------------------------------------------------------
