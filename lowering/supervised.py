@@ -11,7 +11,6 @@ computation between two callbacks (``_in_computation``). docs/design.md,
 
 import dataclasses
 import functools
-import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +39,7 @@ def lower_supervised(
   describe: watchdog.Describe | None = None,
   semaphore_name: Callable[[int], Any] | None = None,
   abandon: Callable[[Exception, int], None] | None = None,
+  release_absent: Callable[[], None] | None = None,
 ):
   """Lowers a simulator ``run`` between two ordered bookkeeping callbacks.
 
@@ -59,6 +59,7 @@ def lower_supervised(
     semaphore_name,
     abandon,
     in_computation=not _jax.SIMULATE_DEVICES_AS_COMPUTATIONS,
+    release_absent=release_absent,
   )
 
   def finish(failure, device=None):
@@ -70,13 +71,11 @@ def lower_supervised(
     # As the simulators count them: one device thread per device of the
     # enclosing shard_map.
     axis_sizes = dict(core.get_axis_env().axis_sizes)
-    num_devices = math.prod(axis_sizes.values())
     coords = [jax.lax.axis_index(name) for name in axis_sizes]
-    device = _OnDevice(info, num_devices, reset, original_failure, finish)
+    sizes = tuple(axis_sizes.values())
+    device = _OnDevice(info, sizes, reset, original_failure, finish)
     if info.in_computation:
-      return _in_computation(
-        device, run, coords, tuple(axis_sizes.values()), args
-      )
+      return _in_computation(device, run, coords, args)
     program = _DeviceProgram(
       jax.make_jaxpr(run)(*map(_shape_of, args)), tuple(axis_sizes)
     )
@@ -132,19 +131,20 @@ def _race_verdict(
 # first one holds (``_interleaved`` reports it).
 
 
-def _in_computation(device: "_OnDevice", run, coords, sizes, args):
+def _in_computation(device: "_OnDevice", run, coords, args):
   def begin(*operands):
     where = tuple(int(c) for c in operands[: len(coords)])
     try:
       watchdog.enter(
         device.info,
-        device.num_devices,
+        device.sizes,
         device.reset,
         device.original_failure,
         where,
       )
     except watchdog.Abandoned as e:
-      raise watchdog.abandon(e, where, _flat_index(where, sizes)) from None
+      index = watchdog.flat_index(where, device.sizes)
+      raise watchdog.abandon(e, where, index) from None
 
   def end(*operands):
     where = tuple(int(c) for c in operands[: len(coords)])
@@ -165,14 +165,6 @@ def _in_computation(device: "_OnDevice", run, coords, sizes, args):
   )
   back = iter(back)
   return [r if not r.size else _with_head(r, next(back)) for r in results]
-
-
-def _flat_index(coords: tuple, sizes: tuple) -> int:
-  """The simulator's number of the device at ``coords`` (row-major)."""
-  index = 0
-  for c, n in zip(coords, sizes, strict=True):
-    index = index * n + c
-  return index
 
 
 def _heads(xs) -> list:
@@ -248,7 +240,7 @@ class _OnDevice:
   """What a device's part of a launch needs besides its program."""
 
   info: watchdog.LaunchInfo
-  num_devices: int
+  sizes: tuple[int, ...]  # the enclosing shard_map's axis sizes
   reset: Callable[[], None]
   original_failure: Callable[[], BaseException | None]
   finish: Callable[..., errors.LaunchError | None]
@@ -262,7 +254,7 @@ def _run_on_device(device: _OnDevice, program: _DeviceProgram, *operands):
   coords, args = operands[:num_coords], operands[num_coords:]
   watchdog.enter(
     device.info,
-    device.num_devices,
+    device.sizes,
     device.reset,
     device.original_failure,
     tuple(int(c) for c in coords),

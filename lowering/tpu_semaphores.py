@@ -45,6 +45,14 @@ def namer(params, num_in: int, scratch) -> Callable[[int], Named]:
       index = f"[{k}] of " if shape else ""
       by_id[FIRST_SEMAPHORE_ID + len(by_id)] = Named(index + label, lines)
 
+  collective_id = getattr(params["compiler_params"], "collective_id", None)
+  if collective_id is not None:
+    # The simulator's barrier semaphore has the collective id as its id.
+    by_id[int(collective_id)] = Named(
+      "of the launch's barrier (pltpu.get_barrier_semaphore(), collective "
+      f"id {collective_id})"
+    )
+
   def name(semaphore_id: int) -> Named:
     return by_id.get(
       semaphore_id,

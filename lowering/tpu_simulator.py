@@ -109,6 +109,29 @@ def _watch_wait(semaphore, value, global_core_id, has_tasks, logging_info):
   )
 
 
+_AT_BARRIER = {
+  "start": "at the launch's start for every device to begin it",
+  "end": "at the launch's end for every device to finish it",
+}
+
+
+def _watch_barrier(which: str, device_id):
+  """Records a device of our launches waiting at one of the simulator's
+  barriers among devices for the deadlock watchdog: a device whose
+  computation failed before the launch never comes to either."""
+  if not watchdog.launch_running():
+    return None
+  memory = _jax.tpu_simulator_memory()
+  device = int(device_id)
+
+  def abort(message):
+    _jax.fail_tpu_simulation(memory, watchdog.DeadlockError(message), device, 0)
+    if which == "end":  # the simulator's failure does not break it
+      _jax.release_tpu_simulator_clean_up()
+
+  return watchdog.waiting(f"device {device}", _AT_BARRIER[which], "", abort)
+
+
 def _reset_if_failed() -> None:
   if _jax.tpu_simulator_failure() is not None:
     tpu().simulator.reset_tpu_interpret_mode_state()
@@ -144,6 +167,7 @@ def lower(
       "default paths can: pass interpret=None."
     )
   _patches.watch_tpu_semaphore_waits(_watch_wait)
+  _patches.watch_tpu_simulator_barriers(_watch_barrier)
   host_programs.install()
   callbacks.install()
   [core_axis] = mesh.shape
@@ -183,6 +207,7 @@ def lower(
     reset=_reset_if_failed,
     original_failure=_jax.tpu_simulator_failure,
     abandon=_jax.fail_tpu_simulator_device,
+    release_absent=_jax.release_tpu_simulator_clean_up,
     races_found=_races_found,
     detect_races=interpret.detect_races,
     races_are_errors=races_are_errors,

@@ -32,6 +32,7 @@ How a device's part of a launch enters, runs and leaves is lowered in
 
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -94,6 +95,10 @@ class LaunchInfo:
   # computation (jax 0.10, ``_in_computation``): a device whose
   # callback failed has then left (XLA runs none of its later ones).
   in_computation: bool = False
+  # Lets the devices of a launch that the watchdog ends finish without
+  # those that never began it (the simulator's clean-up after a failure
+  # waits for every device), if the simulator needs it.
+  release_absent: Callable[[], None] | None = None
 
 
 @dataclasses.dataclass
@@ -112,11 +117,12 @@ class _Wait:
 
 @dataclasses.dataclass(eq=False)
 class _Launch:
-  """One run of a lowered launch, on ``num_devices`` device threads: who
-  took part, who left, its failure, its programs' waits and its watchdog."""
+  """One run of a lowered launch, on the devices of a shard_map of axis
+  sizes ``sizes``: who took part, who left, its failure, its programs'
+  waits and its watchdog."""
 
   info: LaunchInfo
-  num_devices: int
+  sizes: tuple[int, ...]
   original_failure: Callable[[], BaseException | None]
   devices: set = dataclasses.field(default_factory=set)  # those that entered
   left: int = 0
@@ -145,6 +151,16 @@ class _Launch:
   waits: dict[int, _Wait] = dataclasses.field(default_factory=dict)
   over: threading.Event = dataclasses.field(default_factory=threading.Event)
 
+  @property
+  def num_devices(self) -> int:
+    return math.prod(self.sizes)
+
+  def absent(self) -> list[int]:
+    """The devices (as the simulators number them) that have not begun
+    this run."""
+    began = {flat_index(d, self.sizes) for d in self.devices}
+    return [i for i in range(self.num_devices) if i not in began]
+
   def admits(self, info: LaunchInfo, device: tuple) -> bool:
     """Whether ``device``'s part of a run of ``info`` belongs to this run
     (a device that took part in it already starts the next one)."""
@@ -172,15 +188,24 @@ class _Simulator:
 _SIMULATOR = _Simulator()
 
 
+def flat_index(coords: tuple, sizes: tuple) -> int:
+  """The simulators' number of the device at ``coords`` (row-major) of a
+  shard_map of axis sizes ``sizes``."""
+  index = 0
+  for c, n in zip(coords, sizes, strict=True):
+    index = index * n + c
+  return index
+
+
 def enter(
   info: LaunchInfo,
-  num_devices: int,
+  sizes: tuple[int, ...],
   reset: Callable[[], None],
   original_failure: Callable[[], BaseException | None],
   device: tuple = (),
 ) -> None:
-  """Device ``device`` (its coordinates) starts launch ``info``: it waits
-  for the simulator.
+  """Device ``device`` (its coordinates in a shard_map of axis sizes
+  ``sizes``) starts launch ``info``: it waits for the simulator.
 
   A new launch starts from a clean simulator (``reset``: a failed one
   leaves its state behind for post-mortem inspection), with a watchdog of
@@ -191,7 +216,7 @@ def enter(
     while True:
       if sim.launch is None:
         reset()
-        sim.launch = _Launch(info, num_devices, original_failure)
+        sim.launch = _Launch(info, sizes, original_failure)
         threading.Thread(
           target=_watch,
           args=(sim.launch,),
@@ -458,30 +483,41 @@ def _watch(launch: _Launch) -> None:
 
   It ends its programs' waits first. Devices that wait to begin another
   launch (in-computation launches) it ends only if the launch is still
-  stuck one more timeout later without program waits: then the launch
-  waits for one of them (two launches of one computation interleaved),
-  while a launch of another thread's call merely queues behind it. A
-  failed launch that nothing moves or waits in for a timeout has lost a
-  device that never comes (its computation failed before its part began):
-  it hands the simulator on."""
+  stuck one more timeout later without program waits (or at once, once it
+  has failed): then the launch waits for one of them (two launches of one
+  computation interleaved), while a launch of another thread's call merely
+  queues behind it. A failed launch that nothing moves or waits in for a
+  timeout, but for devices that came to begin another launch after it
+  failed, has lost a device that never comes (its computation failed
+  before its part began): it hands the simulator on to them."""
   timeout_s = launch.info.timeout_s
   queued_stuck = False  # only devices of other launches waited, once
+  failed_at = None  # when this watchdog first saw the launch failed
   while not launch.over.wait(_POLL_S):
     now = time.monotonic()
     with _SIMULATOR.turn:
+      if launch.failure is not None and failed_at is None:
+        failed_at = now
       if now - launch.idle_since <= timeout_s:
         continue  # the launch moves: whoever waits may still be woken
-      if launch.failure is not None and not launch.waits:
+      stuck = {
+        i: w
+        for i, w in launch.waits.items()
+        if failed_at is None or not w.entering or w.since < failed_at
+      }
+      if failed_at is not None and not stuck:
         _give_up(launch)
         return
-      if not any(now - w.since > timeout_s for w in launch.waits.values()):
+      if not any(now - w.since > timeout_s for w in stuck.values()):
         continue
-      programs = [i for i, w in launch.waits.items() if not w.entering]
-      if not programs and not queued_stuck:
+      programs = [i for i, w in stuck.items() if not w.entering]
+      if not programs and not queued_stuck and failed_at is None:
         queued_stuck, launch.idle_since = True, now
         continue
-      waits = [launch.waits.pop(i) for i in programs or list(launch.waits)]
+      queued = len(programs) < len(stuck)
+      waits = [launch.waits.pop(i) for i in programs or list(stuck)]
       launch.idle_since = now  # what ends now moves the launch
+      absent = launch.absent()
     lines = "\n".join(
       f"  {w.who} waits {w.what()}" + (f" at {w.where}" if w.where else "")
       for w in waits
@@ -490,6 +526,7 @@ def _watch(launch: _Launch) -> None:
       f"mpmd_map deadlock: a simulated program waited more than "
       f"{timeout_s:g} s while nothing else of its launch moved, and nothing "
       f"can wake it. Still waiting:\n{lines}\n"
+      f"{_never_began(absent, queued and launch.info.in_computation)}"
       "(set the limit with mpmd.set_deadlock_timeout)"
     )
     with _SIMULATOR.turn:
@@ -497,10 +534,33 @@ def _watch(launch: _Launch) -> None:
         launch.failure = errors.remember(DeadlockError(message))
         _SIMULATOR.turn.notify_all()
       failure = launch.failure
+    if absent and launch.info.release_absent is not None:
+      launch.info.release_absent()
     for w in waits:
       # The failure's own words, with its key: whoever reports the ended
       # wait (the simulator's wrapping of it included) reports it typed.
       w.abort(str(failure))
+
+
+def _never_began(absent: list[int], queued: bool) -> str:
+  """The deadlock message's line on the devices that have not begun the
+  launch, if any (``queued``: devices of an in-computation launch wait to
+  begin another one)."""
+  if not absent:
+    return ""
+  which = ", ".join(map(str, absent))
+  interleaved = (
+    ", or waits to begin another launch of the same computation that "
+    "XLA:CPU interleaved with this one (jax 0.10 runs the simulation "
+    "inside the caller's computation: make one launch take the other's "
+    "results, call them from separate jax.jit calls, or use jax >= 0.11)"
+  )
+  return (
+    f"Device{'s' if len(absent) > 1 else ''} {which} never began this "
+    "launch: its computation failed before it (a failed host callback, "
+    "say), or computes for longer than the timeout before it"
+    f"{interleaved if queued else ''}.\n"
+  )
 
 
 def _give_up(launch: _Launch) -> None:

@@ -10,6 +10,7 @@ instead of deep inside a lowering.
 import dataclasses
 import functools
 import re
+import threading
 import types
 from typing import Any
 
@@ -509,6 +510,11 @@ def checkify_predicates(error) -> list:
   return list(error._pred.values())
 
 
+def tpu_simulator_memory():
+  """The TPU simulator's state of the launch it runs (None between runs)."""
+  return tpu().simulator._shared_memory
+
+
 def tpu_simulator_failure() -> BaseException | None:
   """What made the TPU simulator's last launch fail, if it kept it."""
   memory = tpu().simulator._shared_memory
@@ -520,7 +526,20 @@ def fail_tpu_simulator_device(error: Exception, device_id: int) -> None:
   failed, as its own failure would (the other devices stop waiting for it).
   Used on 0.10 only (``SIMULATE_DEVICES_AS_COMPUTATIONS``)."""
   if tpu().simulator._shared_memory is not None:
-    tpu().simulator.fail(error, device_id)
+    try:
+      tpu().simulator.fail(error, device_id)
+    except threading.BrokenBarrierError:
+      pass  # the clean-up was released (release_tpu_simulator_clean_up)
+
+
+def release_tpu_simulator_clean_up() -> None:
+  """Lets the devices of the TPU simulator's failed launch end without the
+  devices that never began it: the simulator's clean-up after a failure
+  waits for every device of the launch; it raises now instead (the next
+  launch starts from a fresh simulator state)."""
+  memory = tpu().simulator._shared_memory
+  if memory is not None:
+    memory.clean_up_barrier.abort()
 
 
 def gpu_simulator_races_found() -> bool:

@@ -310,6 +310,31 @@ def watch_tpu_semaphore_waits(around: Callable[..., Any]) -> None:
 
 
 @functools.cache
+def watch_tpu_simulator_barriers(around: Callable[..., Any]) -> None:
+  """Runs the TPU simulator's barriers among the devices of a launch inside
+  ``around(which, device_id)``, a context manager, or as JAX wrote them
+  where ``around`` returns ``None``. ``which`` is ``"start"`` (each device
+  waits for every other to begin a launch without a collective id) or
+  ``"end"`` (each waits for every other to finish)."""
+
+  def make(which):
+    def wrap(original):
+      @functools.wraps(original)
+      def barrier(token, device_id):
+        scope = around(which, device_id)
+        with contextlib.nullcontext() if scope is None else scope:
+          return original(token, device_id)
+
+      return barrier
+
+    return wrap
+
+  simulator = _jax.tpu().simulator
+  _wrap("tpu_start_barrier", (simulator,), "_barrier", make("start"))
+  _wrap("tpu_end_barrier", (simulator,), "_clean_up_shared_memory", make("end"))
+
+
+@functools.cache
 def watch_gpu_barrier_waits(around: Callable[..., Any]) -> None:
   """Runs every Mosaic GPU simulator ``Barrier.wait`` inside
   ``around(barrier, device, program, logging_info)``, a context manager, or

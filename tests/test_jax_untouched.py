@@ -198,6 +198,8 @@ def test_adaptations_install_on_first_use_and_take_effect():
     "tpu_info",
     "io_callback_impl",
     "tpu_semaphore_wait",
+    "tpu_start_barrier",
+    "tpu_end_barrier",
     "gpu_barrier_wait",
     "runtime_token_errors",
     "simulator_programs",

@@ -7,6 +7,7 @@ the caller as ``mpmd.DeadlockError`` / ``OutOfBoundsError`` / ``RaceError``
 threads must not disturb each other: only the launch that hangs fails.
 """
 
+import re
 import threading
 import time
 
@@ -114,6 +115,141 @@ def test_a_failed_launch_under_shard_map_leaves_the_process_healthy(
   _healthy()
 
 
+def _signal_device_1(x_hbm, o_hbm, sem):
+  """Device 0 signals device 1, which waits: device 1 needs device 0."""
+  d = jax.lax.axis_index("x")
+
+  @pl.when(d == 0)
+  def _():
+    pl.semaphore_signal(sem, 1, device_id={"x": 1})
+
+  @pl.when(d == 1)
+  def _():
+    pl.semaphore_wait(sem, 1)
+
+  pltpu.sync_copy(x_hbm, o_hbm)
+
+
+def _with_barrier_semaphore(x_hbm, o_hbm, sem):
+  """The same, synchronized by the launch's barrier semaphore (a collective
+  id): the simulator then has no start barrier; device 1 waits in the
+  kernel for a device that never came."""
+  del sem
+  barrier = pltpu.get_barrier_semaphore()
+  d = jax.lax.axis_index("x")
+
+  @pl.when(d == 0)
+  def _():
+    pl.semaphore_signal(barrier, 1, device_id={"x": 1})
+
+  @pl.when(d == 1)
+  def _():
+    pl.semaphore_wait(barrier, 1)
+
+  pltpu.sync_copy(x_hbm, o_hbm)
+
+
+def _before_the_launch_on_device_0(body, before, **kwargs):
+  """A shard_map whose device 0 runs ``before(x)`` (a host callback) and
+  then, on every device, launch ``body``."""
+  mesh = jax.make_mesh(
+    (NUM_DEVICES,), ("x",), devices=jax.devices()[:NUM_DEVICES]
+  )
+  launch = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), body)],
+    jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR(())],
+    interpret=SIMULATOR,
+    **kwargs,
+  )
+
+  def per_device(x):
+    d = jax.lax.axis_index("x")
+    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    x = io_callback(lambda x, d: before(x) if d == 0 else x, shape, x, d)
+    return launch(x)
+
+  f = jax.jit(
+    jax.shard_map(
+      per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
+    )
+  )
+  x = jax.device_put(
+    jnp.arange(NUM_DEVICES * ROWS * COLS, dtype=jnp.float32).reshape(-1, COLS),
+    jax.NamedSharding(mesh, P("x")),
+  )
+  return f, x
+
+
+_WAITS_FOR_DEVICE_0 = {
+  "start barrier": (_signal_device_1, {}),
+  "barrier semaphore": (
+    _with_barrier_semaphore,
+    {"compiler_params": pltpu.CompilerParams(collective_id=0)},
+  ),
+}
+
+
+@pytest.mark.parametrize("waits", sorted(_WAITS_FOR_DEVICE_0))
+def test_a_device_that_fails_before_the_launch_ends_it(waits):
+  """Device 0's computation fails before its part of the launch, which
+  device 1 waits for (at the simulator's start barrier, or in the kernel):
+  the caller gets device 0's failure, not a hang, and the next launch
+  runs (issue 36)."""
+  body, kwargs = _WAITS_FOR_DEVICE_0[waits]
+
+  def fail(x):
+    raise ValueError("device 0 failed before the launch")
+
+  f, x = _before_the_launch_on_device_0(body, fail, **kwargs)
+  with mpmd.deadlock_timeout(1.0):
+    with pytest.raises(Exception, match="device 0 failed before the launch"):
+      jax.block_until_ready(f(x))
+  _healthy()
+
+
+@pytest.mark.parametrize("waits", sorted(_WAITS_FOR_DEVICE_0))
+def test_a_device_that_begins_the_launch_too_late_is_named(waits):
+  """Device 0 computes for longer than the deadlock timeout before its part
+  of the launch, while device 1 waits for it and nothing moves: a
+  DeadlockError that names the device that never began the launch, and
+  what the other one waits for.
+
+  Device 0 comes late: to the failed launch (it then fails with it) or,
+  once that launch has handed the simulator on, to a launch of its own,
+  where it waits for device 1 in turn. Either report is right."""
+  body, kwargs = _WAITS_FOR_DEVICE_0[waits]
+
+  def slow(x):
+    time.sleep(2.0)
+    return x
+
+  f, x = _before_the_launch_on_device_0(body, slow, **kwargs)
+  with mpmd.deadlock_timeout(1.0), pytest.raises(mpmd.DeadlockError) as caught:
+    with mpmd.typed_errors():
+      jax.block_until_ready(f(x))
+  message = str(caught.value)
+  absent = re.search(
+    r"Device (\d) never began this launch: its computation", message
+  )
+  assert absent, message
+  assert "computes for longer than the timeout" in message
+  waiting = "0" if absent[1] == "1" else "1"
+  barrier = (
+    f"device {waiting} mesh 0 program 0 (core=0) waits on the semaphore of "
+    "the launch's barrier (pltpu.get_barrier_semaphore(), collective id 0) "
+    "for 1"
+  )
+  start = f"device {waiting} waits at the launch's start for every device"
+  end = f"device {waiting} waits at the launch's end for every device"
+  if waits == "barrier semaphore":
+    # Device 0 alone waits for nobody in the kernel, only at the end.
+    assert barrier in message or (waiting == "0" and end in message), message
+  else:
+    assert start in message, message
+  _healthy()
+
+
 def test_an_eager_launch_raises_its_own_error_short():
   with mpmd.deadlock_timeout(1.0):
     with pytest.raises(mpmd.DeadlockError) as caught:
@@ -132,7 +268,7 @@ def test_an_eager_launch_raises_its_own_error_short():
 def _simulated_launch(num_devices):
   key = watchdog.LaunchInfo((), None, 10.0, "raise")
   for d in range(num_devices):
-    watchdog.enter(key, num_devices, lambda: None, lambda: None, (d,))
+    watchdog.enter(key, (num_devices,), lambda: None, lambda: None, (d,))
   return key
 
 
