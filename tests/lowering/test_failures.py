@@ -45,28 +45,35 @@ def _oob(x_hbm, o_hbm, sem):
   pltpu.sync_copy(x_hbm.at[pl.ds(start, ROWS)], o_hbm)  # rows 4..11 of 8
 
 
-def _launch(body, name=None):
+def _launch(body, name=None, **kwargs):
   return mpmd.mpmd_map(
     [(mpmd.tensorcore_mesh("core", num_cores=1), body)],
     jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
     scratch_types=[pltpu.SemaphoreType.REGULAR(())],
     interpret=SIMULATOR,
     name=name or body.__name__,
+    **kwargs,
   )
 
 
-def _per_device(body):
-  """``body`` on every device of a shard_map, in the simulator."""
+def _per_device(body, before=None, **kwargs):
+  """``body`` on every device of a shard_map, in the simulator; device 0
+  first runs ``before(x)`` (a host callback), if given."""
   mesh = jax.make_mesh(
     (NUM_DEVICES,), ("x",), devices=jax.devices()[:NUM_DEVICES]
   )
+  launch = _launch(body, **kwargs)
+
+  def per_device(x):
+    if before is not None:
+      d = jax.lax.axis_index("x")
+      shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+      x = io_callback(lambda x, d: before(x) if d == 0 else x, shape, x, d)
+    return launch(x)
+
   f = jax.jit(
     jax.shard_map(
-      _launch(body),
-      mesh=mesh,
-      in_specs=P("x"),
-      out_specs=P("x"),
-      check_vma=False,
+      per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
     )
   )
   x = jax.device_put(
@@ -115,8 +122,7 @@ def test_a_failed_launch_under_shard_map_leaves_the_process_healthy(
   _healthy()
 
 
-def _signal_device_1(x_hbm, o_hbm, sem):
-  """Device 0 signals device 1, which waits: device 1 needs device 0."""
+def _device_1_waits_for_device_0(sem, x_hbm, o_hbm):
   d = jax.lax.axis_index("x")
 
   @pl.when(d == 0)
@@ -130,55 +136,17 @@ def _signal_device_1(x_hbm, o_hbm, sem):
   pltpu.sync_copy(x_hbm, o_hbm)
 
 
+def _signal_device_1(x_hbm, o_hbm, sem):
+  """Device 0 signals device 1, which waits: device 1 needs device 0."""
+  _device_1_waits_for_device_0(sem, x_hbm, o_hbm)
+
+
 def _with_barrier_semaphore(x_hbm, o_hbm, sem):
   """The same, synchronized by the launch's barrier semaphore (a collective
   id): the simulator then has no start barrier; device 1 waits in the
   kernel for a device that never came."""
   del sem
-  barrier = pltpu.get_barrier_semaphore()
-  d = jax.lax.axis_index("x")
-
-  @pl.when(d == 0)
-  def _():
-    pl.semaphore_signal(barrier, 1, device_id={"x": 1})
-
-  @pl.when(d == 1)
-  def _():
-    pl.semaphore_wait(barrier, 1)
-
-  pltpu.sync_copy(x_hbm, o_hbm)
-
-
-def _before_the_launch_on_device_0(body, before, **kwargs):
-  """A shard_map whose device 0 runs ``before(x)`` (a host callback) and
-  then, on every device, launch ``body``."""
-  mesh = jax.make_mesh(
-    (NUM_DEVICES,), ("x",), devices=jax.devices()[:NUM_DEVICES]
-  )
-  launch = mpmd.mpmd_map(
-    [(mpmd.tensorcore_mesh("core", num_cores=1), body)],
-    jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
-    scratch_types=[pltpu.SemaphoreType.REGULAR(())],
-    interpret=SIMULATOR,
-    **kwargs,
-  )
-
-  def per_device(x):
-    d = jax.lax.axis_index("x")
-    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    x = io_callback(lambda x, d: before(x) if d == 0 else x, shape, x, d)
-    return launch(x)
-
-  f = jax.jit(
-    jax.shard_map(
-      per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
-    )
-  )
-  x = jax.device_put(
-    jnp.arange(NUM_DEVICES * ROWS * COLS, dtype=jnp.float32).reshape(-1, COLS),
-    jax.NamedSharding(mesh, P("x")),
-  )
-  return f, x
+  _device_1_waits_for_device_0(pltpu.get_barrier_semaphore(), x_hbm, o_hbm)
 
 
 _WAITS_FOR_DEVICE_0 = {
@@ -201,7 +169,7 @@ def test_a_device_that_fails_before_the_launch_ends_it(waits):
   def fail(x):
     raise ValueError("device 0 failed before the launch")
 
-  f, x = _before_the_launch_on_device_0(body, fail, **kwargs)
+  f, x = _per_device(body, fail, **kwargs)
   with mpmd.deadlock_timeout(1.0):
     with pytest.raises(Exception, match="device 0 failed before the launch"):
       jax.block_until_ready(f(x))
@@ -224,7 +192,7 @@ def test_a_device_that_begins_the_launch_too_late_is_named(waits):
     time.sleep(2.0)
     return x
 
-  f, x = _before_the_launch_on_device_0(body, slow, **kwargs)
+  f, x = _per_device(body, slow, **kwargs)
   with mpmd.deadlock_timeout(1.0), pytest.raises(mpmd.DeadlockError) as caught:
     with mpmd.typed_errors():
       jax.block_until_ready(f(x))
