@@ -61,9 +61,16 @@ from mpmd.kernels.grouped_matmul._metadata import group_rows, row_mask
 CHUNK = 256
 
 # Tail window sizes per chunk: the tail computes fewer than chunk / TAILS
-# rows it does not own (a sixteenth of a chunk, at least 8), with one switch
-# branch per size.
+# rows it does not own (a sixteenth of a chunk), with one switch branch per
+# size.
 TAILS = 16
+
+# Tail windows grow in steps of at least this many rows (a full chunk's
+# step). Each size is a switch branch holding its own dots, and XLA:CPU's
+# compile time grows with the branches (a gmm of 128 rows and 32 groups,
+# jax 0.12: about 8 s to trace, lower and compile with 16 sizes, 5 s with
+# 8), while the rows a tail computes twice cost little below a chunk.
+MIN_STEP = 16
 
 
 class Schedule(NamedTuple):
@@ -80,11 +87,11 @@ def schedule(m: int) -> Schedule:
     >>> schedule(1024).chunk, schedule(1024).tails[:3]
     (256, (16, 32, 48))
     >>> schedule(40)
-    Schedule(chunk=40, tails=(8, 16, 24, 32, 40))
+    Schedule(chunk=40, tails=(16, 32, 40))
   """
   chunk = min(CHUNK, m)
-  # Whole sublanes, at most TAILS sizes.
-  step = 8 * -(-chunk // (8 * TAILS))
+  # Whole sublanes, at most TAILS sizes, at least MIN_STEP rows apart.
+  step = max(8 * -(-chunk // (8 * TAILS)), MIN_STEP)
   return Schedule(chunk, (*range(step, chunk, step), chunk))
 
 

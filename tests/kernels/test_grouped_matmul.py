@@ -444,7 +444,8 @@ class TestWindows(GroupedMatmulTest):
   def test_schedule(self):
     assert windows.schedule(1024) == (256, tuple(range(16, 257, 16)))
     assert windows.schedule(300) == (256, tuple(range(16, 257, 16)))
-    assert windows.schedule(40) == (40, (8, 16, 24, 32, 40))
+    assert windows.schedule(40) == (40, (16, 32, 40))
+    assert windows.schedule(128) == (128, tuple(range(16, 129, 16)))
     assert windows.schedule(5) == (5, (5,))
     for m in (1, 8, 61, 100, 255, 300, 1024, 4096):
       chunk, tails = windows.schedule(m)
@@ -455,6 +456,7 @@ class TestWindows(GroupedMatmulTest):
       steps = np.diff((0, *tails))
       assert (steps[:-1] == steps[0]).all() and steps[-1] <= steps[0], m
       assert steps[0] % 8 == 0 or len(tails) == 1, (m, tails)
+      assert steps[0] >= windows.MIN_STEP or len(tails) == 1, (m, tails)
 
   @pytest.mark.parametrize(
     "m, cases",
