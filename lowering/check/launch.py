@@ -6,6 +6,8 @@ all-gather), so that the callback, whichever device runs it first, holds
 every device's inputs and runs *all* their programs in one machine; the
 others find its results (or its error) waiting, keyed by their inputs. No
 device waits for another inside the callback, so nothing there can hang.
+Each device's callback also gets its position, and returns only its own
+outputs (not all devices' stacked, which every device would copy).
 """
 
 import contextlib
@@ -100,6 +102,11 @@ class Launch:
   def __call__(self, *inputs):
     devices = self.plan.num_devices
     token = self.check.token()
+    # Under shard_map the last input is the calling device's position.
+    mine = None
+    if self.plan.device_axes:
+      *inputs, position = inputs
+      mine = int(position)
     # (ascontiguousarray makes a 0-d input 1-d: for comparing only.)
     flat = tuple(np.ascontiguousarray(x) for x in inputs)
     with self.lock:
@@ -108,11 +115,11 @@ class Launch:
           entry[3] -= 1
           if entry[3] == 0:
             del self.waiting[k]
-          return _deliver(entry[2])
+          return _deliver(entry[2], mine)
       result = self._run(inputs)
       if devices > 1:
         self.waiting.append([token, flat, result, devices - 1])
-      return _deliver(result)
+      return _deliver(result, mine)
 
   def _run(self, inputs):
     # The collector stays off until the machine is gone: its objects,
@@ -136,9 +143,7 @@ class Launch:
     finally:
       m.release()
     run.finish(m, None)
-    if self.plan.device_axes:
-      return [np.stack(o) for o in zip(*outs, strict=True)]
-    return outs[0]
+    return outs
 
 
 class _Collector:
@@ -222,10 +227,11 @@ def _with_schedule(
   return again
 
 
-def _deliver(result):
+def _deliver(result, device: int | None):
+  """The outputs of ``device`` (of the only one if None), or the error."""
   if isinstance(result, BaseException):
     raise result
-  return result
+  return result[0 if device is None else device]
 
 
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, path, **params):
@@ -247,21 +253,14 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, path, **params):
   out_avals = plan.out_avals
 
   def body(*args):
-    if axes:
-      args = [jax.lax.all_gather(a, axes) for a in args]
-      shapes = [
-        jax.ShapeDtypeStruct((plan.num_devices, *a.shape), a.dtype)
-        for a in out_avals
-      ]
-    else:
-      shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
-    outs = io_callback(launch, shapes, *args, ordered=False)
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
     if not axes:
-      return outs
+      return io_callback(launch, shapes, *args, ordered=False)
+    args = [jax.lax.all_gather(a, axes) for a in args]
     index = np.int32(0)
     for a in axes:
       index = index * np.int32(sizes[a]) + jax.lax.axis_index(a)
-    return [o[index] for o in outs]
+    return io_callback(launch, shapes, *args, index, ordered=False)
 
   with _jax.no_vma_check():
     return mlir.lower_fun(body, multiple_results=True)(

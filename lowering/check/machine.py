@@ -135,10 +135,24 @@ class Machine:
     """Drops the views each buffer keeps of itself (they name it back):
     then nothing of the machine is in a reference cycle, and refcounting
     frees it all, the cyclic collector never walking it. (What it has to
-    show after its launch, events and errors, holds no view.)"""
+    show after its launch, events and errors, holds no view.) Buffers
+    other than the outputs give their arrays to the next launches
+    (``memory.POOL``)."""
+    outputs = range(
+      self.plan.num_in, self.plan.num_in + len(self.plan.out_avals)
+    )
+    kept = {
+      id(mine[("operand", k)])
+      for mine in self.memory.values()
+      for k in outputs
+      if ("operand", k) in mine
+    }
     for mine in self.memory.values():
       for b in mine.values():
-        b.forget_views()
+        if id(b) in kept or b.data is None:  # an output, or done already
+          b.forget_views()
+        else:
+          b.recycle()
 
   # -- naming ----------------------------------------------------------------
 

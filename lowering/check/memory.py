@@ -14,7 +14,8 @@ with a ``slab`` also read and write by slicing).
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Hashable
+import threading
+from collections.abc import Callable, Hashable, Iterable
 
 import numpy as np
 
@@ -51,6 +52,49 @@ def _garbage_value(dtype: np.dtype):
   if dtype == np.bool_:
     return True
   return 0  # 16-bit floats from ml_dtypes come above
+
+
+class Pool:
+  """Arrays of buffers whose launch has ended, kept for the next launches'
+  buffers of the same shape and dtype (``take``). A launch of a large
+  kernel makes hundreds of MB of buffers; fresh ones cost a page fault per
+  4 KB as they are first written (filled with garbage, copied from an
+  input), which took a third of a fused MoE launch; kept ones are written
+  in place. Holds at most ``max_bytes`` (shared by all kernels and
+  threads; what does not fit is freed)."""
+
+  def __init__(self, max_bytes: int):
+    self.max_bytes = max_bytes
+    self.held = 0
+    self.free: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = {}
+    self.lock = threading.Lock()
+
+  def take(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` with any contents."""
+    dtype = np.dtype(dtype)
+    with self.lock:
+      kept = self.free.get((shape, dtype))
+      if kept:
+        array = kept.pop()
+        self.held -= array.nbytes
+        return array
+    return np.empty(shape, dtype)
+
+  def give(self, arrays: Iterable[np.ndarray]) -> None:
+    """Keeps ``arrays`` (nothing else may use them any more) while they
+    fit."""
+    with self.lock:
+      for array in arrays:
+        if self.held + array.nbytes > self.max_bytes:
+          continue
+        self.held += array.nbytes
+        key = (array.shape, array.dtype)
+        self.free.setdefault(key, []).append(array)
+
+
+# The arrays one launch of a fused MoE layer at the bench's small shape
+# makes (inputs' copies, VMEM scratch, their written flags) fit.
+POOL = Pool(max_bytes=256 << 20)
 
 
 class Aranges:
@@ -133,14 +177,17 @@ class Buffer:
       # Per element: the event that last signalled it (for the timeline).
       self.signals: list[int | None] = [None] * size
     elif data is None:
-      self.data = garbage(shape, dtype)
+      self.data = POOL.take(shape, dtype)
+      self.data.fill(_garbage_value(self.data.dtype))
     else:
-      self.data = np.array(data, dtype=dtype, copy=True).reshape(shape)
+      self.data = POOL.take(shape, dtype)
+      self.data[...] = np.asarray(data).reshape(shape)
     self.flat = self.data.reshape(-1)
     self.ids = ids(shape)
     # The flat arange that ``ids`` and the windows cut from it view.
     self.root = self.ids if self.ids.base is None else self.ids.base
-    self.init = np.full(size, data is not None or semaphore)
+    self.init = POOL.take((size,), np.bool_)
+    self.init.fill(data is not None or semaphore)
     # Windows of the whole buffer taken so far (``index_view``).
     self.windows: dict[tuple[Hashable, ...], View] = {}
     # Views of the whole buffer by the id of a remembered tuple of views
@@ -164,6 +211,15 @@ class Buffer:
     self.windows.clear()
     self.viewed.clear()
     self.__dict__.pop("whole", None)
+
+  def recycle(self) -> None:
+    """Gives its arrays to ``POOL`` once its launch has ended and nothing
+    reads it any more (not an output: those leave the launch); it keeps
+    none (a use after this fails rather than reads another's data)."""
+    self.forget_views()
+    if not self.semaphore:
+      POOL.give((self.data, self.init))
+    self.data = self.flat = self.init = None  # type: ignore[assignment]
 
   @functools.cached_property
   def whole(self) -> "View":
