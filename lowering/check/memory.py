@@ -16,9 +16,11 @@ import functools
 import math
 import threading
 from collections.abc import Callable, Hashable, Iterable
+from typing import NamedTuple
 
 import numpy as np
 
+from mpmd import _jax
 from mpmd._lowering import errors
 from mpmd._lowering.check.shadow import NOBODY, Shadow
 
@@ -54,6 +56,16 @@ def _garbage_value(dtype: np.dtype):
   return 0  # 16-bit floats from ml_dtypes come above
 
 
+class PoolInfo(NamedTuple):
+  """``Pool.cache_info()``, as ``functools.lru_cache`` words it (sizes in
+  bytes)."""
+
+  hits: int
+  misses: int
+  maxsize: int
+  currsize: int
+
+
 class Pool:
   """Arrays of buffers whose launch has ended, kept for the next launches'
   buffers of the same shape and dtype (``take``). A launch of a large
@@ -61,13 +73,16 @@ class Pool:
   4 KB as they are first written (filled with garbage, copied from an
   input), which took a third of a fused MoE launch; kept ones are written
   in place. Holds at most ``max_bytes`` (shared by all kernels and
-  threads; what does not fit is freed)."""
+  threads; what does not fit is freed). A cache of JAX's cache management:
+  ``jax.clear_caches()`` empties it."""
 
   def __init__(self, max_bytes: int):
     self.max_bytes = max_bytes
     self.held = 0
     self.free: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = {}
     self.lock = threading.Lock()
+    self.hits = self.misses = 0
+    _jax.util.register_cache(self, "mpmd: the checking executor's arrays")
 
   def take(self, shape: tuple[int, ...], dtype) -> np.ndarray:
     """An array of ``shape`` and ``dtype`` with any contents."""
@@ -77,8 +92,25 @@ class Pool:
       if kept:
         array = kept.pop()
         self.held -= array.nbytes
+        self.hits += 1
         return array
+      self.misses += 1
     return np.empty(shape, dtype)
+
+  # -- JAX's cache management ------------------------------------------------
+
+  def cache_clear(self) -> None:
+    with self.lock:
+      self.free.clear()
+      self.held = 0
+
+  def cache_info(self) -> PoolInfo:
+    with self.lock:
+      return PoolInfo(self.hits, self.misses, self.max_bytes, self.held)
+
+  def cache_keys(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+    with self.lock:
+      return [key for key, kept in self.free.items() if kept]
 
   def give(self, arrays: Iterable[np.ndarray]) -> None:
     """Keeps ``arrays`` (nothing else may use them any more) while they

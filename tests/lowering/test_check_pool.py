@@ -78,3 +78,13 @@ def test_pool_keeps_arrays_by_shape_and_dtype_up_to_its_bytes():
   assert {id(t) for t in taken[:2]} == {id(a), id(b)}
   assert all(taken[2] is not kept for kept in (a, b, c))  # a new one
   assert pool.held == 0
+
+
+def test_jax_clear_caches_empties_the_pool():
+  pool = memory.Pool(max_bytes=1 << 10)
+  pool.give([np.zeros((8,), np.float32)])
+  assert pool.cache_info().currsize == 32 and pool.cache_keys()
+  jax.clear_caches()
+  assert pool.cache_info().currsize == 0 and not pool.cache_keys()
+  assert pool.take((8,), np.float32) is not None  # a new array
+  assert pool.cache_info().misses == 1
