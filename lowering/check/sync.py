@@ -173,7 +173,9 @@ def _gate(m, p: _Program) -> Gate:
   need)``: a semaphore's flat counts, which of them, and how many it
   needs (the counts change in place, the rest not until it goes on);
   True if it need not wait."""
-  op = p.next_sync().op
+  pending = p.pending  # (next_sync's check, without its call: every step)
+  assert pending is not None
+  op = pending.op
   if isinstance(op, records.DmaWait):
     view = _sem_view(m, p, op.sem)
     need = _wait_bytes(m, p, op)
@@ -208,7 +210,9 @@ def _advance(m, p: _Program) -> None:
   """Performs ``p``'s pending operation and runs it to its next one."""
   result = None
   if p.started:
-    result = _perform(m, p, p.next_sync())
+    pending = p.pending
+    assert pending is not None
+    result = _perform(m, p, pending)
   p.started = True
   p.waiting = _Waiting()
   p.polled = isinstance(p.pending and p.pending.op, records.SemRead)
