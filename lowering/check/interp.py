@@ -195,6 +195,7 @@ class _Code:
         k = slots[v] = len(slots)
       return k
 
+    # (Operand k has slot k: an empty body's outputs index its operands.)
     self.params = [slot(v) for v in (*jaxpr.constvars, *jaxpr.invars)]
     self.steps: list[Any] = []
     for step in _steps(jaxpr, memo):
@@ -294,7 +295,11 @@ def _run(ctx: Context, code: _Code, values) -> Program:
     if flow is not None:
       if type(flow) is _Cond:  # the taken branch, with no rule between
         body, consts = flow.branches[int(invals[0])]
-        values = yield from _run(ctx, body, [*consts, *invals[1:]])
+        args = [*consts, *invals[1:]]
+        if body.steps:
+          values = yield from _run(ctx, body, args)
+        else:  # (``when`` not taken) its outputs are operands: no frame
+          values = [x if literal else args[x] for literal, x in body.outs]
       else:
         values = yield from flow.run(ctx, invals)
     else:

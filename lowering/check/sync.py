@@ -7,7 +7,6 @@ where the condition shows: a deadlock when no option is left, leftovers
 when the programs have ended, races and uninitialised reads at the access.
 """
 
-import dataclasses
 import functools
 
 import numpy as np
@@ -25,14 +24,17 @@ MAX_STEPS = 1_000_000
 Gate = tuple[np.ndarray, int, int] | bool  # (counts, element, need) or True
 
 
-@dataclasses.dataclass
 class _Waiting:
   """What a program's pending operation waits on, worked out once per
-  operation (its operands do not change while it waits)."""
+  operation (its operands do not change while it waits). (A plain class:
+  one is made at every step.)"""
 
-  sems: dict[int, View] = dataclasses.field(default_factory=dict)  # by id()
-  bytes: int | None = None
-  gate: Gate | None = None
+  __slots__ = ("sems", "bytes", "gate")
+
+  def __init__(self):
+    self.sems: dict[int, View] = {}  # by id()
+    self.bytes: int | None = None
+    self.gate: Gate | None = None
 
 
 class _Program:
