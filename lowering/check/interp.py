@@ -270,14 +270,16 @@ class _Step:
     self.flow = _flow(eqn, memo)
 
 
-def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
+def run_jaxpr(
+  ctx: Context, jaxpr: core.Jaxpr, consts, args
+) -> Generator[Sync, Any, list[Any]]:
   """Evaluates ``jaxpr`` for one program; yields at synchronisation points;
   returns its outputs."""
   code = _code(jaxpr, ctx.machine.plan.memo)
   return (yield from _run(ctx, code, [*consts, *args]))
 
 
-def _run(ctx: Context, code: _Code, values) -> Program:
+def _run(ctx: Context, code: _Code, values) -> Generator[Sync, Any, list[Any]]:
   env: list[Any] = [None] * code.size
   for k, x in zip(code.params, values, strict=True):
     env[k] = x
