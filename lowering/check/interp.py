@@ -25,7 +25,13 @@ from mpmd._jax import (
   state_primitives,
 )
 from mpmd._lowering import jaxpr_util
-from mpmd._lowering.check import host_client, records, scalars, segments
+from mpmd._lowering.check import (
+  host_client,
+  records,
+  refs,
+  scalars,
+  segments,
+)
 from mpmd._lowering.check.segments import Segment
 
 _custom = _jax.custom_derivatives()
@@ -106,14 +112,9 @@ def _eqn_needs(eqn: core.JaxprEqn, memo: dict) -> bool:
   )
 
 
-def _steps(jaxpr: core.Jaxpr, memo: dict) -> tuple[list[Any], list[Any]]:
-  """``jaxpr`` as steps: equations to interpret (with their source line)
-  and compiled segments of the pure equations between them; and its
-  outputs, as (True, a literal's value) or (False, the variable)."""
-  key = ("steps", jaxpr)
-  found = memo.get(key)
-  if found is not None:
-    return found
+def _steps(jaxpr: core.Jaxpr, memo: dict) -> list[Any]:
+  """``jaxpr``'s equations as steps: equations to interpret and compiled
+  segments of the pure equations between them (on variables)."""
   last_use: dict[Any, int] = {}
   for i, eqn in enumerate(jaxpr.eqns):
     for v in eqn.invars:
@@ -162,7 +163,7 @@ def _steps(jaxpr: core.Jaxpr, memo: dict) -> tuple[list[Any], list[Any]]:
         if part:
           steps.append(segment(part))
           part = []
-        steps.append(_Step(e))
+        steps.append(e)
       if part:
         steps.append(segment(part))
     run.clear()
@@ -172,14 +173,65 @@ def _steps(jaxpr: core.Jaxpr, memo: dict) -> tuple[list[Any], list[Any]]:
       run.append((i, eqn))
       continue
     flush()
-    steps.append(_Step(eqn))
+    steps.append(eqn)
   flush()
-  outs = [
-    (True, segments.host(v.val)) if isinstance(v, core.Literal) else (False, v)
-    for v in jaxpr.outvars
+  return steps
+
+
+class _Code:
+  """A jaxpr as ``run_jaxpr`` runs it, worked out once per kernel: every
+  variable has a fixed slot of a list (the environment), each step names
+  the slots it reads and writes, and the bodies of control flow are
+  opened and compiled ahead (nothing is looked up per iteration)."""
+
+  __slots__ = ("size", "params", "steps", "outs")
+
+  def __init__(self, jaxpr: core.Jaxpr, memo: dict):
+    slots: dict[Any, int] = {}
+
+    def slot(v) -> int:
+      k = slots.get(v)
+      if k is None:
+        k = slots[v] = len(slots)
+      return k
+
+    # (Operand k has slot k: an empty body's outputs index its operands.)
+    self.params = [slot(v) for v in (*jaxpr.constvars, *jaxpr.invars)]
+    self.steps: list[Any] = []
+    for step in _steps(jaxpr, memo):
+      if type(step) is Segment:
+        ins = [slot(v) for v in step.invars]
+        outs = [slot(v) for v in step.outvars]
+        self.steps.append(_SegmentStep(step, ins, outs))
+      else:
+        self.steps.append(_Step(step, slot, memo))
+    self.outs = _operands(jaxpr.outvars, slot)
+    self.size = len(slots)
+
+
+def _code(jaxpr: core.Jaxpr, memo: dict) -> _Code:
+  key = ("code", jaxpr)  # jaxprs hash by identity; the memo keeps them
+  found = memo.get(key)
+  if found is None:
+    found = memo[key] = _Code(jaxpr, memo)
+  return found
+
+
+def _operands(invars, slot) -> list[tuple[bool, Any]]:
+  """(True, a literal's value on the host) or (False, a variable's slot)."""
+  return [
+    (True, segments.host(v.val))
+    if isinstance(v, core.Literal)
+    else (False, slot(v))
+    for v in invars
   ]
-  memo[key] = steps, outs
-  return steps, outs
+
+
+class _SegmentStep:
+  __slots__ = ("fn", "ins", "outs")
+
+  def __init__(self, segment: Segment, ins, outs):
+    self.fn, self.ins, self.outs = segment.fn, ins, outs
 
 
 def _pure(eqn: core.JaxprEqn, memo: dict) -> bool:
@@ -200,59 +252,83 @@ def _pure(eqn: core.JaxprEqn, memo: dict) -> bool:
 
 class _Step:
   """An equation to interpret, with what running it needs looked up once:
-  its source line, operands (literals on the host already) and the
-  outputs it defines. (Its rule is looked up as it runs: the GPU rules
-  join the table when a GPU launch is first lowered.)"""
+  its source line, operands (literals on the host already, else slots),
+  the slots of the outputs it defines (None: dropped) and, for control
+  flow, its bodies compiled (``_Flow``). (Its rule is looked up as it
+  runs: the GPU rules join the table when a GPU launch is first
+  lowered.)"""
 
-  __slots__ = ("eqn", "place", "ins", "outs")
+  __slots__ = ("eqn", "place", "ins", "outs", "flow")
 
-  def __init__(self, eqn: core.JaxprEqn):
+  def __init__(self, eqn: core.JaxprEqn, slot, memo: dict):
     self.eqn = eqn
     self.place = where(eqn)
-    self.ins = [
-      (True, segments.host(v.val))
-      if isinstance(v, core.Literal)
-      else (False, v)
-      for v in eqn.invars
-    ]
+    self.ins = _operands(eqn.invars, slot)
     self.outs = [
-      None if isinstance(v, core.DropVar) else v for v in eqn.outvars
+      None if isinstance(v, core.DropVar) else slot(v) for v in eqn.outvars
     ]
+    self.flow = _flow(eqn, memo)
 
 
-def run_jaxpr(ctx: Context, jaxpr: core.Jaxpr, consts, args) -> Program:
+def run_jaxpr(
+  ctx: Context, jaxpr: core.Jaxpr, consts, args
+) -> Generator[Sync, Any, list[Any]]:
   """Evaluates ``jaxpr`` for one program; yields at synchronisation points;
   returns its outputs."""
-  env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-  env.update(zip(jaxpr.invars, args, strict=True))
-  steps, outs = _steps(jaxpr, ctx.machine.plan.memo)
+  code = _code(jaxpr, ctx.machine.plan.memo)
+  return (yield from _run(ctx, code, [*consts, *args]))
+
+
+def _run(ctx: Context, code: _Code, values) -> Generator[Sync, Any, list[Any]]:
+  env: list[Any] = [None] * code.size
+  for k, x in zip(code.params, values, strict=True):
+    env[k] = x
   own_client = ctx.own_client
   enclosing = ctx.where
-  for step in steps:
-    if type(step) is Segment:
-      values = step.fn(own_client, *[env[v] for v in step.invars])
-      env.update(zip(step.outvars, values, strict=True))
+  for step in code.steps:
+    if type(step) is _SegmentStep:
+      outs = step.fn(own_client, *[env[k] for k in step.ins])
+      for k, x in zip(step.outs, outs, strict=True):
+        env[k] = x
       continue
     ctx.where = step.place or enclosing
     invals = [x if literal else env[x] for literal, x in step.ins]
-    rule = RULES.get(step.eqn.primitive)
-    if rule is None:  # pure equations are segments
-      raise NotImplementedError(
-        f"mpmd checker: {step.eqn.primitive.name!r} (at {ctx.where}) is "
-        "not supported by the checking executor; run the launch with "
-        "interpret=None (the CPU fallback's default paths) or "
-        "pltpu.InterpretParams()"
-      )
-    plain = _PLAIN.get(rule)
-    if plain is not None:
-      values = plain(ctx, step.eqn, invals)
+    flow = step.flow
+    if flow is not None:
+      if type(flow) is _Cond:  # the taken branch, with no rule between
+        body, consts = flow.branches[int(invals[0])]
+        args = [*consts, *invals[1:]]
+        if body.steps:
+          values = yield from _run(ctx, body, args)
+        else:  # (``when`` not taken) its outputs are operands: no frame
+          values = [x if literal else args[x] for literal, x in body.outs]
+      else:
+        values = yield from flow.run(ctx, invals)
     else:
-      values = yield from rule(ctx, step.eqn, invals)
-    for v, x in zip(step.outs, values, strict=True):
-      if v is not None:
-        env[v] = x
+      eqn = step.eqn
+      rule = RULES.get(eqn.primitive)
+      if rule is _sync:  # no generator of its own per operation
+        record = records.record_of(eqn, invals, ctx.machine.plan.memo)
+        result = yield Sync(record, ctx.where)
+        values = _synced(eqn, result)
+      elif rule is None:  # pure equations are segments
+        raise NotImplementedError(
+          f"mpmd checker: {eqn.primitive.name!r} (at {ctx.where}) is "
+          "not supported by the checking executor; run the launch with "
+          "interpret=None (the CPU fallback's default paths) or "
+          "pltpu.InterpretParams()"
+        )
+      else:
+        plain = _PLAIN.get(rule)
+        if plain is not None:
+          values = plain(ctx, eqn, invals)
+        else:
+          values = yield from rule(ctx, eqn, invals)
+    for k, x in zip(step.outs, values, strict=True):
+      if k is not None:
+        env[k] = x
     ctx.where = enclosing
-  return [x if literal else env[x] for literal, x in outs]
+  return [x if literal else env[x] for literal, x in code.outs]
 
 
 def unsupported(jaxpr: core.Jaxpr) -> str | None:
@@ -297,35 +373,14 @@ def _plain(fn):
   return rule
 
 
-def _remembered(ctx, eqn, values, make):
-  """``make()``, a function of ``eqn`` and integer scalar ``values`` (an
-  unflattened pytree of indexers), made once per kernel for the same
-  values: Pallas' pytree nodes cost far more to build than to look up.
-  Other values are not remembered. A remembered tuple of views is a
-  ``records.Views`` (a launch finds the window it cuts by its id)."""
-  scalars = records.scalar_key(values)
-  if scalars is None:
-    return make()
-  key = (id(eqn), *scalars)
-  table = ctx.machine.plan.memo
-  entry = table.get(key)
-  if entry is None:
-    made = make()
-    if type(made) is tuple:
-      made = records.Views(made)
-    entry = (made, eqn)  # eqn: its id stays its own
-    if len(table) < MAX_REMEMBERED:
-      table[key] = entry
-  return entry[0]
-
-
-# Entries ``_remembered`` keeps per kernel (past them, it makes anew).
-MAX_REMEMBERED = 1 << 16
-
-
 def _sync(ctx, eqn, invals):
   record = records.record_of(eqn, invals, ctx.machine.plan.memo)
   result = yield Sync(record, ctx.where)
+  return _synced(eqn, result)
+
+
+def _synced(eqn, result) -> list[Any]:
+  """A synchronisation's outputs, from what the scheduler sent back."""
   if eqn.primitive is pallas_primitives.semaphore_read_p:
     return [np.int32(result)]
   return []
@@ -341,64 +396,11 @@ def _nothing(ctx, eqn, invals):
   return [] if eqn.primitive.multiple_results else [None]
 
 
-def _transforms(ctx, eqn, flat):
-  tree = eqn.params["tree"]
-  return _remembered(ctx, eqn, flat, lambda: tree.unflatten(flat))
-
-
-@_plain
-def _get(ctx, eqn, invals):
-  ref, *flat = invals
-  transforms = _transforms(ctx, eqn, flat)
-  view = ctx.machine.view(ctx, ref, transforms, eqn)
-  return [ctx.machine.load(ctx, view, eqn)]
-
-
-@_plain
-def _swap(ctx, eqn, invals):
-  ref, value, *flat = invals
-  transforms = _transforms(ctx, eqn, flat)
-  view = ctx.machine.view(ctx, ref, transforms, eqn)
-  old = ctx.machine.load(ctx, view, eqn, check_init=False)
-  ctx.machine.store(ctx, view, value, eqn)
-  return [old]
-
-
-@_plain
-def _addupdate(ctx, eqn, invals):
-  ref, value, *flat = invals
-  transforms = _transforms(ctx, eqn, flat)
-  view = ctx.machine.view(ctx, ref, transforms, eqn)
-  old = ctx.machine.load(ctx, view, eqn)
-  ctx.machine.store(ctx, view, np.asarray(old + np.asarray(value)), eqn)
-  return []
-
-
-def _masked_operands(ctx, eqn, ref, transforms, mask):
-  """(view, mask as numpy) of a masked load / swap."""
-  ref, own = records.split_ref(ref)
-  view = ctx.machine.view(ctx, ref, (*own, *(transforms or ())), eqn)
-  return view, None if mask is None else np.asarray(mask)
-
-
-@_plain
-def _masked_load(ctx, eqn, invals):
-  ref, transforms, mask, other = eqn.params["args_tree"].unflatten(invals)
-  view, mask = _masked_operands(ctx, eqn, ref, transforms, mask)
-  value = ctx.machine.load(ctx, view, eqn, mask=mask)
-  if mask is not None:
-    fill = 0 if other is None else np.asarray(other)
-    value = np.where(mask, value, fill).astype(value.dtype)
-  return [value]
-
-
-@_plain
-def _masked_swap(ctx, eqn, invals):
-  ref, transforms, value, mask = eqn.params["args_tree"].unflatten(invals)
-  view, mask = _masked_operands(ctx, eqn, ref, transforms, mask)
-  old = ctx.machine.load(ctx, view, eqn, check_init=False)
-  ctx.machine.store(ctx, view, value, eqn, mask=mask)
-  return [old]
+_get = _plain(refs.get)
+_swap = _plain(refs.swap)
+_addupdate = _plain(refs.addupdate)
+_masked_load = _plain(refs.masked_load)
+_masked_swap = _plain(refs.masked_swap)
 
 
 @_plain
@@ -431,67 +433,117 @@ class ScopeEnd:
   buffers: tuple[Any, ...]
 
 
-def _cond(ctx, eqn, invals):
-  index, *args = invals
-  branch = eqn.params["branches"][int(index)]
-  jaxpr, consts = opened(branch)
-  return (yield from run_jaxpr(ctx, jaxpr, consts, args))
+def _control(ctx, eqn, invals):
+  """The rule of control flow (cond, while, scan, calls): its compiled
+  form (``_flow``) run; ``_run`` runs it itself, with no rule between."""
+  flow = _flow(eqn, ctx.machine.plan.memo)
+  return (yield from flow.run(ctx, invals))
 
 
-def _while(ctx, eqn, invals):
-  p = eqn.params
-  cond_jaxpr, cond_consts = opened(p["cond_jaxpr"])
-  body_jaxpr, body_consts = opened(p["body_jaxpr"])
-  nc, nb = p["cond_nconsts"], p["body_nconsts"]
-  cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
-  while True:
-    [go] = yield from run_jaxpr(
-      ctx, cond_jaxpr, cond_consts, [*cconsts, *carry]
-    )
-    if not bool(go):
-      return carry
-    carry = yield from run_jaxpr(
-      ctx, body_jaxpr, body_consts, [*bconsts, *carry]
-    )
+def _flow(eqn: core.JaxprEqn, memo: dict):
+  """The compiled form of a control flow equation (its bodies' code), made
+  once per kernel; None for any other equation."""
+  make = _FLOWS.get(eqn.primitive)
+  if make is None or RULES.get(eqn.primitive) is not _control:
+    return None
+  key = ("flow", id(eqn))
+  found = memo.get(key)
+  if found is None:
+    found = memo[key] = (make(eqn, memo), eqn)  # eqn: its id stays its own
+  return found[0]
 
 
-def _scan(ctx, eqn, invals):
-  p = eqn.params
-  memo = ctx.machine.plan.memo
-  if ("scan", id(eqn)) not in memo:  # 0.12 unpacks a flat tree for it
-    memo[("scan", id(eqn))] = (_jax.scan_layout(p), eqn)  # eqn: keep id
-  (num_consts, num_carry), _ = memo[("scan", id(eqn))]
-  jaxpr, jconsts = opened(p["jaxpr"])
-  consts = invals[:num_consts]
-  carry = invals[num_consts : num_consts + num_carry]
-  xs = invals[num_consts + num_carry :]
-  length = p["length"]
-  steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
-  ys_steps: dict[int, list[Any]] = {}
-  for i in steps:
-    outs = yield from run_jaxpr(
-      ctx, jaxpr, jconsts, [*consts, *carry, *(np.asarray(x)[i] for x in xs)]
-    )
-    carry, ys_steps[i] = outs[:num_carry], outs[num_carry:]
-  num_ys = len(eqn.outvars) - num_carry
-  ys = []
-  for k in range(num_ys):
-    aval = eqn.outvars[num_carry + k].aval
-    if length:
-      ys.append(np.stack([np.asarray(ys_steps[i][k]) for i in range(length)]))
-    else:
-      ys.append(np.zeros(aval.shape, aval.dtype))
-  return [*carry, *ys]
+def _opened_code(j, memo: dict) -> tuple[_Code, list[Any]]:
+  jaxpr, consts = opened(j)
+  return _code(jaxpr, memo), consts
 
 
-def _call(ctx, eqn, invals):
-  jaxpr, consts = opened(eqn.params["jaxpr"])
-  return (yield from run_jaxpr(ctx, jaxpr, consts, invals))
+class _Cond:
+  __slots__ = ("branches",)
+
+  def __init__(self, eqn, memo):
+    self.branches = [_opened_code(b, memo) for b in eqn.params["branches"]]
+
+  def run(self, ctx, invals):
+    body, consts = self.branches[int(invals[0])]
+    return (yield from _run(ctx, body, [*consts, *invals[1:]]))
 
 
-def _custom_call(ctx, eqn, invals):
-  jaxpr, consts = opened(eqn.params["call_jaxpr"])
-  return (yield from run_jaxpr(ctx, jaxpr, consts, invals))
+class _Call:
+  """A ``jit`` or ``custom_jvp`` call that is no segment."""
+
+  __slots__ = ("body",)
+
+  def __init__(self, eqn, memo):
+    name = "jaxpr" if eqn.primitive is pjit.jit_p else "call_jaxpr"
+    self.body = _opened_code(eqn.params[name], memo)
+
+  def run(self, ctx, invals):
+    body, consts = self.body
+    return (yield from _run(ctx, body, [*consts, *invals]))
+
+
+class _While:
+  __slots__ = ("cond", "body", "nc", "nb")
+
+  def __init__(self, eqn, memo):
+    p = eqn.params
+    self.cond = _opened_code(p["cond_jaxpr"], memo)
+    self.body = _opened_code(p["body_jaxpr"], memo)
+    self.nc, self.nb = p["cond_nconsts"], p["body_nconsts"]
+
+  def run(self, ctx, invals):
+    nc, nb = self.nc, self.nb
+    cconsts, bconsts = invals[:nc], invals[nc : nc + nb]
+    carry = invals[nc + nb :]
+    (cond, cond_consts), (body, body_consts) = self.cond, self.body
+    while True:
+      [go] = yield from _run(ctx, cond, [*cond_consts, *cconsts, *carry])
+      if not bool(go):
+        return carry
+      carry = yield from _run(ctx, body, [*body_consts, *bconsts, *carry])
+
+
+class _Scan:
+  __slots__ = ("num_consts", "num_carry", "body", "length", "reverse", "ys")
+
+  def __init__(self, eqn, memo):
+    p = eqn.params
+    # (0.12 unpacks a flat tree for the layout: once, here.)
+    self.num_consts, self.num_carry = _jax.scan_layout(p)
+    self.body = _opened_code(p["jaxpr"], memo)
+    self.length, self.reverse = p["length"], p["reverse"]
+    self.ys = [v.aval for v in eqn.outvars[self.num_carry :]]
+
+  def run(self, ctx, invals):
+    num_consts, num_carry, length = self.num_consts, self.num_carry, self.length
+    body, jconsts = self.body
+    consts = invals[:num_consts]
+    carry = invals[num_consts : num_consts + num_carry]
+    xs = [np.asarray(x) for x in invals[num_consts + num_carry :]]
+    steps = range(length - 1, -1, -1) if self.reverse else range(length)
+    ys_steps: dict[int, list[Any]] = {}
+    for i in steps:
+      outs = yield from _run(
+        ctx, body, [*jconsts, *consts, *carry, *(x[i] for x in xs)]
+      )
+      carry, ys_steps[i] = outs[:num_carry], outs[num_carry:]
+    ys = []
+    for k, aval in enumerate(self.ys):
+      if length:
+        ys.append(np.stack([np.asarray(ys_steps[i][k]) for i in range(length)]))
+      else:
+        ys.append(np.zeros(aval.shape, aval.dtype))
+    return [*carry, *ys]
+
+
+_FLOWS = {
+  lax_control_flow.cond_p: _Cond,
+  lax_control_flow.while_p: _While,
+  lax_control_flow.scan_p: _Scan,
+  pjit.jit_p: _Call,
+  _custom.custom_jvp_call_p: _Call,
+}
 
 
 def _rules() -> dict[Any, Any]:
@@ -508,11 +560,11 @@ def _rules() -> dict[Any, Any]:
       pallas_primitives.run_scoped_p: _run_scoped,
       pallas_primitives.delay_p: _nothing,
       tpu.get_barrier_semaphore_p: _barrier_semaphore,
-      lax_control_flow.cond_p: _cond,
-      lax_control_flow.while_p: _while,
-      lax_control_flow.scan_p: _scan,
-      pjit.jit_p: _call,
-      _custom.custom_jvp_call_p: _custom_call,
+      lax_control_flow.cond_p: _control,
+      lax_control_flow.while_p: _control,
+      lax_control_flow.scan_p: _control,
+      pjit.jit_p: _control,
+      _custom.custom_jvp_call_p: _control,
     }
   )
   for name in ("trace_value_p", "prng_seed_p"):

@@ -115,6 +115,8 @@ class Machine:
   def __init__(self, plan: Plan, strategy: schedule.Strategy):
     self.plan = plan
     self.strategy = strategy
+    # (``comp`` runs at every access: the plan's count, read once.)
+    self.num_programs = plan.num_programs
     self.step = 0
     self.preemptions: list[tuple[int, schedule.Option]] = []
     self.events: list[Event] = []
@@ -157,7 +159,7 @@ class Machine:
   # -- naming ----------------------------------------------------------------
 
   def comp(self, device: int, program: int) -> int:
-    return device * self.plan.num_programs + program
+    return device * self.num_programs + program
 
   def name(self, device: int, program: int) -> str:
     return self.plan.name(device, program)
@@ -384,7 +386,21 @@ class Machine:
   # -- addressing ------------------------------------------------------------
 
   def target(self, ctx, device_id, id_type, core_index, describe):
-    """(device, program) that ``device_id`` / ``core_index`` name."""
+    """(device, program) that ``device_id`` / ``core_index`` name: worked
+    out once per kernel for the same program and integer scalars (a ring
+    names the same neighbour at every step)."""
+    key = _target_key(ctx, device_id, id_type, core_index)
+    if key is None:
+      return self._target(ctx, device_id, id_type, core_index, describe)
+    memo = self.plan.memo
+    found = memo.get(key)
+    if found is None:
+      found = self._target(ctx, device_id, id_type, core_index, describe)
+      if len(memo) < MAX_WINDOWS:
+        memo[key] = found
+    return found
+
+  def _target(self, ctx, device_id, id_type, core_index, describe):
     plan = self.plan
     coords = plan.device_coords(ctx.device)
     program = ctx.program
@@ -453,6 +469,22 @@ class Machine:
         "its scope)"
       )
     return view.on(other)
+
+
+def _target_key(ctx, device_id, id_type, core_index):
+  """What identifies a ``target`` question (None where an operand is not
+  integer scalars: it is worked out anew)."""
+  if isinstance(device_id, dict):
+    names: Any = tuple(device_id)
+    values = list(device_id.values())
+  elif isinstance(device_id, (tuple, list)):
+    names, values = len(device_id), list(device_id)
+  else:
+    names, values = None, [device_id]
+  scalars = records.scalar_key([*values, core_index])
+  if scalars is None:
+    return None
+  return ("target", ctx.device, ctx.program, id_type, names, *scalars)
 
 
 class Describe(memory.Deferred):

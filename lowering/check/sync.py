@@ -7,7 +7,6 @@ where the condition shows: a deadlock when no option is left, leftovers
 when the programs have ended, races and uninitialised reads at the access.
 """
 
-import dataclasses
 import functools
 
 import numpy as np
@@ -25,14 +24,17 @@ MAX_STEPS = 1_000_000
 Gate = tuple[np.ndarray, int, int] | bool  # (counts, element, need) or True
 
 
-@dataclasses.dataclass
 class _Waiting:
   """What a program's pending operation waits on, worked out once per
-  operation (its operands do not change while it waits)."""
+  operation (its operands do not change while it waits). (A plain class:
+  one is made at every step.)"""
 
-  sems: dict[int, View] = dataclasses.field(default_factory=dict)  # by id()
-  bytes: int | None = None
-  gate: Gate | None = None
+  __slots__ = ("sems", "bytes", "gate")
+
+  def __init__(self):
+    self.sems: dict[int, View] = {}  # by id()
+    self.bytes: int | None = None
+    self.gate: Gate | None = None
 
 
 class _Program:
@@ -173,7 +175,9 @@ def _gate(m, p: _Program) -> Gate:
   need)``: a semaphore's flat counts, which of them, and how many it
   needs (the counts change in place, the rest not until it goes on);
   True if it need not wait."""
-  op = p.next_sync().op
+  pending = p.pending  # (next_sync's check, without its call: every step)
+  assert pending is not None
+  op = pending.op
   if isinstance(op, records.DmaWait):
     view = _sem_view(m, p, op.sem)
     need = _wait_bytes(m, p, op)
@@ -208,7 +212,9 @@ def _advance(m, p: _Program) -> None:
   """Performs ``p``'s pending operation and runs it to its next one."""
   result = None
   if p.started:
-    result = _perform(m, p, p.next_sync())
+    pending = p.pending
+    assert pending is not None
+    result = _perform(m, p, pending)
   p.started = True
   p.waiting = _Waiting()
   p.polled = isinstance(p.pending and p.pending.op, records.SemRead)
