@@ -517,7 +517,7 @@ def tpu_simulator_memory():
 
 def tpu_simulator_failure() -> BaseException | None:
   """What made the TPU simulator's last launch fail, if it kept it."""
-  memory = tpu().simulator._shared_memory
+  memory = tpu_simulator_memory()
   return None if memory is None else memory._failure
 
 
@@ -525,7 +525,7 @@ def fail_tpu_simulator_device(error: Exception, device_id: int) -> None:
   """Ends device ``device_id``'s part of the TPU simulator's launch as
   failed, as its own failure would (the other devices stop waiting for it).
   Used on 0.10 only (``SIMULATE_DEVICES_AS_COMPUTATIONS``)."""
-  if tpu().simulator._shared_memory is not None:
+  if tpu_simulator_memory() is not None:
     try:
       tpu().simulator.fail(error, device_id)
     except threading.BrokenBarrierError:
@@ -537,7 +537,7 @@ def release_tpu_simulator_clean_up() -> None:
   devices that never began it: the simulator's clean-up after a failure
   waits for every device of the launch; it raises now instead (the next
   launch starts from a fresh simulator state)."""
-  memory = tpu().simulator._shared_memory
+  memory = tpu_simulator_memory()
   if memory is not None:
     memory.clean_up_barrier.abort()
 
