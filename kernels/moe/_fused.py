@@ -20,8 +20,9 @@ next: the communication the unfused layer does in two separate exchanges
 Layout. A receiver keeps one slot of ``slot`` rows (a multiple of ``tm``)
 per source device; source ``s``'s rows land in slot ``s`` in the order the
 source sorted them (by local expert), so a tile of a slot holds rows of one
-or a few experts: the compute program multiplies the tile by each expert
-whose rows it holds and keeps, row by row, the product of the row's expert.
+or a few experts: the compute program multiplies, by each expert whose
+rows the tile holds, the tile (TPU) or the smallest window of it around
+those rows (CPU), and keeps, row by row, the product of the row's expert.
 Results go back into slot ``t`` (the receiver's position) of the source's
 ``returned`` buffer, and the layer gathers them into sorted order. Tiles
 are whole: the last tile of a slice carries rows past it (the sender's
@@ -51,6 +52,7 @@ The compute program holds its experts' weights in VMEM
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -66,7 +68,11 @@ from mpmd.kernels.moe import _peers as peers_lib
 _NAME = "moe_fused"
 # Rows of a tile: a multiple of the 8 sublanes; 128 fills the MXU on TPU.
 # On the CPU fallback every tile costs a few synchronisation steps of the
-# executor, so tiles are larger there.
+# executor, so tiles are larger there, and an expert multiplies only a
+# window of the tile around its rows: the smallest multiple of
+# ``_common.STABLE_DOT_ROWS`` that holds them (every dot runs on at least
+# that many rows there anyway), so a tile of two experts' rows is not
+# multiplied twice whole.
 _TILE_ROWS = {"tpu": 128, "cpu": 512}
 _SUBLANES = 8
 # Rows of the metadata table (columns: group positions).
@@ -82,11 +88,18 @@ class _Plan(NamedTuple):
   tm: int  # rows per tile
   slot: int  # rows per source slot, a multiple of tm
   activation: Any
+  step: int  # rows of the smallest window an expert multiplies; tm: none
 
   @property
   def tiles(self) -> int:
     """Tiles per slot."""
     return self.slot // self.tm
+
+  @property
+  def windows(self) -> tuple[int, ...]:
+    """The window sizes an expert's rows in a tile may take: multiples of
+    ``step`` below ``tm``, then the whole tile."""
+    return (*range(self.step, self.tm, self.step), self.tm)
 
 
 def _plan(
@@ -98,12 +111,14 @@ def _plan(
 ) -> _Plan:
   """Tile and slot sizes for slices of at most ``per_source`` rows;
   ``tile_rows`` (a multiple of 8) overrides the platform's tile."""
+  tpu = targets.platform() == "tpu"
   if tile_rows is None:
-    tile_rows = _TILE_ROWS["tpu" if targets.platform() == "tpu" else "cpu"]
+    tile_rows = _TILE_ROWS["tpu" if tpu else "cpu"]
   rows = max(_SUBLANES, -(-per_source // _SUBLANES) * _SUBLANES)
   tm = min(tile_rows, rows)
   slot = -(-rows // tm) * tm
-  return _Plan(groups, experts_local, tm, slot, activation)
+  step = tm if tpu else min(tm, _common.STABLE_DOT_ROWS)
+  return _Plan(groups, experts_local, tm, slot, activation, step)
 
 
 def _tiles(rows: jax.Array, tm: int) -> jax.Array:
@@ -201,23 +216,38 @@ def _experts(p: _Plan, r: _Refs, source, i) -> None:
   ``source``'s slice) through its local expert's MLP; rows past the slice
   are zeros."""
   tm = p.tm
-  dtype = r.x_tile.dtype
-  rows = i * tm + lax.broadcasted_iota(jnp.int32, r.y_tile.shape, 0)
-  r.y_tile[...] = jnp.zeros(r.y_tile.shape, dtype)
+  r.y_tile[...] = jnp.zeros(r.y_tile.shape, r.y_tile.dtype)
   lo = jnp.int32(0)
   for e in range(p.experts_local):
     hi = lo + r.c_meta[_GROUP + e, source]
-
-    @pl.when((lo < (i + 1) * tm) & (hi > i * tm))
-    def _(e=e, lo=lo, hi=hi):
-      # Rows rounded as gmm's windows round them (``_common.rows_dot``).
-      h = _common.rows_dot(r.x_tile[...], r.w_in_v[e], 0, jnp.float32)
-      a = p.activation(h).astype(dtype)
-      y = _common.rows_dot(a, r.w_out_v[e], 0, jnp.float32)
-      mine = (rows >= lo) & (rows < hi)
-      r.y_tile[...] = jnp.where(mine, y.astype(dtype), r.y_tile[...])
-
+    window = functools.partial(_window, p, r, e, lo - i * tm, hi - i * tm)
+    if len(p.windows) == 1:  # the whole tile
+      pl.when((lo < (i + 1) * tm) & (hi > i * tm))(lambda w=window: w(0, tm))
+    else:
+      # The expert's rows in this tile: [first, end) of the tile's rows.
+      first = jnp.clip(lo - i * tm, 0, tm)
+      end = jnp.clip(hi - i * tm, 0, tm)
+      size = jnp.minimum((end - first - 1) // p.step, len(p.windows) - 1)
+      branches = [functools.partial(window, first, w) for w in p.windows]
+      pl.when(end > first)(lambda s=size, b=branches: lax.switch(s, b))
     lo = hi
+
+
+def _window(p: _Plan, r: _Refs, e: int, lo, hi, first, rows: int) -> None:
+  """Rows ``[lo, hi)`` of the tile (clipped to it; ``first`` is the first
+  of them inside it) through expert ``e``'s MLP, in a window of ``rows``
+  rows from ``first`` (moved back to end with the tile); the window's
+  other rows keep ``y_tile``'s values."""
+  start = 0 if rows == p.tm else jnp.minimum(first, p.tm - rows)
+  window = pl.ds(start, rows)
+  dtype = r.x_tile.dtype
+  # Rows rounded as gmm's windows round them (``_common.rows_dot``).
+  h = _common.rows_dot(r.x_tile[window], r.w_in_v[e], 0, jnp.float32)
+  a = p.activation(h).astype(dtype)
+  y = _common.rows_dot(a, r.w_out_v[e], 0, jnp.float32)
+  at = start + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+  mine = (at >= lo) & (at < hi)
+  r.y_tile[window] = jnp.where(mine, y.astype(dtype), r.y_tile[window])
 
 
 def _compute(p: _Plan, r: _Refs) -> None:

@@ -72,6 +72,8 @@ class Problem:
     logits = rng.standard_normal((devices * tokens, experts))
     if routing == "one_expert":
       logits[:, 1] += 100.0  # every token's first choice: expert 1
+    elif routing == "first_expert":
+      logits[:, 0] += 100.0  # ... expert 0: a device's first expert
     elif routing == "ties":
       logits = np.round(logits)  # many equal logits
     elif routing == "own_device":

@@ -59,6 +59,12 @@ def _both(p, **kwargs):
     (2, 6, 2, 1, jnp.float32, "own_device", None),  # nothing sent
     (3, 6, 1, 2, jnp.float32, "ties", 8),  # an odd device count
     (2, 7, 2, 1, jnp.bfloat16, "random", 8),
+    # Tiles of several windows (one per 128 rows on CPU): an expert's rows
+    # multiplied in the smallest that holds them, moved back at the end.
+    (2, 150, 2, 2, jnp.float32, "random", 384),
+    (2, 150, 2, 2, jnp.bfloat16, "skewed", 256),
+    (2, 150, 2, 2, jnp.float32, "one_expert", 256),
+    (2, 150, 2, 2, jnp.float32, "first_expert", 256),
     pytest.param(
       2, 3, 4, 8, jnp.float32, "random", 8, marks=pytest.mark.slow
     ),  # top-8: every expert
