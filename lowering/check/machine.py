@@ -138,8 +138,8 @@ class Machine:
     then nothing of the machine is in a reference cycle, and refcounting
     frees it all, the cyclic collector never walking it. (What it has to
     show after its launch, events and errors, holds no view.) Buffers
-    other than the outputs give their arrays to the next launches
-    (``memory.POOL``)."""
+    give their arrays to the next launches (``memory.POOL``; the
+    outputs' data only once XLA has copied it)."""
     outputs = range(
       self.plan.num_in, self.plan.num_in + len(self.plan.out_avals)
     )
@@ -151,10 +151,8 @@ class Machine:
     }
     for mine in self.memory.values():
       for b in mine.values():
-        if id(b) in kept or b.data is None:  # an output, or done already
-          b.forget_views()
-        else:
-          b.recycle()
+        if b.data is not None:  # (not done already: buffers are shared)
+          b.recycle(output=id(b) in kept)
 
   # -- naming ----------------------------------------------------------------
 

@@ -14,6 +14,7 @@ with a ``slab`` also read and write by slicing).
 import dataclasses
 import functools
 import math
+import sys
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from typing import NamedTuple
@@ -74,12 +75,18 @@ class Pool:
   input), which took a third of a fused MoE launch; kept ones are written
   in place. Holds at most ``max_bytes`` (shared by all kernels and
   threads; what does not fit is freed). A cache of JAX's cache management:
-  ``jax.clear_caches()`` empties it."""
+  ``jax.clear_caches()`` empties it.
+
+  A launch's outputs leave it: its host callback returns them and XLA
+  copies them into its own buffers. They are *lent* (``lend``): kept here
+  but not taken until nothing else refers to them any more (XLA has
+  copied them and dropped them), which the reference count says."""
 
   def __init__(self, max_bytes: int):
     self.max_bytes = max_bytes
     self.held = 0
     self.free: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = {}
+    self.lent: list[np.ndarray] = []
     self.lock = threading.Lock()
     self.hits = self.misses = 0
     _jax.util.register_cache(self, "mpmd: the checking executor's arrays")
@@ -89,6 +96,9 @@ class Pool:
     dtype = np.dtype(dtype)
     with self.lock:
       kept = self.free.get((shape, dtype))
+      if not kept and self.lent:
+        self._returned()
+        kept = self.free.get((shape, dtype))
       if kept:
         array = kept.pop()
         self.held -= array.nbytes
@@ -102,6 +112,7 @@ class Pool:
   def cache_clear(self) -> None:
     with self.lock:
       self.free.clear()
+      self.lent.clear()
       self.held = 0
 
   def cache_info(self) -> PoolInfo:
@@ -117,16 +128,49 @@ class Pool:
     fit."""
     with self.lock:
       for array in arrays:
-        if self.held + array.nbytes > self.max_bytes:
-          continue
-        self.held += array.nbytes
-        key = (array.shape, array.dtype)
-        self.free.setdefault(key, []).append(array)
+        if self._fits(array):
+          self.free.setdefault((array.shape, array.dtype), []).append(array)
 
+  def lend(self, arrays: Iterable[np.ndarray]) -> None:
+    """Keeps ``arrays``, which others may still use, while they fit;
+    ``take`` hands one out only once it is nobody else's."""
+    with self.lock:
+      for array in arrays:
+        if array.base is None and self._fits(array):
+          self.lent.append(array)
+
+  def _fits(self, array: np.ndarray) -> bool:
+    if self.held + array.nbytes > self.max_bytes:
+      return False
+    self.held += array.nbytes
+    return True
+
+  def _returned(self) -> None:
+    """Moves the lent arrays that nothing else refers to any more to the
+    free ones (under ``lock``)."""
+    lent, self.lent = self.lent, []
+    for array in lent:
+      if sys.getrefcount(array) <= _UNREFERENCED:
+        self.free.setdefault((array.shape, array.dtype), []).append(array)
+      else:
+        self.lent.append(array)
+
+
+def _unreferenced() -> int:
+  """``sys.getrefcount`` of an array that only a list refers to, read as
+  ``Pool._returned`` reads it (the list, the loop's name, the call's
+  argument)."""
+  for array in [np.empty(0)]:
+    return sys.getrefcount(array)
+  raise AssertionError
+
+
+_UNREFERENCED = _unreferenced()
 
 # The arrays one launch of a fused MoE layer at the bench's small shape
-# makes (inputs' copies, VMEM scratch, their written flags) fit.
-POOL = Pool(max_bytes=256 << 20)
+# makes (inputs' copies, VMEM scratch, outputs, their written flags: 280
+# MB) fit.
+POOL = Pool(max_bytes=512 << 20)
 
 
 class Aranges:
@@ -244,12 +288,16 @@ class Buffer:
     self.viewed.clear()
     self.__dict__.pop("whole", None)
 
-  def recycle(self) -> None:
+  def recycle(self, output: bool = False) -> None:
     """Gives its arrays to ``POOL`` once its launch has ended and nothing
-    reads it any more (not an output: those leave the launch); it keeps
-    none (a use after this fails rather than reads another's data)."""
+    reads it any more; an output's data leaves the launch, so it is only
+    lent. It keeps none (a use after this fails rather than reads
+    another's data)."""
     self.forget_views()
-    if not self.semaphore:
+    if output:
+      POOL.give((self.init,))
+      POOL.lend((self.data,))
+    elif not self.semaphore:
       POOL.give((self.data, self.init))
     self.data = self.flat = self.init = None  # type: ignore[assignment]
 

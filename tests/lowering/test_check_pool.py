@@ -1,6 +1,8 @@
 """The checker's pool of buffer arrays: a launch whose buffers reuse the
 arrays of an earlier launch sees nothing of what that launch wrote."""
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,3 +90,29 @@ def test_jax_clear_caches_empties_the_pool():
   assert pool.cache_info().currsize == 0 and not pool.cache_keys()
   assert pool.take((8,), np.float32) is not None  # a new array
   assert pool.cache_info().misses == 1
+
+
+def test_outputs_are_lent_and_reused_only_once_xla_copied_them():
+  x = jnp.ones(SHAPE, jnp.float32)
+  first = _launch(_writes_then_copies)(x)
+  np.testing.assert_array_equal(first, 2.0)
+  # The launch's output array was lent to the pool (XLA has copied it):
+  # watched without a reference, which would keep it lent.
+  [output] = [weakref.ref(a) for a in memory.POOL.lent if a.shape == SHAPE]
+  assert np.all(output() == 2.0)
+  second = _launch(_copies_unwritten)(x)
+  assert np.isnan(np.asarray(second)).all()
+  # The next launch's buffers took it and wrote it (garbage, then copies):
+  assert np.isnan(output()).all()
+  # ... and what the first call returned is untouched.
+  np.testing.assert_array_equal(first, 2.0)
+
+
+def test_a_lent_array_still_referred_to_is_not_taken():
+  pool = memory.Pool(max_bytes=1 << 10)
+  a = np.zeros((8,), np.float32)
+  pool.lend([a])  # ``a`` is still ours
+  assert pool.take((8,), np.float32) is not a and pool.lent
+  lent = weakref.ref(a)
+  del a
+  assert pool.take((8,), np.float32) is lent() and not pool.lent
