@@ -33,3 +33,27 @@ def pytest_terminal_summary(terminalreporter):
   """CI prints the skip count: a skipped kernel test is a bug report."""
   skipped = len(terminalreporter.stats.get("skipped", []))
   terminalreporter.write_line(f"mpmd: {skipped} tests skipped")
+
+
+# XLA:CPU JIT-compiles each fusion into pages of their own: a compiled
+# kernel keeps a few hundred memory mappings until JAX's caches drop it.
+# One process that runs the whole suite could reach the kernel's limit
+# (vm.max_map_count, 65,530 by default), and XLA:CPU's compile then fails
+# with "Failed to materialize symbols", and jaxlib 0.10.2 segfaults while
+# reporting it (seen running upstream's megablox tests: 65,468 mappings).
+# Past this many, the caches are cleared between tests.
+MAX_MAPPINGS = 40_000
+
+
+def _mappings() -> int:
+  try:
+    with open("/proc/self/maps", "rb") as maps:
+      return sum(1 for _ in maps)
+  except OSError:  # not Linux: no such limit to watch
+    return 0
+
+
+def pytest_runtest_teardown(item, nextitem):
+  del item, nextitem
+  if _mappings() > MAX_MAPPINGS:
+    jax.clear_caches()
