@@ -126,6 +126,8 @@ class Machine:
     # clock).
     self.lanes: dict[int, int] = {}
     n = plan.num_devices * plan.num_programs
+    # Vector clock components of programs (DMA lanes come after them).
+    self.num_comps = n
     self.clocks: list[memory.Clock] = [{p: 1} for p in range(n)]
     self.memory: dict[tuple[int, int], dict[memory.Key, Buffer]] = {}
     self.semaphores: list[Buffer] = []
@@ -165,7 +167,7 @@ class Machine:
     return self.plan.name(device, program)
 
   def name_comp(self, comp: int) -> str:
-    n = self.plan.num_devices * self.plan.num_programs
+    n = self.num_comps
     if comp >= n:
       return f"a DMA issued by {self.name_comp(comp - n)}"
     return self.name(*divmod(comp, self.plan.num_programs))

@@ -276,7 +276,13 @@ class View:
 
   def on(self, buffer: Buffer) -> "View":
     """The same elements of another program's copy of the buffer."""
-    return View(buffer, self.ids)
+    view = View(buffer, self.ids)
+    slab = self.__dict__.get("slab", view)  # (view: not worked out yet)
+    if slab is not view and buffer.root is self.buffer.root:
+      # The same ids of the same flat arange (copies share their shape's):
+      # the same slab, without working it out again.
+      view.__dict__["slab"] = slab
+    return view
 
   @functools.cached_property
   def slab(self) -> slice | None:
