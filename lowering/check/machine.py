@@ -462,6 +462,8 @@ class Machine:
     ``(device, program)`` has."""
     theirs = self.memory[(device, program)]
     other = theirs.get(view.buffer.key)
+    if other is view.buffer:  # its own (a local DMA): the view itself
+      return view
     if other is None and view.buffer.key[0] == "scoped":
       other = theirs[view.buffer.key] = self._like(view.buffer, device, program)
     if other is None:

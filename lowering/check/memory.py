@@ -29,6 +29,8 @@ Clock = dict[int, int]
 
 def join(a: Clock, b: Clock) -> Clock:
   """The least clock above both."""
+  if not a:  # (a semaphore's first signal)
+    return {k: t for k, t in b.items() if t > 0}
   out = a.copy()
   get = out.get
   for k, t in b.items():
@@ -201,7 +203,7 @@ class Buffer:
     self.label = label
     self.key = key
     self.semaphore = semaphore
-    shape = tuple(int(d) for d in shape)
+    shape = tuple(map(int, shape))
     size = math.prod(shape)  # (np.prod costs microseconds per buffer)
     if semaphore:
       self.data = np.zeros(shape, np.int64)
