@@ -276,11 +276,14 @@ def _perform(m, p: _Program, sync: interp.Sync):
   raise NotImplementedError(f"mpmd checker: operation {op!r}")
 
 
-def _event(m, p, kind, what, where, **extra) -> int:
-  m.events.append(
-    machine_lib.Event(m.step, p.device, p.program, kind, what, where, **extra)
+def _event(m, p, kind, what, where, dma=None, after=None) -> int:
+  events = m.events
+  events.append(
+    machine_lib.Event(
+      m.step, p.device, p.program, kind, what, where, dma, after
+    )
   )
-  return len(m.events) - 1
+  return len(events) - 1
 
 
 def _add(view: View, amount: int, clock, event: int | None) -> None:
