@@ -93,6 +93,7 @@ class Dma:
     self.where = where
     self.event = None
     self.lane_time = 0
+    self.option = ("d", index)  # how the scheduler names it
 
 
 @dataclasses.dataclass

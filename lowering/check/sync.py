@@ -161,7 +161,8 @@ def _options(m, programs: list[_Program], current: int | None):
     options.append(p.option)
   if m.dmas:
     first = len(options)
-    options += [("d", k) for k in sorted(m.dmas)]
+    # (Oldest first: DMAs join ``m.dmas`` in the order of their indices.)
+    options += [dma.option for dma in m.dmas.values()]
     return options, options[first]
   if not options:
     return options, None
