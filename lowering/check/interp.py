@@ -253,12 +253,14 @@ def _pure(eqn: core.JaxprEqn, memo: dict) -> bool:
 class _Step:
   """An equation to interpret, with what running it needs looked up once:
   its source line, operands (literals on the host already, else slots),
-  the slots of the outputs it defines (None: dropped) and, for control
-  flow, its bodies compiled (``_Flow``). (Its rule is looked up as it
-  runs: the GPU rules join the table when a GPU launch is first
-  lowered.)"""
+  the slots of the outputs it defines (None: dropped), for control
+  flow, its bodies compiled (``_Flow``), and ``plain``: ``_sync`` for a
+  synchronisation, the plain function of a rule that never synchronises
+  (``_PLAIN``), else None. (Other rules are looked up as the step runs:
+  the GPU rules join the table when a GPU launch is first lowered, and
+  replace none of these.)"""
 
-  __slots__ = ("eqn", "place", "ins", "outs", "flow")
+  __slots__ = ("eqn", "place", "ins", "outs", "flow", "plain")
 
   def __init__(self, eqn: core.JaxprEqn, slot, memo: dict):
     self.eqn = eqn
@@ -268,6 +270,8 @@ class _Step:
       None if isinstance(v, core.DropVar) else slot(v) for v in eqn.outvars
     ]
     self.flow = _flow(eqn, memo)
+    rule = RULES.get(eqn.primitive)
+    self.plain = rule if rule is _sync else _PLAIN.get(rule)
 
 
 def run_jaxpr(
@@ -306,12 +310,14 @@ def _run(ctx: Context, code: _Code, values) -> Generator[Sync, Any, list[Any]]:
         values = yield from flow.run(ctx, invals)
     else:
       eqn = step.eqn
-      rule = RULES.get(eqn.primitive)
-      if rule is _sync:  # no generator of its own per operation
+      plain = step.plain
+      if plain is _sync:  # no generator of its own per operation
         record = records.record_of(eqn, invals, ctx.machine.plan.memo)
         result = yield Sync(record, ctx.where)
         values = _synced(eqn, result)
-      elif rule is None:  # pure equations are segments
+      elif plain is not None:
+        values = plain(ctx, eqn, invals)
+      elif (rule := RULES.get(eqn.primitive)) is None:  # pure: segments
         raise NotImplementedError(
           f"mpmd checker: {eqn.primitive.name!r} (at {ctx.where}) is "
           "not supported by the checking executor; run the launch with "

@@ -93,6 +93,7 @@ class Dma:
     self.where = where
     self.event = None
     self.lane_time = 0
+    self.option = ("d", index)  # how the scheduler names it
 
 
 @dataclasses.dataclass
@@ -126,6 +127,8 @@ class Machine:
     # clock).
     self.lanes: dict[int, int] = {}
     n = plan.num_devices * plan.num_programs
+    # Vector clock components of programs (DMA lanes come after them).
+    self.num_comps = n
     self.clocks: list[memory.Clock] = [{p: 1} for p in range(n)]
     self.memory: dict[tuple[int, int], dict[memory.Key, Buffer]] = {}
     self.semaphores: list[Buffer] = []
@@ -163,7 +166,7 @@ class Machine:
     return self.plan.name(device, program)
 
   def name_comp(self, comp: int) -> str:
-    n = self.plan.num_devices * self.plan.num_programs
+    n = self.num_comps
     if comp >= n:
       return f"a DMA issued by {self.name_comp(comp - n)}"
     return self.name(*divmod(comp, self.plan.num_programs))
@@ -458,6 +461,8 @@ class Machine:
     ``(device, program)`` has."""
     theirs = self.memory[(device, program)]
     other = theirs.get(view.buffer.key)
+    if other is view.buffer:  # its own (a local DMA): the view itself
+      return view
     if other is None and view.buffer.key[0] == "scoped":
       other = theirs[view.buffer.key] = self._like(view.buffer, device, program)
     if other is None:

@@ -30,6 +30,8 @@ Clock = dict[int, int]
 
 def join(a: Clock, b: Clock) -> Clock:
   """The least clock above both."""
+  if not a:  # (a semaphore's first signal)
+    return {k: t for k, t in b.items() if t > 0}
   out = a.copy()
   get = out.get
   for k, t in b.items():
@@ -245,7 +247,7 @@ class Buffer:
     self.label = label
     self.key = key
     self.semaphore = semaphore
-    shape = tuple(int(d) for d in shape)
+    shape = tuple(map(int, shape))
     size = math.prod(shape)  # (np.prod costs microseconds per buffer)
     if semaphore:
       self.data = np.zeros(shape, np.int64)
@@ -324,7 +326,13 @@ class View:
 
   def on(self, buffer: Buffer) -> "View":
     """The same elements of another program's copy of the buffer."""
-    return View(buffer, self.ids)
+    view = View(buffer, self.ids)
+    slab = self.__dict__.get("slab", view)  # (view: not worked out yet)
+    if slab is not view and buffer.root is self.buffer.root:
+      # The same ids of the same flat arange (copies share their shape's):
+      # the same slab, without working it out again.
+      view.__dict__["slab"] = slab
+    return view
 
   @functools.cached_property
   def slab(self) -> slice | None:

@@ -168,12 +168,31 @@ class _Slot:
     self.index = index
 
 
+# numpy's integer and bool scalar types -> their dtypes.
+_INTEGER_SCALARS = {
+  t: np.dtype(t)
+  for t in (
+    np.bool_,
+    *(getattr(np, f"int{b}") for b in (8, 16, 32, 64)),
+    *(getattr(np, f"uint{b}") for b in (8, 16, 32, 64)),
+  )
+}
+
+
 def scalar_key(values) -> list[Any] | None:
   """What identifies integer scalar ``values`` (numpy scalars and 0-d
   arrays, Python and JAX's typed integer literals, None), type and dtype
   included; None if one is something else (an array, a float)."""
   key: list[Any] = []
   for x in values:
+    kind = type(x)
+    if kind is int:
+      key.append((int, None, x))
+      continue
+    dtype = _INTEGER_SCALARS.get(kind)
+    if dtype is not None:  # (the common case, read off its type)
+      key.append((kind, dtype, int(x)))
+      continue
     if isinstance(x, (np.ndarray, np.generic)):
       if x.shape != () or x.dtype.kind not in "biu":
         return None
@@ -212,26 +231,39 @@ def record_of(eqn: core.JaxprEqn, values, memo: dict):
   if template is False:  # Refs somewhere else than a field's base
     return make.of(eqn, values)
   fields, slots = template
-  fields = list(fields)
-  for k, i, transforms in slots:
-    fields[k] = RefOperand(values[i], transforms)
-  return make(*fields)
+  fields = dict(fields)
+  for name, i, transforms in slots:
+    fields[name] = _made(
+      RefOperand, {"ref": values[i], "transforms": transforms}
+    )
+  return _made(make, fields)
+
+
+def _made(cls, fields: dict[str, Any]):
+  """``cls(**fields)`` for a frozen dataclass ``cls`` with no
+  ``__post_init__`` and ``fields`` all of its fields, in order: its
+  ``__init__`` sets each through ``object.__setattr__``, which costs more
+  than the record's other work (one record per synchronisation)."""
+  made = object.__new__(cls)
+  made.__dict__.update(fields)
+  return made
 
 
 def _template(eqn, values, refs, make):
-  """(the record's fields, [(field, operand, views)] of its Ref fields),
-  or False where a Ref is elsewhere than a field's base Ref. (Operands
-  the record does not keep, such as the source of a ``dma_wait``, need
-  no slot.)"""
+  """(the record's fields by name, [(field, operand, views)] of its Ref
+  fields), or False where a Ref is elsewhere than a field's base Ref.
+  (Operands the record does not keep, such as the source of a
+  ``dma_wait``, need no slot.)"""
   placeholders = [
     _Slot(i) if is_ref else x
     for i, (is_ref, x) in enumerate(zip(refs, values, strict=True))
   ]
   record = make.of(eqn, placeholders)
-  fields = [getattr(record, f.name) for f in dataclasses.fields(record)]
+  names = [f.name for f in dataclasses.fields(record)]
+  fields = [getattr(record, name) for name in names]
   slots = [
-    (k, f.ref.index, Views(f.transforms))
-    for k, f in enumerate(fields)
+    (name, f.ref.index, Views(f.transforms))
+    for name, f in zip(names, fields, strict=True)
     if isinstance(f, RefOperand) and isinstance(f.ref, _Slot)
   ]
   rest = [f for f in fields if not isinstance(f, RefOperand)]
@@ -241,4 +273,4 @@ def _template(eqn, values, refs, make):
     slots
   ):
     return False
-  return tuple(fields), slots
+  return dict(zip(names, fields, strict=True)), slots

@@ -38,9 +38,10 @@ class _Waiting:
 
 
 class _Program:
-  def __init__(self, device, program, gen, ctx, option):
+  def __init__(self, device, program, gen, ctx, option, comp):
     self.device = device
     self.program = program
+    self.comp = comp  # its vector clock component (``Machine.comp``)
     self.option = option  # ("p", its index): how the scheduler names it
     self.gen = gen
     self.ctx = ctx
@@ -62,11 +63,11 @@ def _element(view: View, describe: memory.Text) -> int:
       f"{describe}: a semaphore operation needs one semaphore, got a view "
       f"of shape {view.shape}"
     )
-  return int(view.ids.reshape(-1)[0])
+  return view.ids.item(0)
 
 
 def _count(view: View) -> int:
-  return int(view.buffer.flat[view.ids.reshape(-1)[0]])
+  return int(view.buffer.flat[view.ids.item(0)])
 
 
 def start(m, inputs, device: int, program: int, axis_values):
@@ -100,16 +101,17 @@ def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
     for g in range(plan.num_programs):
       values = {**axis_values, plan.super_axis: (g, plan.num_programs)}
       gen, ctx = start(m, inputs, d, g, values)
-      programs.append(_Program(d, g, gen, ctx, ("p", len(programs))))
+      option = ("p", len(programs))
+      programs.append(_Program(d, g, gen, ctx, option, m.comp(d, g)))
   current = None
+  choose = m.strategy.choose
   while True:
-    options = _options(m, programs)
+    options, default = _options(m, programs, current)
     if not options:
       break
-    default = schedule.default_choice(options, current)
     if current is not None and programs[current].polled:
       default = _next_after(options, current, default)
-    pick = m.strategy.choose(m.step, options, default)
+    pick = choose(m.step, options, default)
     if pick != default:
       m.preemptions.append((m.step, pick))
     m.step += 1
@@ -136,12 +138,15 @@ def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
   ]
 
 
-def _options(m, programs: list[_Program]) -> list[schedule.Option]:
+def _options(m, programs: list[_Program], current: int | None):
   """What can go on now: the programs that have not started, or whose
   pending operation's gate (``_gate``, worked out once per operation) is
-  open, then the DMAs in flight. (The loop asks every program at every
-  step: kept to a few Python steps per program.)"""
+  open, then the DMAs in flight; and ``schedule.default_choice`` of them
+  (read off as they are listed: DMAs come last, oldest first, programs in
+  order). (The loop asks every program at every step: kept to a few
+  Python steps per program.)"""
   options: list[schedule.Option] = []
+  current_open = False
   for p in programs:
     if p.done:
       continue
@@ -151,10 +156,17 @@ def _options(m, programs: list[_Program]) -> list[schedule.Option]:
         gate = p.waiting.gate = _gate(m, p)
       if type(gate) is tuple and gate[0][gate[1]] < gate[2]:
         continue
+    if p.option[1] == current:
+      current_open = True
     options.append(p.option)
   if m.dmas:
-    options += [("d", k) for k in sorted(m.dmas)]
-  return options
+    first = len(options)
+    # (Oldest first: DMAs join ``m.dmas`` in the order of their indices.)
+    options += [dma.option for dma in m.dmas.values()]
+    return options, options[first]
+  if not options:
+    return options, None
+  return options, (programs[current].option if current_open else options[0])
 
 
 def _next_after(options, current, default):
@@ -186,7 +198,7 @@ def _gate(m, p: _Program) -> Gate:
     need = int(np.asarray(op.value))
   else:
     return True
-  return view.buffer.flat, int(view.ids.reshape(-1)[0]), need
+  return view.buffer.flat, view.ids.item(0), need
 
 
 def _sem_view(m, p, operand) -> View:
@@ -230,14 +242,17 @@ def _advance(m, p: _Program) -> None:
 
 def _perform(m, p: _Program, sync: interp.Sync):
   op, where = sync.op, sync.where
-  comp = m.comp(p.device, p.program)
-  clock = m.clocks[comp]
-  if isinstance(op, records.DmaStart):
-    return _start(m, p, op, where)
+  # (The record types, most frequent first.)
   if isinstance(op, records.DmaWait):
     view = _sem_view(m, p, op.sem)
     need = _wait_bytes(m, p, op)
     return _take(m, p, view, need, True, "dma_wait", where)
+  if isinstance(op, records.DmaStart):
+    return _start(m, p, op, where)
+  if isinstance(op, interp.ScopeEnd):
+    return _end_scope(m, p, op, where)
+  comp = p.comp
+  clock = m.clocks[comp]
   if isinstance(op, records.SemWait):
     view = _sem_view(m, p, op.sem)
     need = int(np.asarray(op.value))
@@ -256,23 +271,24 @@ def _perform(m, p: _Program, sync: interp.Sync):
     return None
   if isinstance(op, records.SemRead):
     view = _sem_view(m, p, op.sem)
-    e = int(view.ids.reshape(-1)[0])
+    e = view.ids.item(0)
     m.clocks[comp] = memory.join(clock, view.buffer.clocks[e])
     return _count(view)
-  if isinstance(op, interp.ScopeEnd):
-    return _end_scope(m, p, op, where)
   raise NotImplementedError(f"mpmd checker: operation {op!r}")
 
 
-def _event(m, p, kind, what, where, **extra) -> int:
-  m.events.append(
-    machine_lib.Event(m.step, p.device, p.program, kind, what, where, **extra)
+def _event(m, p, kind, what, where, dma=None, after=None) -> int:
+  events = m.events
+  events.append(
+    machine_lib.Event(
+      m.step, p.device, p.program, kind, what, where, dma, after
+    )
   )
-  return len(m.events) - 1
+  return len(events) - 1
 
 
 def _add(view: View, amount: int, clock, event: int | None) -> None:
-  e = int(view.ids.reshape(-1)[0])
+  e = view.ids.item(0)  # (a view of one element: ``_element``)
   b = view.buffer
   b.flat[e] += amount
   b.clocks[e] = memory.join(b.clocks[e], clock)
@@ -280,11 +296,11 @@ def _add(view: View, amount: int, clock, event: int | None) -> None:
 
 
 def _take(m, p, view: View, need: int, decrement: bool, what, where):
-  e = int(view.ids.reshape(-1)[0])
+  e = view.ids.item(0)
   b = view.buffer
   if decrement:
     b.flat[e] -= need
-  comp = m.comp(p.device, p.program)
+  comp = p.comp
   m.clocks[comp] = memory.join(m.clocks[comp], b.clocks[e])
   _event(
     m, p, "wait", f"{what} {b.label} for {need}", where, after=b.signals[e]
@@ -314,7 +330,7 @@ def _start(m, p, op: records.DmaStart, where: str):
   if op.send_sem is not None:
     send = m.resolve(op.send_sem, (), describe)
     _element(send, describe)
-  comp = m.comp(p.device, p.program)
+  comp = p.comp
   index = m.num_dmas
   m.num_dmas += 1
   dma = machine_lib.Dma(
@@ -341,9 +357,7 @@ def _dma_lane(m, dma) -> tuple[int, int]:
   of one issuer then covers its earlier ones too: races between them show
   when the schedule lands them out of order, as reads of what is not
   there.)"""
-  programs = m.plan.num_devices * m.plan.num_programs
-  issuer = m.comp(dma.issuer.device, dma.issuer.program)
-  return programs + issuer, dma.lane_time
+  return m.num_comps + dma.issuer.comp, dma.lane_time
 
 
 def _lands_unchanged(dma: machine_lib.Dma) -> bool:
@@ -361,24 +375,18 @@ def _land(m, dma: machine_lib.Dma) -> None:
   describe = memory.Lazy(
     lambda: f"DMA #{index} issued by {plan.name(device, program)} at {where}"
   )
+  src, dst, start = dma.src, dma.dst, dma.start
+  name_comp = m.name_comp
   memory.check_access(
-    dma.src, comp, time, dma.clock, False, describe, describe_comp=m.name_comp
+    src, comp, time, dma.clock, False, describe, None, name_comp
   )
   unchanged = None
-  if not dma.start.add and not m.plan.identical_writes_race:
+  if not start.add and not plan.identical_writes_race:
     unchanged = functools.partial(_lands_unchanged, dma)
   memory.check_access(
-    dma.dst,
-    comp,
-    time,
-    dma.clock,
-    True,
-    describe,
-    describe_comp=m.name_comp,
-    unchanged=unchanged,
+    dst, comp, time, dma.clock, True, describe, None, name_comp, unchanged
   )
-  src, dst = dma.src, dma.dst
-  if dma.start.add:
+  if start.add:
     data = src.read()
     memory.check_initialized(dst, describe)
     dst.write(dst.read() + data)
@@ -392,22 +400,17 @@ def _land(m, dma: machine_lib.Dma) -> None:
     dst.write(src.read())
     dst.set_init(src.init_of())
   clock = memory.join(dma.clock, {comp: time})
-  m.events.append(
+  events = m.events
+  events.append(
     machine_lib.Event(
-      m.step,
-      dma.issuer.device,
-      -1,
-      "dma_land",
-      f"DMA #{dma.index} lands",
-      dma.where,
-      dma=dma.index,
+      m.step, device, -1, "dma_land", f"DMA #{index} lands", where, index
     )
   )
-  event = len(m.events) - 1
-  once = (dma.start.recv_once, dma.start.send_once)
-  for sem, one in zip((dma.recv, dma.send), once, strict=True):
-    if sem is not None:
-      _add(sem, 1 if one else dma.src.nbytes, clock, event)
+  event = len(events) - 1
+  if dma.recv is not None:
+    _add(dma.recv, 1 if start.recv_once else src.nbytes, clock, event)
+  if dma.send is not None:
+    _add(dma.send, 1 if start.send_once else src.nbytes, clock, event)
 
 
 def _deadlock_report(m, waiting) -> str:
