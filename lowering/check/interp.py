@@ -271,7 +271,7 @@ class _Step:
     ]
     self.flow = _flow(eqn, memo)
     rule = RULES.get(eqn.primitive)
-    self.plain = rule if rule is _sync else _PLAIN.get(rule)
+    self.plain = rule if rule is _sync or rule is None else _PLAIN.get(rule)
 
 
 def run_jaxpr(

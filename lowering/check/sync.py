@@ -107,7 +107,7 @@ def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
   choose = m.strategy.choose
   while True:
     options, default = _options(m, programs, current)
-    if not options:
+    if default is None:  # (no options: every program is done)
       break
     if current is not None and programs[current].polled:
       default = _next_after(options, current, default)
@@ -166,7 +166,9 @@ def _options(m, programs: list[_Program], current: int | None):
     return options, options[first]
   if not options:
     return options, None
-  return options, (programs[current].option if current_open else options[0])
+  if current_open and current is not None:
+    return options, programs[current].option
+  return options, options[0]
 
 
 def _next_after(options, current, default):
