@@ -96,9 +96,12 @@ def test_outputs_are_lent_and_reused_only_once_xla_copied_them():
   x = jnp.ones(SHAPE, jnp.float32)
   first = _launch(_writes_then_copies)(x)
   np.testing.assert_array_equal(first, 2.0)
-  # The launch's output array was lent to the pool (XLA has copied it):
-  # watched without a reference, which would keep it lent.
-  [output] = [weakref.ref(a) for a in memory.POOL.lent if a.shape == SHAPE]
+  # The launch's output array was lent to the pool (XLA has copied it),
+  # the newest lent (earlier launches' may still be there): watched
+  # without a reference, which would keep it lent.
+  lent = [a for a in memory.POOL.lent if a.shape == SHAPE]
+  output = weakref.ref(lent[-1])
+  del lent
   assert np.all(output() == 2.0)
   second = _launch(_copies_unwritten)(x)
   assert np.isnan(np.asarray(second)).all()
