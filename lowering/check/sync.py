@@ -143,7 +143,8 @@ def _options(m, programs: list[_Program], current: int | None):
   pending operation's gate (``_gate``, worked out once per operation) is
   open, then the DMAs in flight; and ``schedule.default_choice`` of them
   (read off as they are listed: DMAs come last, oldest first, programs in
-  order). (The loop asks every program at every step: kept to a few
+  order; ``tests/lowering/test_check_default.py`` holds the two to one
+  rule). (The loop asks every program at every step: kept to a few
   Python steps per program.)"""
   options: list[schedule.Option] = []
   current_open = False
