@@ -1,17 +1,18 @@
 """A launch on the checking executor: its lowering and its host callback.
 
-The CPU lowering emits one host callback for the whole launch. Under a
-``shard_map`` every device gathers all devices' inputs first (an XLA
-all-gather), so that the callback, whichever device runs it first, holds
-every device's inputs and runs *all* their programs in one machine; the
-others find its results (or its error) waiting, keyed by their inputs. No
-device waits for another inside the callback, so nothing there can hang.
-Each device's callback also gets its position, and returns only its own
-outputs (not all devices' stacked, which every device would copy).
+The CPU lowering emits one host callback for the whole launch, and under a
+``shard_map`` two per device (``Launch``): every device deposits its
+inputs, an XLA all-gather of their tickets tells each device which
+deposits make up its call, and the first device to arrive then runs
+*all* devices' programs in one machine; the others find its results (or
+its error) waiting. No device waits for another inside a callback, so
+nothing there can hang. Each device returns only its own outputs (not all
+devices' stacked, which every device would copy).
 """
 
 import contextlib
 import gc
+import itertools
 import threading
 from typing import Any
 
@@ -89,37 +90,65 @@ def plan_of(params, device_axes) -> machine.Plan:
 
 
 class Launch:
-  """The host side of one lowered launch: runs it, once per call."""
+  """The host side of one lowered launch: runs it, once per call.
 
-  def __init__(self, plan: machine.Plan, check):
+  Under a ``shard_map`` each device's call comes in two callbacks with an
+  XLA all-gather between them: ``deposit`` keeps a copy of the device's
+  inputs under a ticket; the all-gather hands every device all the
+  tickets of its call (a collective never mixes calls), so by ``finish``
+  every input of the call is deposited, and the first device there runs
+  the launch for all and leaves the results to the others, keyed by the
+  tickets. No device waits for another inside a callback, so nothing
+  there can hang, and no device's inputs travel to every other device.
+  Where the devices span several processes, the inputs are all-gathered
+  too (each process runs the whole launch, for its own devices).
+  """
+
+  def __init__(self, plan: machine.Plan, check, process: int = 0):
     self.plan = plan
     self.check = check
-    self.lock = threading.Lock()
-    # Results other devices of the same call have not taken yet:
-    # [token, inputs, result, devices still to take it].
-    self.waiting: list[list[Any]] = []
+    self.process = process  # tickets are (process, count)
+    self.lock = threading.Lock()  # held while a call's launch runs
+    self.deposit_lock = threading.Lock()
+    self.counts = itertools.count()
+    # A device's inputs by its ticket, until its call's launch runs.
+    self.deposits: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+    # A call's result by its tickets, with this process's devices yet to
+    # take it.
+    self.results: dict[tuple[tuple[int, int], ...], list[Any]] = {}
 
   def __call__(self, *inputs):
-    devices = self.plan.num_devices
-    token = self.check.token()
-    # Under shard_map the last input is the calling device's position.
-    mine = None
-    if self.plan.device_axes:
-      *inputs, position = inputs
-      mine = int(position)
-    # (ascontiguousarray makes a 0-d input 1-d: for comparing only.)
-    flat = tuple(np.ascontiguousarray(x) for x in inputs)
+    """Runs a launch outside ``shard_map`` (one device)."""
     with self.lock:
-      for k, entry in enumerate(self.waiting):
-        if entry[0] == token and _same(entry[1], flat):
-          entry[3] -= 1
-          if entry[3] == 0:
-            del self.waiting[k]
-          return _deliver(entry[2], mine)
-      result = self._run(inputs)
-      if devices > 1:
-        self.waiting.append([token, flat, result, devices - 1])
-      return _deliver(result, mine)
+      return _deliver(self._run(inputs), None)
+
+  def deposit(self, *inputs) -> np.ndarray:
+    """Keeps a device's inputs; returns their ticket. (Copied: XLA lends
+    a callback its operands only while it runs.)"""
+    copies = tuple(np.array(x) for x in inputs)
+    with self.deposit_lock:
+      ticket = (self.process, next(self.counts) % 2**31)
+      self.deposits[ticket] = copies
+    return np.array(ticket, np.int32)
+
+  def finish(self, tickets: np.ndarray, position: np.ndarray, *gathered):
+    """The outputs of the device at ``position`` of the call whose devices
+    took ``tickets``; its inputs are the deposits, or ``gathered`` (every
+    device's, where the call spans processes)."""
+    key = tuple((int(p), int(c)) for p, c in tickets.reshape(-1, 2))
+    with self.lock:
+      entry = self.results.get(key)
+      if entry is None:
+        with self.deposit_lock:
+          deposited = [self.deposits.pop(t, ()) for t in key]
+        if not gathered:
+          gathered = [list(x) for x in zip(*deposited, strict=True)]
+        here = sum(p == self.process for p, _ in key)
+        entry = self.results[key] = [self._run(gathered), here]
+      entry[1] -= 1
+      if entry[1] == 0:
+        del self.results[key]
+    return _deliver(entry[0], int(position))
 
   def _run(self, inputs):
     # The collector stays off until the machine is gone: its objects,
@@ -183,24 +212,6 @@ class _Collector:
 _COLLECTOR = _Collector()
 
 
-def _same(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> bool:
-  """Whether two calls' inputs are the same bytes (one call's devices
-  gather the same inputs; comparing them costs a fraction of hashing)."""
-  return all(
-    x.dtype == y.dtype
-    and x.shape == y.shape
-    and np.array_equal(_words(x), _words(y))
-    for x, y in zip(a, b, strict=True)
-  )
-
-
-def _words(x: np.ndarray) -> np.ndarray:
-  """A contiguous array's bytes, as 8-byte words where they divide it
-  (fewer elements to compare)."""
-  flat = x.reshape(-1).view(np.uint8)
-  return flat.view(np.uint64) if flat.size % 8 == 0 else flat
-
-
 def _machine(plan: machine.Plan, strategy):
   """The launch's machine, and its scheduling loop (GPU launches have one
   of their own, over warpgroups, TMA copies and WGMMAs)."""
@@ -249,18 +260,26 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, path, **params):
   asked = path.params  # CheckParams, or an explore / replay session
   if isinstance(asked, checking.CheckParams):
     plan.identical_writes_race = asked.identical_writes_race
-  launch = Launch(plan, path.params.owner())
+  launch = Launch(plan, path.params.owner(), jax.process_index())
+  # Other processes' devices deposit their inputs in their own process.
+  gather = jax.process_count() > 1
   out_avals = plan.out_avals
 
   def body(*args):
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
     if not axes:
       return io_callback(launch, shapes, *args, ordered=False)
-    args = [jax.lax.all_gather(a, axes) for a in args]
+    ticket_type = jax.ShapeDtypeStruct((2,), np.int32)
+    kept = () if gather else args
+    ticket = io_callback(launch.deposit, ticket_type, *kept, ordered=False)
+    tickets = jax.lax.all_gather(ticket, axes)
     index = np.int32(0)
     for a in axes:
       index = index * np.int32(sizes[a]) + jax.lax.axis_index(a)
-    return io_callback(launch, shapes, *args, index, ordered=False)
+    gathered = [jax.lax.all_gather(a, axes) for a in args] if gather else []
+    return io_callback(
+      launch.finish, shapes, tickets, index, *gathered, ordered=False
+    )
 
   with _jax.no_vma_check():
     return mlir.lower_fun(body, multiple_results=True)(

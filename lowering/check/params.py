@@ -43,11 +43,6 @@ class Owner:
     self.lock = threading.Lock()
     self.calls = 0
 
-  def token(self):
-    # Results are a function of the inputs and the schedule: devices of
-    # one call share them whatever call they are.
-    return ("params", self.params)
-
   def begin_launch(self) -> Run:
     text = self.params.schedule
     assert isinstance(text, str)  # __post_init__ made a seed a string
@@ -96,9 +91,6 @@ class Session:
 
   def owner(self) -> "Session":
     return self
-
-  def token(self):
-    return ("session", id(self), self.number)
 
   def begin_launch(self) -> Run:
     with self.lock:
