@@ -379,52 +379,60 @@ def _run(
   ]
   error, final = bounds.checked(launch, num_checks)(*operands)
   if semaphores or error is not None:
-    # Per semaphore: 1 when a wait came up short (it would hang), 2 when
-    # scratch still counts at the end (a signal or DMA nobody waited for;
-    # operands carry their counts to the next launch).
-    flags = [
-      jnp.where(
-        jnp.any(final[k] < 0),
-        SHORT,
-        jnp.where((k >= num_in + num_out) & jnp.any(final[k] > 0), LEFTOVER, 0),
-      )
-      for k in semaphores
-    ]
-    if error is not None:
-      flags.append(bounds.failed(error))
-    coords = jnp.stack([lax.axis_index(a) for a in devices.all_axes])
-    short = jnp.stack([f.astype(jnp.int32) for f in flags])
-    leaves, treedef = tree_util.tree_flatten(error)
-    # The verdicts of every device this one runs in step with (those along
-    # the axes it exchanges over; a launch under a condition on another
-    # axis runs on some rows only), in one collective: each then holds the
-    # same reports, so the error names the same devices whatever the
-    # threads' timing, and no device waits on the host for another's
-    # report. Python runs only when one of them failed, and then on each of
-    # them, raising the same error (none runs on into a later collective).
-    mine = [coords, short, *leaves]
-    if devices.axes:
-      gathered = packing.Gathered(devices.axes, mine)
-      # A static leaf (a Python int) is the same on every device.
-      count = devices.count
-      stacked = [
-        x if (x := gathered.stacked(i)) is not None else jnp.full(count, leaf)
-        for i, leaf in enumerate(mine)
-      ]
-    else:
-      stacked = [jnp.stack([leaf]) for leaf in mine]
-    report = functools.partial(
-      _report,
-      functools.partial(
-        _raise_for_reports, names, devices.all_axes, treedef if leaves else None
-      ),
-    )
-    lax.cond(
-      jnp.any(stacked[1] != 0),
-      lambda: callback.io_callback(report, None, *stacked),
-      lambda: None,
-    )
+    _report_verdicts(final, error, semaphores, num_in + num_out, names, devices)
   return final[num_in : num_in + num_out]
+
+
+def _report_verdicts(final, error, semaphores, num_operands, names, devices):
+  """Raises, on every device run in step, what went wrong on any of them:
+  a semaphore wait that came up short or scratch left counting
+  (``semaphores``: their positions in ``final``, the launch's final Ref
+  values), or a failed bounds check (``error``)."""
+  # Per semaphore: 1 when a wait came up short (it would hang), 2 when
+  # scratch still counts at the end (a signal or DMA nobody waited for;
+  # operands carry their counts to the next launch).
+  flags = [
+    jnp.where(
+      jnp.any(final[k] < 0),
+      SHORT,
+      jnp.where((k >= num_operands) & jnp.any(final[k] > 0), LEFTOVER, 0),
+    )
+    for k in semaphores
+  ]
+  if error is not None:
+    flags.append(bounds.failed(error))
+  coords = jnp.stack([lax.axis_index(a) for a in devices.all_axes])
+  short = jnp.stack([f.astype(jnp.int32) for f in flags])
+  leaves, treedef = tree_util.tree_flatten(error)
+  # The verdicts of every device this one runs in step with (those along
+  # the axes it exchanges over; a launch under a condition on another
+  # axis runs on some rows only), in one collective: each then holds the
+  # same reports, so the error names the same devices whatever the
+  # threads' timing, and no device waits on the host for another's
+  # report. Python runs only when one of them failed, and then on each of
+  # them, raising the same error (none runs on into a later collective).
+  mine = [coords, short, *leaves]
+  if devices.axes:
+    gathered = packing.Gathered(devices.axes, mine)
+    # A static leaf (a Python int) is the same on every device.
+    count = devices.count
+    stacked = [
+      x if (x := gathered.stacked(i)) is not None else jnp.full(count, leaf)
+      for i, leaf in enumerate(mine)
+    ]
+  else:
+    stacked = [jnp.stack([leaf]) for leaf in mine]
+  report = functools.partial(
+    _report,
+    functools.partial(
+      _raise_for_reports, names, devices.all_axes, treedef if leaves else None
+    ),
+  )
+  lax.cond(
+    jnp.any(stacked[1] != 0),
+    lambda: callback.io_callback(report, None, *stacked),
+    lambda: None,
+  )
 
 
 # Per-semaphore verdicts of a device's end-of-launch report.
