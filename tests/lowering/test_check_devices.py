@@ -49,14 +49,16 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_checked_launch_with_real_arithmetic_on_four_devices():
-  run = run_python(
-    SCRIPT,
-    timeout=120,
-    hang="the checked launch hung inside the devices' host callbacks",
-  )
+def _prints_ok(script: str, timeout: float, hang: str) -> None:
+  run = run_python(script, timeout=timeout, hang=hang)
   assert run.returncode == 0, run.stderr[-3000:]
   assert run.stdout.strip() == "OK"
+
+
+def test_checked_launch_with_real_arithmetic_on_four_devices():
+  _prints_ok(
+    SCRIPT, 120, "the checked launch hung inside the devices' host callbacks"
+  )
 
 
 # Calls of one jitted launch from several threads at once, each with inputs
@@ -121,10 +123,6 @@ CONCURRENT = textwrap.dedent(
 
 
 def test_concurrent_calls_share_their_own_run_and_leave_nothing_behind():
-  run = run_python(
-    CONCURRENT,
-    timeout=180,
-    hang="concurrent checked launches hung inside the devices' callbacks",
+  _prints_ok(
+    CONCURRENT, 180, "concurrent checked launches hung in the callbacks"
   )
-  assert run.returncode == 0, run.stderr[-3000:]
-  assert run.stdout.strip() == "OK"
