@@ -11,6 +11,7 @@ devices' stacked, which every device would copy).
 """
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import threading
@@ -89,6 +90,15 @@ def plan_of(params, device_axes) -> machine.Plan:
   )
 
 
+@dataclasses.dataclass
+class _Result:
+  """A call's outputs per device (or its error), and how many of this
+  process's devices have yet to take them."""
+
+  value: Any
+  takers: int
+
+
 class Launch:
   """The host side of one lowered launch: runs it, once per call.
 
@@ -113,9 +123,9 @@ class Launch:
     self.counts = itertools.count()
     # A device's inputs by its ticket, until its call's launch runs.
     self.deposits: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
-    # A call's result by its tickets, with this process's devices yet to
-    # take it.
-    self.results: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+    # A call's result by its tickets, until this process's devices have
+    # taken it.
+    self.results: dict[tuple[tuple[int, int], ...], _Result] = {}
 
   def __call__(self, *inputs):
     """Runs a launch outside ``shard_map`` (one device)."""
@@ -144,11 +154,11 @@ class Launch:
         if not gathered:
           gathered = [list(x) for x in zip(*deposited, strict=True)]
         here = sum(p == self.process for p, _ in key)
-        entry = self.results[key] = [self._run(gathered), here]
-      entry[1] -= 1
-      if entry[1] == 0:
+        entry = self.results[key] = _Result(self._run(gathered), here)
+      entry.takers -= 1
+      if entry.takers == 0:
         del self.results[key]
-    return _deliver(entry[0], int(position))
+    return _deliver(entry.value, int(position))
 
   def _run(self, inputs):
     # The collector stays off until the machine is gone: its objects,
