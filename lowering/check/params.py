@@ -77,7 +77,6 @@ class Session:
 
   def __init__(self):
     self.lock = threading.Lock()
-    self.number = 0
     self.text = "default"
     self.spec = schedule_lib.parse("default")
     self.runs: list[tuple[Any, BaseException | None]] = []
@@ -86,7 +85,6 @@ class Session:
     with self.lock:
       self.spec = schedule_lib.parse(text)
       self.text = text
-      self.number += 1
       self.runs = []
 
   def owner(self) -> "Session":

@@ -15,7 +15,8 @@ from mpmd._lowering.check import schedule, sync
 
 @pytest.fixture
 def compared(monkeypatch):
-  """Wraps ``sync._options``; yields the count of option lists checked."""
+  """Wraps ``sync._options`` with the check; returns counts of the option
+  lists checked and of the states among them."""
   seen = {"lists": 0, "with_dmas": 0, "current_blocked": 0}
   listed = sync._options
 
