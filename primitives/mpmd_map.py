@@ -122,7 +122,8 @@ def retrace(
 # -- impl ---------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=256)
+# JAX's cache utility: jax.clear_caches() lets go of the kernels' jaxprs.
+@_jax.util.cache(max_size=256, trace_context_in_key=False)
 def _jitted_launch(params: tuple[tuple[str, Any], ...]):
   return jax.jit(functools.partial(mpmd_map_p.bind, **dict(params)))
 

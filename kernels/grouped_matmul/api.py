@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mpmd import _jax
 from mpmd.kernels import _common
 from mpmd.kernels.grouped_matmul._checks import (
   SUPPORTED_DTYPES,
@@ -109,7 +110,8 @@ def _tgmm_call(lhs, rhs, group_sizes, group_offset, existing_out, cfg):
   return call(lhs, rhs, group_sizes, group_offset, existing_out, cfg)
 
 
-@functools.cache
+# JAX's cache utility: jax.clear_caches() empties it.
+@_jax.util.cache(max_size=256, trace_context_in_key=False)
 def _differentiable_gmm(cfg: GmmConfig):
   """gmm with a custom VJP for one static configuration."""
 
@@ -279,7 +281,7 @@ def gmm(
   )
 
 
-@functools.cache
+@_jax.util.cache(max_size=256, trace_context_in_key=False)
 def _jitted(f):
   return jax.jit(f)
 
@@ -364,6 +366,6 @@ def tgmm(
   return _jitted_tgmm(cfg)(lhs, rhs, group_sizes, offset, existing_out)
 
 
-@functools.cache
+@_jax.util.cache(max_size=256, trace_context_in_key=False)
 def _jitted_tgmm(cfg: TgmmConfig):
   return jax.jit(functools.partial(_tgmm_call, cfg=cfg))
