@@ -41,6 +41,12 @@ def sub_jaxprs(params: dict[str, Any]) -> list[core.Jaxpr]:
   return found
 
 
+def iter_eqns_of(eqn: core.JaxprEqn) -> Iterator[core.JaxprEqn]:
+  """The equations nested in ``eqn`` (its loop bodies, branches...)."""
+  for sub in sub_jaxprs(eqn.params):
+    yield from iter_eqns(sub)
+
+
 def iter_eqns(jaxpr: core.Jaxpr) -> Iterator[core.JaxprEqn]:
   """Every equation of ``jaxpr``, nested ones included, in program order."""
   for eqn in jaxpr.eqns:

@@ -4,16 +4,22 @@ synchronisation points, each evaluated as one function.
 Integer scalar arithmetic (indices, slots, neighbours) runs in numpy
 (``scalars``); anything else runs equation by equation in JAX, then, once
 segments of the same text have run ``COMPILE_AFTER`` times, as one jitted
-function.
+function. A segment that rounds floating-point values more than once is
+compiled at once: XLA fuses its operations (contracting ``a * b + c`` into
+one fused multiply-add, say), so one by one they may round differently,
+and a kernel's numbers would depend on how often its segments had run in
+the process.
 """
 
 from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 
 from mpmd import _jax
 from mpmd._jax import core
+from mpmd._lowering import jaxpr_util
 from mpmd._lowering.check import host_client, scalars
 
 
@@ -30,6 +36,58 @@ def read(env: dict, v):
 # kernel many times) is compiled; below, compiling would cost more than
 # running its equations one by one.
 COMPILE_AFTER = 16
+
+# Operations whose floating-point results are exact (or moved, not
+# computed), wherever XLA fuses them: they do not count as rounding.
+_EXACT = frozenset(
+  (
+    lax.abs_p,
+    lax.broadcast_in_dim_p,
+    lax.ceil_p,
+    lax.clamp_p,
+    lax.concatenate_p,
+    lax.copy_p,
+    lax.dynamic_slice_p,
+    lax.dynamic_update_slice_p,
+    lax.floor_p,
+    lax.gather_p,
+    lax.iota_p,
+    lax.max_p,
+    lax.min_p,
+    lax.neg_p,
+    lax.pad_p,
+    lax.reduce_max_p,
+    lax.reduce_min_p,
+    lax.reshape_p,
+    lax.rev_p,
+    lax.round_p,
+    lax.select_n_p,
+    lax.sign_p,
+    lax.slice_p,
+    lax.squeeze_p,
+    lax.transpose_p,
+    lax.convert_element_type_p,
+  )
+)
+
+
+def _rounds_twice(eqns) -> bool:
+  """Whether two or more of ``eqns`` (nested ones included) compute
+  floating-point values that round: compiled together, XLA may fuse them
+  and round differently from running them one by one."""
+  count = 0
+  for top in eqns:
+    for eqn in (top, *jaxpr_util.iter_eqns_of(top)):
+      if eqn.primitive in _EXACT or jaxpr_util.sub_jaxprs(eqn.params):
+        continue
+      if any(
+        np.issubdtype(getattr(v.aval, "dtype", np.int32), np.inexact)
+        for v in eqn.outvars
+      ):
+        count += 1
+        if count > 1:
+          return True
+  return False
 
 
 class _Shared:
@@ -67,6 +125,7 @@ class Segment:
       _jax.is_extended(v.aval.dtype) for v in (*invars, *outvars)
     )
     self.in_numpy = scalars.plan(eqns, invars, outvars)
+    self.compile_now = _rounds_twice(eqns)
 
     def fn(*values):
       env = dict(zip(invars, values, strict=True))
@@ -94,7 +153,9 @@ class Segment:
         shared.on_host = host_client.compile_on_host(self.eager, avals)
       return shared.on_host(*values)
     shared.calls += 1
-    if shared.compiled is None and shared.calls > COMPILE_AFTER:
+    if shared.compiled is None and (
+      self.compile_now or shared.calls > COMPILE_AFTER
+    ):
       shared.compiled = jax.jit(self.eager)
     return [host(x) for x in (shared.compiled or self.eager)(*values)]
 
