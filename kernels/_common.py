@@ -270,3 +270,28 @@ def rows_dot(
     preferred_element_type=preferred_element_type,
   )
   return y[:m]
+
+
+def activated(activation, h: jax.Array, dtype) -> jax.Array:
+  """``activation(h)`` in ``dtype``, rounded the same wherever it runs.
+
+  XLA:CPU fuses an activation's operations with what surrounds them, and
+  a fusion may round differently from another (the kind of fusion picks
+  the code, say for ``tanh``), or from the operations run one by one. On
+  the CPU fallback the activation is fenced off (optimization barriers on
+  both sides), so that the fused MoE kernel and the unfused layer, whose
+  neighbours differ, round each element alike. Elsewhere as given.
+
+  Args:
+    activation: elementwise, (M, N) float32 -> (M, N).
+    h: (M, N) float32.
+    dtype: the result's dtype.
+
+  Example:
+    >>> activated(jax.nn.gelu, jnp.zeros((8, 128)), jnp.bfloat16).dtype
+    dtype(bfloat16)
+  """
+  if targets.platform() != "cpu":
+    return activation(h).astype(dtype)
+  h = jax.lax.optimization_barrier(h)
+  return jax.lax.optimization_barrier(activation(h).astype(dtype))

@@ -243,7 +243,7 @@ def _window(p: _Plan, r: _Refs, e: int, lo, hi, first, rows: int) -> None:
   dtype = r.x_tile.dtype
   # Rows rounded as gmm's windows round them (``_common.rows_dot``).
   h = _common.rows_dot(r.x_tile[window], r.w_in_v[e], 0, jnp.float32)
-  a = p.activation(h).astype(dtype)
+  a = _common.activated(p.activation, h, dtype)
   y = _common.rows_dot(a, r.w_out_v[e], 0, jnp.float32)
   at = start + lax.broadcasted_iota(jnp.int32, y.shape, 0)
   mine = (at >= lo) & (at < hi)

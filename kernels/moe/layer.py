@@ -482,7 +482,7 @@ def _unfused_rows(static: _Static, routing: Routing, rows_sorted, w_in, w_out):
     preferred_element_type=jnp.float32,
     interpret=interpret,
   )
-  a = static.activation(h).astype(dtype)
+  a = _common.activated(static.activation, h, dtype)
   # f32 out, then cast: gmm's VJP with a bf16 output hands XLA:CPU (jax
   # 0.12) a bf16 x bf16 = f32 dot it cannot run ("DotThunk").
   out = gmm(

@@ -98,6 +98,30 @@ def test_matches_unfused_and_reference(
 
 
 @pytest.mark.parametrize(
+  "activation",
+  [jax.nn.gelu, functools.partial(jax.nn.gelu, approximate=False), jax.nn.tanh],
+  ids=["gelu_tanh", "gelu_erf", "tanh"],
+)
+def test_any_activation_matches_unfused_from_the_first_call(rng, activation):
+  # The checker's first runs of a kernel's math (before it has compiled
+  # them for speed) round as XLA rounds the unfused layer: fresh caches.
+  jax.clear_caches()
+  p = Problem(
+    rng,
+    devices=2,
+    tokens=13,
+    hidden=24,
+    ffn=8,
+    experts_local=1,
+    dtype=jnp.float32,
+  )
+  fused, unfused = _both(p, top_k=1, activation=activation)
+  assert_same(fused, unfused)
+  want = dense_reference(*p.args, top_k=1, activation=activation)
+  assert_close(fused, want, jnp.float32)
+
+
+@pytest.mark.parametrize(
   "devices,capacity_factor,routing",
   [
     (2, 0.5, "random"),
