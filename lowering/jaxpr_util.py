@@ -51,8 +51,7 @@ def iter_eqns(jaxpr: core.Jaxpr) -> Iterator[core.JaxprEqn]:
   """Every equation of ``jaxpr``, nested ones included, in program order."""
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in sub_jaxprs(eqn.params):
-      yield from iter_eqns(sub)
+    yield from iter_eqns_of(eqn)
 
 
 def shaped(aval: core.AbstractValue) -> core.ShapedArray:

@@ -12,6 +12,7 @@ evaluation gives up (``Fallback``) and the segment runs in XLA.
 from collections.abc import Callable
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from mpmd import _jax
@@ -91,7 +92,8 @@ def _exact(aval) -> bool:
   return (
     getattr(aval, "shape", None) == ()
     and dtype is not None
-    and (dtype == np.bool_ or np.issubdtype(dtype, np.integer))
+    # jnp's test: numpy's cannot read PRNG key types.
+    and (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer))
   )
 
 
