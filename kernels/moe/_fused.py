@@ -69,11 +69,14 @@ _NAME = "moe_fused"
 # Rows of a tile: a multiple of the 8 sublanes; 128 fills the MXU on TPU.
 # On the CPU fallback every tile costs a few synchronisation steps of the
 # executor, so tiles are larger there, and an expert multiplies only a
-# window of the tile around its rows: the smallest multiple of
-# ``_common.STABLE_DOT_ROWS`` that holds them (every dot runs on at least
-# that many rows there anyway), so a tile of two experts' rows is not
-# multiplied twice whole.
+# window of the tile around its rows: the smallest of
+# ``_common.STABLE_DOT_ROWS`` rows (every dot runs on at least that many
+# rows there anyway), that plus ``_GRAIN``, plus twice ``_GRAIN``, ... or
+# the whole tile that holds them, so a tile of two experts' rows is not
+# multiplied twice whole. (Finer steps would compile more window sizes
+# for little less padding.)
 _TILE_ROWS = {"tpu": 128, "cpu": 512}
+_GRAIN = 32
 _SUBLANES = 8
 # Rows of the metadata table (columns: group positions).
 _SEND_OFF, _SEND, _RECV, _GROUP = range(4)
@@ -88,7 +91,8 @@ class _Plan(NamedTuple):
   tm: int  # rows per tile
   slot: int  # rows per source slot, a multiple of tm
   activation: Any
-  step: int  # rows of the smallest window an expert multiplies; tm: none
+  least: int  # rows of the smallest window an expert multiplies; tm: none
+  grain: int  # rows between window sizes above ``least``
 
   @property
   def tiles(self) -> int:
@@ -97,9 +101,15 @@ class _Plan(NamedTuple):
 
   @property
   def windows(self) -> tuple[int, ...]:
-    """The window sizes an expert's rows in a tile may take: multiples of
-    ``step`` below ``tm``, then the whole tile."""
-    return (*range(self.step, self.tm, self.step), self.tm)
+    """The window sizes an expert's rows in a tile may take: ``least``,
+    then every ``grain`` more rows below ``tm``, then the whole tile."""
+    return (*range(self.least, self.tm, self.grain), self.tm)
+
+  def window_of(self, rows: jax.Array) -> jax.Array:
+    """The index in ``windows`` of the smallest window of ``rows`` rows
+    (at least one)."""
+    more = jnp.maximum(rows - self.least + self.grain - 1, 0) // self.grain
+    return jnp.minimum(more, len(self.windows) - 1)
 
 
 def _plan(
@@ -117,8 +127,8 @@ def _plan(
   rows = max(_SUBLANES, -(-per_source // _SUBLANES) * _SUBLANES)
   tm = min(tile_rows, rows)
   slot = -(-rows // tm) * tm
-  step = tm if tpu else min(tm, _common.STABLE_DOT_ROWS)
-  return _Plan(groups, experts_local, tm, slot, activation, step)
+  least = tm if tpu else min(tm, _common.STABLE_DOT_ROWS)
+  return _Plan(groups, experts_local, tm, slot, activation, least, _GRAIN)
 
 
 def _tiles(rows: jax.Array, tm: int) -> jax.Array:
@@ -227,7 +237,7 @@ def _experts(p: _Plan, r: _Refs, source, i) -> None:
       # The expert's rows in this tile: [first, end) of the tile's rows.
       first = jnp.clip(lo - i * tm, 0, tm)
       end = jnp.clip(hi - i * tm, 0, tm)
-      size = jnp.minimum((end - first - 1) // p.step, len(p.windows) - 1)
+      size = p.window_of(end - first)
       branches = [functools.partial(window, first, w) for w in p.windows]
       pl.when(end > first)(lambda s=size, b=branches: lax.switch(s, b))
     lo = hi

@@ -470,11 +470,13 @@ def land(m, op: Async) -> None:
     acc = op.dst.buffer.flat[op.dst.ids]
     x = a.buffer.flat[a.ids].astype(np.float32)
     y = b.buffer.flat[b.ids].astype(np.float32)
+    op.dst.buffer.writable()
     op.dst.buffer.flat[op.dst.ids] = (acc + x @ y).astype(acc.dtype)
   else:
     access(op.src, False)
     access(op.dst, True)
     src, dst = op.src, op.dst
+    dst.buffer.writable()
     dst.buffer.flat[dst.ids] = src.buffer.flat[src.ids]
     dst.buffer.init[dst.ids] = src.buffer.init[src.ids]
   op.landed = True

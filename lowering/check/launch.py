@@ -24,7 +24,7 @@ from jax.experimental import io_callback
 from mpmd import _jax
 from mpmd._jax import mlir
 from mpmd._lowering import callbacks, common, errors, merge, paths
-from mpmd._lowering.check import machine, sync
+from mpmd._lowering.check import machine, memory, sync
 from mpmd._lowering.check.params import Run
 
 
@@ -135,7 +135,7 @@ class Launch:
   def deposit(self, *inputs) -> np.ndarray:
     """Keeps a device's inputs; returns their ticket. (Copied: XLA lends
     a callback its operands only while it runs.)"""
-    copies = tuple(np.array(x) for x in inputs)
+    copies = tuple(memory.copy_of(x) for x in inputs)
     with self.deposit_lock:
       ticket = (self.process, next(self.counts) % 2**31)
       self.deposits[ticket] = copies
@@ -151,25 +151,29 @@ class Launch:
       if entry is None:
         with self.deposit_lock:
           deposited = [self.deposits.pop(t, ()) for t in key]
-        if not gathered:
+        owned = not gathered  # the deposits: copies of this launch's own
+        if owned:
           gathered = [list(x) for x in zip(*deposited, strict=True)]
         here = sum(p == self.process for p, _ in key)
-        entry = self.results[key] = _Result(self._run(gathered), here)
+        entry = self.results[key] = _Result(self._run(gathered, owned), here)
       entry.takers -= 1
       if entry.takers == 0:
         del self.results[key]
     return _deliver(entry.value, int(position))
 
-  def _run(self, inputs):
+  def _run(self, inputs, owned: bool = False):
     # The collector stays off until the machine is gone: its objects,
     # which hold no reference cycle, are freed by refcounting as
     # ``_launch`` returns, and the collector never walks them.
     with _COLLECTOR.paused():
-      return self._launch(inputs)
+      return self._launch(inputs, owned)
 
-  def _launch(self, inputs):
+  def _launch(self, inputs, owned: bool):
+    """Runs the launch on ``inputs``: XLA's (lent for the callback), or
+    the launch's own copies if ``owned`` (its buffers take them)."""
     run: Run = self.check.begin_launch()
     m, execute = _machine(self.plan, run.strategy(self.plan))
+    m.inputs_owned = owned
     try:
       outs = execute(inputs)
     except errors.LaunchError as e:

@@ -135,6 +135,9 @@ class Machine:
     # Shared by the kernel's launches: a window's ids, cut once, serve
     # every launch (``resolve``).
     self.aranges = plan.memo.setdefault(("aranges",), memory.Aranges())
+    # Whether the inputs are the launch's own copies, which its buffers
+    # take as their arrays rather than copy (``Launch.finish``).
+    self.inputs_owned = False
 
   def release(self) -> None:
     """Drops the views each buffer keeps of itself (they name it back):
@@ -199,6 +202,7 @@ class Machine:
           inner.dtype,
           self.aranges,
           data=data,
+          adopt=self.inputs_owned,
         )
       scratch = avals[plan.num_in + len(plan.out_avals) :]
       base = plan.num_in + len(plan.out_avals)
@@ -328,6 +332,7 @@ class Machine:
       view.set_init(True)
     else:
       mask = np.broadcast_to(np.asarray(mask), view.shape)
+      b.writable()
       b.flat[view.ids[mask]] = value[mask]
       b.init[view.ids[mask]] = True
 

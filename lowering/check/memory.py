@@ -16,6 +16,7 @@ import functools
 import math
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import NamedTuple
 
@@ -243,6 +244,7 @@ class Buffer:
     *,
     data: np.ndarray | None = None,
     semaphore: bool = False,
+    adopt: bool = False,
   ):
     self.label = label
     self.key = key
@@ -257,10 +259,16 @@ class Buffer:
     elif data is None:
       self.data = POOL.take(shape, dtype)
       self.data.fill(_garbage_value(self.data.dtype))
+    elif adopt and _adoptable(data, shape, dtype):
+      self.data = data.reshape(shape)  # (a view of it: no copy)
     else:
       self.data = POOL.take(shape, dtype)
       self.data[...] = np.asarray(data).reshape(shape)
     self.flat = self.data.reshape(-1)
+    # Windows of ``data`` that ``View.read`` lent (``writable``), while it
+    # lends them (until one is alive when the buffer is written).
+    self.lent: list[weakref.ref] = []
+    self.lending = not semaphore
     self.ids = ids(shape)
     # The flat arange that ``ids`` and the windows cut from it view.
     self.root = self.ids if self.ids.base is None else self.ids.base
@@ -290,13 +298,36 @@ class Buffer:
     self.viewed.clear()
     self.__dict__.pop("whole", None)
 
+  def lend(self, window: np.ndarray) -> None:
+    """Keeps track of ``window``, a read-only view of ``data`` that a read
+    returned instead of a copy."""
+    if len(self.lent) >= 16:
+      self.lent = [w for w in self.lent if w() is not None]
+    self.lent.append(weakref.ref(window))
+
+  def writable(self) -> None:
+    """Called before ``data`` is written in place: while a window that a
+    read lent is alive, the buffer moves to a copy of its array and leaves
+    the old one to the windows (copy on write), and lends no more (its
+    reads copy their windows: a buffer written between reads, such as a
+    tile being accumulated, would be copied whole at every write)."""
+    if self.lent:
+      if any(w() is not None for w in self.lent):
+        data = POOL.take(self.data.shape, self.data.dtype)
+        np.copyto(data, self.data)
+        self.data, self.flat = data, data.reshape(-1)
+        self.lending = False
+      self.lent.clear()
+
   def recycle(self, output: bool = False) -> None:
     """Gives its arrays to ``POOL`` once its launch has ended and nothing
     reads it any more; an output's data leaves the launch, so it is only
     lent. It keeps none (a use after this fails rather than reads
     another's data)."""
     self.forget_views()
-    if output:
+    if any(w() is not None for w in self.lent):
+      pass  # a window lent by a read still reads the array: not reused
+    elif output:
       POOL.give((self.init,))
       POOL.lend((self.data,))
     elif not self.semaphore:
@@ -307,6 +338,30 @@ class Buffer:
   def whole(self) -> "View":
     """The view of all its elements (one, shared: a View is immutable)."""
     return View(self, self.ids)
+
+
+def _adoptable(data, shape, dtype) -> bool:
+  """Whether a buffer can take ``data`` as its array: a whole array of
+  its own memory, in C order, of the buffer's size and dtype."""
+  return (
+    type(data) is np.ndarray
+    and data.base is None
+    and data.flags.c_contiguous
+    and data.flags.writeable
+    and data.dtype == dtype
+    and data.size == math.prod(shape)
+  )
+
+
+def copy_of(x) -> np.ndarray:
+  """A copy of ``x`` in an array of ``POOL``'s (written in place: no page
+  faults where the pool has one of its shape)."""
+  x = np.asarray(x)
+  if x.dtype.hasobject or not x.flags.c_contiguous:
+    return np.array(x)
+  out = POOL.take(x.shape, x.dtype)
+  np.copyto(out, x)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,14 +403,24 @@ class View:
     return None
 
   def read(self) -> np.ndarray:
-    """The view's values (shaped as the view; a new array)."""
-    s = self.slab
+    """The view's values (shaped as the view). A slab of a data buffer is
+    lent, not copied: a read-only view that keeps its values, since the
+    buffer moves to a copy of its array before it is next written while
+    the view lives (``Buffer.writable``); a kernel's weights, read by
+    every tile, are not copied each time."""
+    b, s = self.buffer, self.slab
     if s is None:
-      return self.buffer.flat[self.ids]
-    return self.buffer.flat[s].reshape(self.ids.shape).copy()
+      return b.flat[self.ids]
+    window = b.flat[s].reshape(self.ids.shape)
+    if not b.lending:
+      return window.copy()
+    window.flags.writeable = False
+    b.lend(window)
+    return window
 
   def write(self, values) -> None:
     """Stores ``values`` (broadcast to the view's shape) in its elements."""
+    self.buffer.writable()
     s = self.slab
     if s is None:
       self.buffer.flat[self.ids] = values

@@ -397,6 +397,7 @@ def _land(m, dma: machine_lib.Dma) -> None:
   elif src.slab is not None and dst.slab is not None:
     # Window to window, with no copy in between (numpy copies first where
     # a local DMA's windows overlap).
+    dst.buffer.writable()
     dst.buffer.flat[dst.slab] = src.buffer.flat[src.slab]
     dst.buffer.init[dst.slab] = src.buffer.init[src.slab]
   else:
