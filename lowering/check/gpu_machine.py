@@ -235,8 +235,8 @@ class GpuMachine(machine.Machine):
         view = super().resolve(view, (t,), describe)
     return view
 
-  def load(self, ctx, view: View, eqn, check_init=True, mask=None):
-    value = super().load(ctx, view, eqn, check_init, mask)
+  def load(self, ctx, view: View, eqn, check_init=True, mask=None, read=True):
+    value = super().load(ctx, view, eqn, check_init, mask, read)
     self._touched(ctx, view, mask, write=False)
     return value
 

@@ -207,7 +207,6 @@ class _Code:
         self.steps.append(_Step(step, slot, memo))
     self.outs = _operands(jaxpr.outvars, slot)
     self.size = len(slots)
-    _free_after_use(self.steps, {k for literal, k in self.outs if not literal})
 
 
 def _code(jaxpr: core.Jaxpr, memo: dict) -> _Code:
@@ -229,32 +228,10 @@ def _operands(invars, slot) -> list[tuple[bool, Any]]:
 
 
 class _SegmentStep:
-  __slots__ = ("fn", "ins", "outs", "frees")
+  __slots__ = ("fn", "ins", "outs")
 
   def __init__(self, segment: Segment, ins, outs):
     self.fn, self.ins, self.outs = segment.fn, ins, outs
-    self.frees: tuple[int, ...] = ()  # slots read for the last time
-
-
-def _free_after_use(steps: list[Any], outs: set[int]) -> None:
-  """Sets each step's ``frees``: the slots it reads that no later step
-  reads and the jaxpr does not return. (A loaded window is a view of its
-  buffer, which copies its array on the next write while the view lives:
-  dropped after its last use, it costs no copy.)"""
-  last: dict[int, int] = {}
-  for i, step in enumerate(steps):
-    if type(step) is _SegmentStep:
-      reads = step.ins
-    else:
-      reads = [k for literal, k in step.ins if not literal]
-    for k in reads:
-      last[k] = i
-  for i, step in enumerate(steps):
-    if type(step) is _SegmentStep:
-      reads = step.ins
-    else:
-      reads = [k for literal, k in step.ins if not literal]
-    step.frees = tuple(k for k in set(reads) if last[k] == i and k not in outs)
 
 
 def _pure(eqn: core.JaxprEqn, memo: dict) -> bool:
@@ -283,7 +260,7 @@ class _Step:
   the GPU rules join the table when a GPU launch is first lowered, and
   replace none of these.)"""
 
-  __slots__ = ("eqn", "place", "ins", "outs", "flow", "plain", "frees")
+  __slots__ = ("eqn", "place", "ins", "outs", "flow", "plain")
 
   def __init__(self, eqn: core.JaxprEqn, slot, memo: dict):
     self.eqn = eqn
@@ -292,7 +269,6 @@ class _Step:
     self.outs = [
       None if isinstance(v, core.DropVar) else slot(v) for v in eqn.outvars
     ]
-    self.frees: tuple[int, ...] = ()  # slots read for the last time
     self.flow = _flow(eqn, memo)
     rule = RULES.get(eqn.primitive)
     self.plain = rule if rule is _sync or rule is None else _PLAIN.get(rule)
@@ -316,8 +292,6 @@ def _run(ctx: Context, code: _Code, values) -> Generator[Sync, Any, list[Any]]:
   for step in code.steps:
     if type(step) is _SegmentStep:
       outs = step.fn(own_client, *[env[k] for k in step.ins])
-      for k in step.frees:
-        env[k] = None
       for k, x in zip(step.outs, outs, strict=True):
         env[k] = x
       continue
@@ -356,12 +330,9 @@ def _run(ctx: Context, code: _Code, values) -> Generator[Sync, Any, list[Any]]:
           values = plain(ctx, eqn, invals)
         else:
           values = yield from rule(ctx, eqn, invals)
-    for k in step.frees:
-      env[k] = None
     for k, x in zip(step.outs, values, strict=True):
       if k is not None:
         env[k] = x
-    x = values = None  # (a loaded window is not kept alive: ``frees``)
     ctx.where = enclosing
   return [x if literal else env[x] for literal, x in code.outs]
 

@@ -296,7 +296,9 @@ class Machine:
         )
     return view
 
-  def load(self, ctx, view: View, eqn, check_init=True, mask=None):
+  def load(self, ctx, view: View, eqn, check_init=True, mask=None, read=True):
+    """The view's values, once the load is checked (None if not ``read``:
+    a swap whose old values nobody uses)."""
     describe = self.describe(ctx, "load", ctx.where)
     if check_init:
       memory.check_initialized(view, describe, mask)
@@ -305,7 +307,7 @@ class Machine:
     memory.check_access(
       view, comp, clock[comp], clock, False, describe, mask, self.name_comp
     )
-    return view.read()
+    return view.read() if read else None
 
   def store(self, ctx, view: View, value, eqn, mask=None):
     describe = self.describe(ctx, "store", ctx.where)

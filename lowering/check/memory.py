@@ -16,7 +16,6 @@ import functools
 import math
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import NamedTuple
 
@@ -170,6 +169,10 @@ def _unreferenced() -> int:
 
 _UNREFERENCED = _unreferenced()
 
+# Snapshots a buffer keeps (``Buffer.snapshot``): a kernel's weights, say,
+# one window per expert.
+_SNAPSHOTS = 8
+
 # The arrays one launch of a fused MoE layer at the bench's small shape
 # makes (inputs' copies, VMEM scratch, outputs, their written flags: 280
 # MB) fit.
@@ -260,15 +263,16 @@ class Buffer:
       self.data = POOL.take(shape, dtype)
       self.data.fill(_garbage_value(self.data.dtype))
     elif adopt and _adoptable(data, shape, dtype):
-      self.data = data.reshape(shape)  # (a view of it: no copy)
+      # The array itself where it has the shape (so that the pool gets it
+      # back, and a later deposit in it can be taken again), else a view.
+      self.data = data if data.shape == shape else data.reshape(shape)
     else:
       self.data = POOL.take(shape, dtype)
       self.data[...] = np.asarray(data).reshape(shape)
     self.flat = self.data.reshape(-1)
-    # Windows of ``data`` that ``View.read`` lent (``writable``), while it
-    # lends them (until one is alive when the buffer is written).
-    self.lent: list[weakref.ref] = []
-    self.lending = not semaphore
+    # Read-only copies of windows, by slab, until the buffer is next
+    # written (``View.read``, ``writable``).
+    self.snapshots: dict[tuple[int, int, tuple[int, ...]], np.ndarray] = {}
     self.ids = ids(shape)
     # The flat arange that ``ids`` and the windows cut from it view.
     self.root = self.ids if self.ids.base is None else self.ids.base
@@ -298,26 +302,26 @@ class Buffer:
     self.viewed.clear()
     self.__dict__.pop("whole", None)
 
-  def lend(self, window: np.ndarray) -> None:
-    """Keeps track of ``window``, a read-only view of ``data`` that a read
-    returned instead of a copy."""
-    if len(self.lent) >= 16:
-      self.lent = [w for w in self.lent if w() is not None]
-    self.lent.append(weakref.ref(window))
+  def snapshot(self, s: slice, shape) -> np.ndarray:
+    """A read-only copy of the flat elements ``s``, shaped ``shape``:
+    the same array for every read of that window until the buffer is next
+    written (a kernel's weights, read by every tile, are copied once, not
+    once per tile). Copies, not views: what a kernel loaded never changes,
+    whatever views of it JAX or numpy make."""
+    key = (s.start, s.stop, tuple(shape))
+    copy = self.snapshots.get(key)
+    if copy is None:
+      if len(self.snapshots) >= _SNAPSHOTS:
+        del self.snapshots[next(iter(self.snapshots))]  # the oldest
+      copy = self.snapshots[key] = self.flat[s].reshape(shape).copy()
+      copy.flags.writeable = False
+    return copy
 
   def writable(self) -> None:
-    """Called before ``data`` is written in place: while a window that a
-    read lent is alive, the buffer moves to a copy of its array and leaves
-    the old one to the windows (copy on write), and lends no more (its
-    reads copy their windows: a buffer written between reads, such as a
-    tile being accumulated, would be copied whole at every write)."""
-    if self.lent:
-      if any(w() is not None for w in self.lent):
-        data = POOL.take(self.data.shape, self.data.dtype)
-        np.copyto(data, self.data)
-        self.data, self.flat = data, data.reshape(-1)
-        self.lending = False
-      self.lent.clear()
+    """Called before ``data`` is written in place: the snapshots are
+    stale."""
+    if self.snapshots:
+      self.snapshots.clear()
 
   def recycle(self, output: bool = False) -> None:
     """Gives its arrays to ``POOL`` once its launch has ended and nothing
@@ -325,9 +329,8 @@ class Buffer:
     lent. It keeps none (a use after this fails rather than reads
     another's data)."""
     self.forget_views()
-    if any(w() is not None for w in self.lent):
-      pass  # a window lent by a read still reads the array: not reused
-    elif output:
+    self.snapshots.clear()
+    if output:
       POOL.give((self.init,))
       POOL.lend((self.data,))
     elif not self.semaphore:
@@ -403,20 +406,14 @@ class View:
     return None
 
   def read(self) -> np.ndarray:
-    """The view's values (shaped as the view). A slab of a data buffer is
-    lent, not copied: a read-only view that keeps its values, since the
-    buffer moves to a copy of its array before it is next written while
-    the view lives (``Buffer.writable``); a kernel's weights, read by
-    every tile, are not copied each time."""
+    """The view's values (shaped as the view): a new array, or for a
+    slab of a data buffer its read-only snapshot (``Buffer.snapshot``)."""
     b, s = self.buffer, self.slab
     if s is None:
       return b.flat[self.ids]
-    window = b.flat[s].reshape(self.ids.shape)
-    if not b.lending:
-      return window.copy()
-    window.flags.writeable = False
-    b.lend(window)
-    return window
+    if b.semaphore:
+      return b.flat[s].reshape(self.ids.shape).copy()
+    return b.snapshot(s, self.ids.shape)
 
   def write(self, values) -> None:
     """Stores ``values`` (broadcast to the view's shape) in its elements."""

@@ -51,26 +51,23 @@ def swap(ctx, eqn, invals):
   ref, value, *flat = invals
   transforms = _transforms(ctx, eqn, flat)
   view = ctx.machine.view(ctx, ref, transforms, eqn)
-  old = _before(eqn, ctx.machine.load(ctx, view, eqn, check_init=False))
+  old = ctx.machine.load(ctx, view, eqn, check_init=False, read=_used(eqn))
   ctx.machine.store(ctx, view, value, eqn)
   return [old]
 
 
-def _before(eqn, loaded):
-  """What a swap returns: a copy of the values it loaded (a load lends a
-  view of the buffer, which the store would otherwise copy whole, see
-  ``memory.View.read``), or None if its result is dropped."""
-  if isinstance(eqn.outvars[0], core.DropVar):
-    return None
-  return np.array(loaded)
+def _used(eqn) -> bool:
+  """Whether a swap's result (the values before its store) is used: most
+  swaps are stores (``ref[...] = x``), whose old values are not read."""
+  return not isinstance(eqn.outvars[0], core.DropVar)
 
 
 def addupdate(ctx, eqn, invals):
   ref, value, *flat = invals
   transforms = _transforms(ctx, eqn, flat)
   view = ctx.machine.view(ctx, ref, transforms, eqn)
-  total = np.asarray(ctx.machine.load(ctx, view, eqn) + np.asarray(value))
-  ctx.machine.store(ctx, view, total, eqn)
+  old = ctx.machine.load(ctx, view, eqn)
+  ctx.machine.store(ctx, view, np.asarray(old + np.asarray(value)), eqn)
   return []
 
 
@@ -94,6 +91,6 @@ def masked_load(ctx, eqn, invals):
 def masked_swap(ctx, eqn, invals):
   ref, transforms, value, mask = eqn.params["args_tree"].unflatten(invals)
   view, mask = _masked_operands(ctx, eqn, ref, transforms, mask)
-  old = _before(eqn, ctx.machine.load(ctx, view, eqn, check_init=False))
+  old = ctx.machine.load(ctx, view, eqn, check_init=False, read=_used(eqn))
   ctx.machine.store(ctx, view, value, eqn, mask=mask)
   return [old]
