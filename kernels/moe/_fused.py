@@ -92,7 +92,6 @@ class _Plan(NamedTuple):
   slot: int  # rows per source slot, a multiple of tm
   activation: Any
   least: int  # rows of the smallest window an expert multiplies; tm: none
-  grain: int  # rows between window sizes above ``least``
 
   @property
   def tiles(self) -> int:
@@ -102,13 +101,13 @@ class _Plan(NamedTuple):
   @property
   def windows(self) -> tuple[int, ...]:
     """The window sizes an expert's rows in a tile may take: ``least``,
-    then every ``grain`` more rows below ``tm``, then the whole tile."""
-    return (*range(self.least, self.tm, self.grain), self.tm)
+    then every ``_GRAIN`` more rows below ``tm``, then the whole tile."""
+    return (*range(self.least, self.tm, _GRAIN), self.tm)
 
   def window_of(self, rows: jax.Array) -> jax.Array:
     """The index in ``windows`` of the smallest window of ``rows`` rows
     (at least one)."""
-    more = jnp.maximum(rows - self.least + self.grain - 1, 0) // self.grain
+    more = jnp.maximum(rows - self.least + _GRAIN - 1, 0) // _GRAIN
     return jnp.minimum(more, len(self.windows) - 1)
 
 
@@ -128,7 +127,7 @@ def _plan(
   tm = min(tile_rows, rows)
   slot = -(-rows // tm) * tm
   least = tm if tpu else min(tm, _common.STABLE_DOT_ROWS)
-  return _Plan(groups, experts_local, tm, slot, activation, least, _GRAIN)
+  return _Plan(groups, experts_local, tm, slot, activation, least)
 
 
 def _tiles(rows: jax.Array, tm: int) -> jax.Array:

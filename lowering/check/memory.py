@@ -360,7 +360,7 @@ def copy_of(x) -> np.ndarray:
   """A copy of ``x`` in an array of ``POOL``'s (written in place: no page
   faults where the pool has one of its shape)."""
   x = np.asarray(x)
-  if x.dtype.hasobject or not x.flags.c_contiguous:
+  if x.dtype.hasobject:
     return np.array(x)
   out = POOL.take(x.shape, x.dtype)
   np.copyto(out, x)
@@ -411,7 +411,7 @@ class View:
     b, s = self.buffer, self.slab
     if s is None:
       return b.flat[self.ids]
-    if b.semaphore:
+    if b.semaphore:  # (signals change it without ``writable``)
       return b.flat[s].reshape(self.ids.shape).copy()
     return b.snapshot(s, self.ids.shape)
 
