@@ -139,7 +139,7 @@ def _carries(eqn: core.JaxprEqn) -> list[tuple[int, int]]:
     first = eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]
     return [(first + j, j) for j in range(len(eqn.outvars))]
   if eqn.primitive is lax_control_flow.scan_p:
-    first, carried = _jax.scan_consts_and_carry(eqn.params)
+    first, carried = _jax.scan_layout(eqn.params)
     return [(first + j, j) for j in range(carried)]
   return []
 

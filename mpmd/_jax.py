@@ -2,21 +2,18 @@
 
 jax-mpmd builds a JAX primitive and reuses Pallas' Mosaic / Mosaic GPU
 lowerings and simulators, which only exist under ``jax._src``. Every such
-import lives here, behind a check of the exact jax version we were built and
-tested against, so that a mismatch fails at import with a clear message
-instead of deep inside a lowering.
+import lives here, behind a check of the supported jax range (a version
+outside it fails at import, clearly), with one shim per version difference.
 """
 
 import dataclasses
 import functools
-import re
 import threading
 import types
 from typing import Any
 
 import jax
 import jaxlib
-import numpy as np
 
 from mpmd._version import check_version, version_tuple
 
@@ -55,7 +52,7 @@ from jax._src import api_util
 from jax._src import callback
 from jax._src import config
 from jax._src import core
-from jax._src import custom_derivatives as _custom_derivatives
+from jax._src import custom_derivatives
 from jax._src import dispatch
 from jax._src import effects
 from jax._src import linear_util as lu
@@ -128,9 +125,11 @@ def is_extended(dtype) -> bool:
   return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
-def custom_derivatives():
-  """``jax._src.custom_derivatives`` (its call primitives)."""
-  return _custom_derivatives
+def _fuser():
+  """The Pallas fuser's dtypes module, imported on first use."""
+  from jax._src.pallas.fuser import fusible_dtype
+
+  return fusible_dtype
 
 
 def register_physicalize_rule(primitive, rule) -> None:
@@ -138,26 +137,20 @@ def register_physicalize_rule(primitive, rule) -> None:
   the Pallas fuser's ``physicalize`` (which replaces fusion dtypes by their
   physical parts), as upstream registers one for its mpmd_map. Both ends
   of our range have the fuser's rule table (jax 0.10.2, 0.12)."""
-  from jax._src.pallas.fuser import fusible_dtype
-
-  fusible_dtype._physicalize_rules[primitive] = rule
+  _fuser()._physicalize_rules[primitive] = rule
 
 
 def physicalize_jaxpr(jaxpr):
   """``jaxpr`` (no constvars) with fusion dtypes replaced by their parts."""
-  from jax._src.pallas.fuser import fusible_dtype
-
-  return fusible_dtype.physicalize_jaxpr(jaxpr)
+  return _fuser().physicalize_jaxpr(jaxpr)
 
 
 def is_fusion_dtype(dtype: Any) -> bool:
   """A Pallas fuser dtype (``FusionDType``, what ``fuser.physicalize``
   resolves); the fuser is imported only for extended dtypes."""
-  if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+  if dtype is None or not is_extended(dtype):
     return False
-  from jax._src.pallas.fuser import fusible_dtype
-
-  return isinstance(dtype, fusible_dtype.FusionDType)
+  return isinstance(dtype, _fuser().FusionDType)
 
 
 @functools.cache
@@ -237,15 +230,6 @@ def closed_jaxpr(jaxpr: core.Jaxpr, consts=()):
     return jaxpr.with_consts(consts) if consts else jaxpr
   # pyrefly: ignore[missing-attribute]  # jax < 0.11 only
   return core.ClosedJaxpr(jaxpr, consts)
-
-
-def scan_consts_and_carry(params) -> tuple[int, int]:
-  """How many of a scan's operands are constants, and how many carried:
-  counts up to 0.10, a flat tree of (consts, carry, xs) from 0.11 on."""
-  if "ft_in" not in params:
-    return params["num_consts"], params["num_carry"]
-  consts, carry, _ = params["ft_in"].unpack()
-  return len(list(consts.vals)), len(list(carry.vals))
 
 
 def open_jaxpr(j) -> tuple[core.Jaxpr, list]:
@@ -455,12 +439,11 @@ def fail_tpu_simulation(memory, error: Exception, device: int, core: int):
 def race_params(params):
   """``(params to run a simulator with, whether a race is an error)``.
 
-  0.12 added ``on_race`` (default ``"raise"``) to both simulators: the
-  detector then raises inside a program's thread, which surfaces as an
-  opaque runtime error of the launch. We run with ``"warn"`` so that it only
-  records the race, and raise our own error after the launch; a user's
-  ``on_race="warn"`` only warns. Earlier versions only record races.
-  """
+  0.12 added ``on_race`` (default ``"raise"``) to both simulators, whose
+  detector then raises inside a program's thread (an opaque runtime error).
+  We run with ``"warn"``, which only records races, and raise our own error
+  after the launch; a user's ``on_race="warn"`` only warns. Earlier
+  versions only record races."""
   if not getattr(params, "detect_races", False):
     return params, True
   on_race = getattr(params, "on_race", "raise")
@@ -517,8 +500,7 @@ def tpu_simulator_memory():
 
 def tpu_simulator_failure() -> BaseException | None:
   """What made the TPU simulator's last launch fail, if it kept it."""
-  memory = tpu_simulator_memory()
-  return None if memory is None else memory._failure
+  return getattr(tpu_simulator_memory(), "_failure", None)
 
 
 def fail_tpu_simulator_device(error: Exception, device_id: int) -> None:
@@ -533,10 +515,9 @@ def fail_tpu_simulator_device(error: Exception, device_id: int) -> None:
 
 
 def release_tpu_simulator_clean_up() -> None:
-  """Lets the devices of the TPU simulator's failed launch end without the
-  devices that never began it: the simulator's clean-up after a failure
-  waits for every device of the launch; it raises now instead (the next
-  launch starts from a fresh simulator state)."""
+  """Lets the devices of the TPU simulator's failed launch end without
+  those that never began it: the clean-up after a failure, which waits for
+  every device, raises now instead (the next launch starts afresh)."""
   memory = tpu_simulator_memory()
   if memory is not None:
     memory.clean_up_barrier.abort()

@@ -27,6 +27,19 @@ def _check_timeout(seconds) -> None:
     )
 
 
+def jit_keyed_state(name: str, default, help: str, validator=None):
+  """A JAX config state of ours, in the jit key and the trace context: a
+  launch takes the value in force where it is traced (a change retraces)."""
+  return _jax.config.string_or_object_state(
+    name=name,
+    default=default,
+    help=f"jax-mpmd: {help}",
+    validator=validator,
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+  )
+
+
 def _defined(state_fn) -> bool:
   """Whether the cached ``state_fn`` has defined its config state yet."""
   return state_fn.cache_info().currsize > 0
@@ -37,14 +50,12 @@ def _timeout_state():
   """The ``mpmd_deadlock_timeout`` JAX config state, defined when first set
   (``import mpmd`` adds nothing to JAX's config). In the jit key: a launch
   takes the timeout in force where it is lowered."""
-  return _jax.config.string_or_object_state(
-    name="mpmd_deadlock_timeout",
-    default=DEFAULT_DEADLOCK_TIMEOUT_S,
-    help="jax-mpmd: seconds a simulated program may wait while nothing "
-    "else of its launch moves",
-    validator=_check_timeout,
-    include_in_jit_key=True,
-    include_in_trace_context=True,
+  return jit_keyed_state(
+    "mpmd_deadlock_timeout",
+    DEFAULT_DEADLOCK_TIMEOUT_S,
+    "seconds a simulated program may wait while nothing else of its launch "
+    "moves",
+    _check_timeout,
   )
 
 
@@ -134,14 +145,12 @@ def _check_policy(policy) -> None:
 def _policy_state():
   """The ``mpmd_race_policy`` JAX config state, defined when first set; in
   the jit key (a launch takes the policy in force where it is lowered)."""
-  return _jax.config.string_or_object_state(
-    name="mpmd_race_policy",
-    default=_DEFAULT_RACE_POLICY,
-    help="jax-mpmd: what a simulator launch with detect_races=True does on "
-    "a race: 'raise' (mpmd.RaceError) or 'record' (mpmd.get_races())",
-    validator=_check_policy,
-    include_in_jit_key=True,
-    include_in_trace_context=True,
+  return jit_keyed_state(
+    "mpmd_race_policy",
+    _DEFAULT_RACE_POLICY,
+    "what a simulator launch with detect_races=True does on a race: "
+    "'raise' (mpmd.RaceError) or 'record' (mpmd.get_races())",
+    _check_policy,
   )
 
 

@@ -20,8 +20,6 @@ from mpmd._lowering.check import (
 )
 from mpmd._lowering.check import machine as machine_lib
 
-MAX_STEPS = 1_000_000
-
 
 def plan_of(params, device_axes, *, kernel, labels) -> gpu_machine.GpuPlan:
   """The executor's view of a launch on GPU meshes."""
@@ -125,14 +123,7 @@ def run(m: gpu_machine.GpuMachine, inputs) -> list[list[np.ndarray]]:
     if not options:
       break
     default = schedule.default_choice(options, current)
-    pick = m.strategy.choose(m.step, options, default)
-    if pick != default:
-      m.preemptions.append((m.step, pick))
-    m.step += 1
-    if m.step > MAX_STEPS:
-      raise errors.DeadlockError(
-        f"kernel {plan.kernel}: no progress after {MAX_STEPS} steps"
-      )
+    pick = m.pick(options, default)
     if pick[0] == "d":
       gpu.land(m, m.gpu.asyncs.pop(pick[1]))
     else:

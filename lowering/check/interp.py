@@ -34,7 +34,7 @@ from mpmd._lowering.check import (
 )
 from mpmd._lowering.check.segments import Segment
 
-_custom = _jax.custom_derivatives()
+_custom = _jax.custom_derivatives
 
 
 @dataclasses.dataclass

@@ -25,6 +25,10 @@ from mpmd._lowering import errors, paths
 from mpmd._lowering.check import memory, records, schedule
 from mpmd._lowering.check.memory import Buffer, View
 
+# A launch that takes more steps than this spins on a semaphore read that
+# never changes (a livelock), or is far beyond what the checker is for.
+MAX_STEPS = 1_000_000
+
 
 @dataclasses.dataclass
 class Plan:
@@ -144,7 +148,7 @@ class Machine:
     then nothing of the machine is in a reference cycle, and refcounting
     frees it all, the cyclic collector never walking it. (What it has to
     show after its launch, events and errors, holds no view.) Buffers
-    give their arrays to the next launches (``memory.POOL``; the
+    give their arrays to the next launches (``pool.POOL``; the
     outputs' data only once XLA has copied it)."""
     outputs = range(
       self.plan.num_in, self.plan.num_in + len(self.plan.out_avals)
@@ -159,6 +163,20 @@ class Machine:
       for b in mine.values():
         if b.data is not None:  # (not done already: buffers are shared)
           b.recycle(output=id(b) in kept)
+
+  def pick(self, options, default, stuck: str = "") -> schedule.Option:
+    """The strategy's pick among ``options`` for the next step (one other
+    than ``default`` is a preemption, which the schedule string keeps).
+    ``stuck``: what a launch past ``MAX_STEPS`` is likely doing."""
+    pick = self.strategy.choose(self.step, options, default)
+    if pick != default:
+      self.preemptions.append((self.step, pick))
+    self.step += 1
+    if self.step > MAX_STEPS:
+      raise errors.DeadlockError(
+        f"kernel {self.plan.kernel}: no progress after {MAX_STEPS} steps{stuck}"
+      )
+    return pick
 
   # -- naming ----------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import os
 import threading
 from typing import Any
 
-from mpmd import _jax
+from mpmd import _jax, simulators
 from mpmd._lowering.check import schedule as schedule_lib
 
 ENV = "MPMD_CHECK"
@@ -105,16 +105,12 @@ class Session:
 def config_state():
   """The ``mpmd_check`` JAX config state, defined on first use (``import
   mpmd`` adds nothing to JAX's config)."""
-  return _jax.config.string_or_object_state(
-    name="mpmd_check",
-    default=None,
-    help=(
-      "jax-mpmd: run every TPU-mesh mpmd_map launch on the checking "
-      "executor: a CheckParams, a session of mpmd.explore, or a schedule "
-      "string ('random:SEED' gives each call a schedule of its own)"
-    ),
-    include_in_jit_key=True,
-    include_in_trace_context=True,
+  return simulators.jit_keyed_state(
+    "mpmd_check",
+    None,
+    "run every TPU-mesh mpmd_map launch on the checking executor: a "
+    "CheckParams, a session of mpmd.explore, or a schedule string "
+    "('random:SEED' gives each call a schedule of its own)",
   )
 
 

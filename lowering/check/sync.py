@@ -16,10 +16,7 @@ from mpmd._lowering.check import interp, memory, records, schedule
 from mpmd._lowering.check import machine as machine_lib
 from mpmd._lowering.check.memory import View
 
-# A launch that takes more steps than this spins on a semaphore read that
-# never changes (a livelock), or is far beyond what the checker is for.
-MAX_STEPS = 1_000_000
-
+_SPINNING = " (programs spinning on semaphore reads that never change?)"
 
 Gate = tuple[np.ndarray, int, int] | bool  # (counts, element, need) or True
 
@@ -104,22 +101,13 @@ def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
       option = ("p", len(programs))
       programs.append(_Program(d, g, gen, ctx, option, m.comp(d, g)))
   current = None
-  choose = m.strategy.choose
   while True:
     options, default = _options(m, programs, current)
     if default is None:  # (no options: every program is done)
       break
     if current is not None and programs[current].polled:
       default = _next_after(options, current, default)
-    pick = choose(m.step, options, default)
-    if pick != default:
-      m.preemptions.append((m.step, pick))
-    m.step += 1
-    if m.step > MAX_STEPS:
-      raise errors.DeadlockError(
-        f"kernel {plan.kernel}: no progress after {MAX_STEPS} steps "
-        "(programs spinning on semaphore reads that never change?)"
-      )
+    pick = m.pick(options, default, _SPINNING)
     if pick[0] == "d":
       _land(m, m.dmas.pop(pick[1]))
     else:

@@ -46,6 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from launches import kernel_path
+from lowerings import tpu_text
 from python_runs import run_python
 
 import mpmd
@@ -645,12 +646,7 @@ class TestTpuLowering:
       ),
     ]
     with mpmd.tpu_target():
-      text = (
-        jax.jit(jax.grad(loss, argnums=(0, 1)))
-        .trace(*args)
-        .lower(lowering_platforms=("tpu",))
-        .as_text()
-      )
+      text = tpu_text(jax.grad(loss, argnums=(0, 1)), *args)
     self.assert_collective_kernel(text, count=2)
 
   @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from launches import kernel_path
+from lowerings import tpu_text
 from ragged_all_to_all_util import (
   Routing,
   place,
@@ -450,12 +451,7 @@ class TestTpuLowering:
       jax.ShapeDtypeStruct((4 * 48, 256), jnp.bfloat16, sharding=spec),
     ] + [jax.ShapeDtypeStruct((4 * 4,), jnp.int32, sharding=spec)] * 4
     with mpmd.tpu_target():
-      text = (
-        jax.jit(jax.grad(loss, argnums=(0, 1)))
-        .trace(*args)
-        .lower(lowering_platforms=("tpu",))
-        .as_text()
-      )
+      text = tpu_text(jax.grad(loss, argnums=(0, 1)), *args)
     # Forward, the offsets' exchange, the reverse exchange.
     self.assert_collective_kernel(text, count=3)
 

@@ -10,7 +10,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
-from mpmd._lowering.check import memory
+from mpmd._lowering.check import pool as pools
 
 # A shape no other test's buffer has: its pooled arrays are this file's.
 SHAPE = (24, 136)
@@ -46,7 +46,7 @@ def _reads_unwritten(x_hbm, o_hbm, scratch):
 
 def _held(value: float) -> bool:
   """Whether the pool holds a SHAPE array that is all ``value``."""
-  kept = memory.POOL.free.get((SHAPE, np.dtype(np.float32)), [])
+  kept = pools.POOL.free.get((SHAPE, np.dtype(np.float32)), [])
   return any(np.all(a == value) for a in kept)
 
 
@@ -71,7 +71,7 @@ def test_reused_scratch_is_uninitialised_for_the_oracle():
 
 
 def test_pool_keeps_arrays_by_shape_and_dtype_up_to_its_bytes():
-  pool = memory.Pool(max_bytes=2 * 4 * 8)
+  pool = pools.Pool(max_bytes=2 * 4 * 8)
   a, b, c = (np.zeros((8,), np.float32) for _ in range(3))
   pool.give([a, b, c])  # the third does not fit
   assert pool.held == 2 * a.nbytes
@@ -83,7 +83,7 @@ def test_pool_keeps_arrays_by_shape_and_dtype_up_to_its_bytes():
 
 
 def test_jax_clear_caches_empties_the_pool():
-  pool = memory.Pool(max_bytes=1 << 10)
+  pool = pools.Pool(max_bytes=1 << 10)
   pool.give([np.zeros((8,), np.float32)])
   assert pool.cache_info().currsize == 32 and pool.cache_keys()
   jax.clear_caches()
@@ -99,7 +99,7 @@ def test_outputs_are_lent_and_reused_only_once_xla_copied_them():
   # The launch's output array was lent to the pool (XLA has copied it),
   # the newest lent (earlier launches' may still be there): watched
   # without a reference, which would keep it lent.
-  lent = [a for a in memory.POOL.lent if a.shape == SHAPE]
+  lent = [a for a in pools.POOL.lent if a.shape == SHAPE]
   output = weakref.ref(lent[-1])
   del lent
   assert np.all(output() == 2.0)
@@ -112,7 +112,7 @@ def test_outputs_are_lent_and_reused_only_once_xla_copied_them():
 
 
 def test_a_lent_array_still_referred_to_is_not_taken():
-  pool = memory.Pool(max_bytes=1 << 10)
+  pool = pools.Pool(max_bytes=1 << 10)
   a = np.zeros((8,), np.float32)
   pool.lend([a])  # ``a`` is still ours
   assert pool.take((8,), np.float32) is not a and pool.lent
