@@ -70,10 +70,13 @@ def once_flags(jaxpr: core.Jaxpr) -> list[Once]:
   return flags
 
 
-def once_by_eqn(jaxpr: core.Jaxpr, flags: list[Once]) -> dict[int, Once]:
+def once_by_eqn(
+  jaxpr: core.Jaxpr, flags: list[Once]
+) -> dict[core.JaxprEqn, Once]:
   """``flags`` (``once_flags`` of the same kernel before its semaphores
-  became integers) by the id of each ``dma_start`` of ``jaxpr``: turning
-  semaphores into integers keeps every equation, in order."""
+  became integers) by each ``dma_start`` of ``jaxpr``, the equations the
+  lowering then walks: turning semaphores into integers keeps every
+  equation, in order."""
   starts = [
     eqn
     for eqn in jaxpr_util.iter_eqns(jaxpr)
@@ -83,7 +86,7 @@ def once_by_eqn(jaxpr: core.Jaxpr, flags: list[Once]) -> dict[int, Once]:
     raise AssertionError(
       f"mpmd: internal error: {len(flags)} dma_starts became {len(starts)}"
     )
-  return {id(eqn): f for eqn, f in zip(starts, flags, strict=True)}
+  return dict(zip(starts, flags, strict=True))
 
 
 def widen(aval: core.AbstractValue) -> core.AbstractValue:

@@ -106,9 +106,8 @@ def lower(
   num_operands = len(in_nodes) + len(params["out_avals"])
   jaxpr = _runnable(jaxpr, mesh)
   # Barriers as kernel scratch fail in the simulator (docs/design.md,
-  # trap 6); the rest
-  # stays kernel scratch, which the simulator allocates at its logical
-  # shape, given its layout transforms.
+  # trap 6); the rest stays kernel scratch, which the simulator allocates
+  # at its logical shape, given its layout transforms.
   jaxpr, kept = common.scoped_scratch(
     jaxpr, num_operands, mesh, params["meshes"], _is_barrier
   )

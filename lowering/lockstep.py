@@ -81,7 +81,7 @@ def sync_rule(
   devices: Devices | None = None,
   barrier: tuple[Any, ...] = (),
   first: jaxpr_util.EqnRule | None = None,
-  once: dict[int, Once] | None = None,
+  once: dict[core.JaxprEqn, Once] | None = None,
 ) -> jaxpr_util.EqnRule:
   """The rewrite of every synchronising operation (see module docstring),
   with ``checks`` of DMA windows and scoped waits; ``first`` (say an axis
@@ -114,7 +114,7 @@ def sync_rule(
       return list(barrier)
     if kind is Sync.DMA_START:
       checks.dma(eqn, invals)
-      flags = (False, False) if once is None else once[id(eqn)]
+      flags = (False, False) if once is None else once[eqn]
       _dma_start(eqn, invals, exchanges, flags)
       return []
     if kind is Sync.DMA_WAIT:

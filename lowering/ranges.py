@@ -323,7 +323,7 @@ class _Prover:
 
 
 def _semaphore_op(
-  eqn: core.JaxprEqn, range_of, once: dict[int, tuple[bool, bool]]
+  eqn: core.JaxprEqn, range_of, once: dict[core.JaxprEqn, tuple[bool, bool]]
 ) -> tuple | None:
   """(semaphore, amount, is a wait, decrements) of a local signal or wait on
   a whole semaphore by a static amount; None for anything else. ``once``:
@@ -343,7 +343,7 @@ def _semaphore_op(
     else:
       sem, counted = dma.dst_sem, by_avals.dst
     amount = math.prod(counted.shape) * np.dtype(counted.dtype).itemsize
-    if not wait and once.get(id(eqn), (False, False))[0]:
+    if not wait and once.get(eqn, (False, False))[0]:
       amount = 1
     decrement = True
   elif kind is Sync.SIGNAL:
@@ -397,7 +397,7 @@ def _step(body: core.Jaxpr, carry: core.Var, out: Any) -> int | None:
 def prove(
   jaxpr: core.Jaxpr,
   axis_sizes: dict[core.AxisName, int],
-  once: dict[int, tuple[bool, bool]] | None = None,
+  once: dict[core.JaxprEqn, tuple[bool, bool]] | None = None,
 ) -> set[core.JaxprEqn]:
   """The equations of ``jaxpr`` (nested ones too) whose run-time
   check cannot fail: ``dma_start``s in bounds, satisfied scoped waits.

@@ -237,7 +237,8 @@ def _out_of_bounds_in_user_terms(params, num_in: int, scratch, hidden):
   Ref's name, role and type) the access touched, and the kernel.
 
   ``scratch``: the kernel's scratch operands; ``hidden``: those in HBM,
-  which the simulator gets as extra outputs (trap 2), by scratch index.
+  which the simulator gets as extra outputs (docs/design.md, trap 2), by
+  scratch index.
   """
   labels = common.operand_labels(params, num_in)
   num_out = len(params["out_avals"])

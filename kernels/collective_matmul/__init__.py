@@ -49,7 +49,7 @@ of its whole partial product (reduce-scatter) straight to every other
 device, with one matmul after (all-gather) or before (reduce-scatter) the
 exchange. It hides nothing, so on TPU the ring wins; on the CPU fallback,
 where the devices run in step and every exchange is a rendezvous of all of
-them, one exchange beats ``D - 1`` (see ``direct.py``). ``bidirectional``
+them, one exchange beats ``D - 1`` (see ``_direct.py``). ``bidirectional``
 and ``buffering`` shape the ring only.
 
 Memory. Operands, ring slots and accumulators stay in HBM; the local matmul

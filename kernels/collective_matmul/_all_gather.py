@@ -38,7 +38,7 @@ class AgConfig(NamedTuple):
   out_dtype: np.dtype
   block_sizes: BlockSizes
   interpret: Interpret
-  implementation: str  # "ring" or "direct" (see direct.py)
+  implementation: str  # "ring" or "direct" (see _direct.py)
 
 
 class _AgPlan(NamedTuple):

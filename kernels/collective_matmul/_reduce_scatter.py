@@ -42,7 +42,7 @@ class RsConfig(NamedTuple):
   out_dtype: np.dtype
   block_sizes: BlockSizes
   interpret: Interpret
-  implementation: str  # "ring" or "direct" (see direct.py)
+  implementation: str  # "ring" or "direct" (see _direct.py)
 
 
 def rs_geometry(config: RsConfig, n: int, m: int):

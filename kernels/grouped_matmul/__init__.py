@@ -28,7 +28,7 @@ dimensions there) run as a second pipeline over the strip.
 
 Two named implementations (``implementation=``), both lowering for TPU and
 running on the CPU fallback: ``"tiled"``, the kernel above (what a TPU
-runs), and ``"windows"`` (``windows.py``): per group, a dot per whole chunk
+runs), and ``"windows"`` (``_windows.py``): per group, a dot per whole chunk
 of 256 of its rows, then one over a tail window (at most 15 rows more than
 the rest) under a row mask. On the CPU fallback each pipeline step is a
 loop iteration around a small XLA dot, and a tile straddling a group

@@ -76,7 +76,7 @@ class _KernelRefs(NamedTuple):
 class GmmConfig(NamedTuple):
   """Static parameters of one gmm call (hashable: a custom_vjp closure key)."""
 
-  # None: implementation="windows" (``windows.py``), which runs no tiles.
+  # None: implementation="windows" (``_windows.py``), which runs no tiles.
   tiling: Tiling | None
   preferred_element_type: jnp.dtype
   transpose_rhs: bool

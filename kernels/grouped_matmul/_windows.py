@@ -25,7 +25,7 @@ buffers that every branch saw would be carried (and copied) through each
 of them. tgmm runs the tail first, so that a group of fewer rows than a
 chunk (most of them) stores its one product with no zeros to add it to.
 
-The TPU runs the tiled megablox kernels (``kernels.py``,
+The TPU runs the tiled megablox kernels (``_kernels.py``,
 ``implementation="tiled"``); this one runs by default where the target is
 not a TPU and no ``tiling`` is given, and wherever it is named.
 """

@@ -5,7 +5,7 @@
 * :func:`moe`: a dropless expert-parallel MoE layer: top-k routing, dispatch
   by ``ragged_all_to_all``, ``gmm`` over the local experts, combine by the
   reverse exchange; with ``fused=True`` all three in one two-mesh launch
-  (a dispatch program next to a compute program, ``fused.py``).
+  (a dispatch program next to a compute program, ``_fused.py``).
 """
 
 from mpmd.kernels.moe.layer import moe as moe

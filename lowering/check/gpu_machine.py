@@ -210,7 +210,7 @@ class GpuMachine(machine.Machine):
     views = []
     for k, v in enumerate(avals_vars):
       owner = "block" if collective else ctx.program
-      key = ("scoped", id(eqn), k, ctx.scope_depth, owner)
+      key = ("scoped", eqn, k, ctx.scope_depth, owner)
       if key not in mine:
         label = memory.Lazy(
           lambda k=k, d=ctx.device, g=ctx.program, at=ctx.where, p=self.plan: (

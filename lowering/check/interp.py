@@ -452,11 +452,11 @@ def _flow(eqn: core.JaxprEqn, memo: dict):
   make = _FLOWS.get(eqn.primitive)
   if make is None or RULES.get(eqn.primitive) is not _control:
     return None
-  key = ("flow", id(eqn))
+  key = ("flow", eqn)
   found = memo.get(key)
   if found is None:
-    found = memo[key] = (make(eqn, memo), eqn)  # eqn: its id stays its own
-  return found[0]
+    found = memo[key] = make(eqn, memo)
+  return found
 
 
 def _opened_code(j, memo: dict) -> tuple[_Code, list[Any]]:

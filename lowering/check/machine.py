@@ -376,7 +376,7 @@ class Machine:
       # scope entered again finds it as it was left, and another program
       # may DMA or signal into it before this one enters (a remote DMA
       # into the peer's scoped buffer).
-      key = ("scoped", id(eqn), k, ctx.scope_depth)
+      key = ("scoped", eqn, k, ctx.scope_depth)
       if key in mine:
         views.append(mine[key].whole)
         continue

@@ -212,17 +212,17 @@ def record_of(eqn: core.JaxprEqn, values, memo: dict):
   reads it, made from a template remembered in ``memo`` per equation and
   scalar values: unflattening Pallas' pytree nodes costs far more than
   putting this launch's Refs into the fields that hold them."""
-  found = memo.get(("record of", id(eqn)))
+  found = memo.get(("record of", eqn))
   if found is None:
     refs = [isinstance(v.aval, state.AbstractRef) for v in eqn.invars]
     others = [i for i, is_ref in enumerate(refs) if not is_ref]
-    found = (record_types()[eqn.primitive], refs, others, eqn)  # eqn: its id
-    memo[("record of", id(eqn))] = found
-  make, refs, others, _ = found
+    found = (record_types()[eqn.primitive], refs, others)
+    memo[("record of", eqn)] = found
+  make, refs, others = found
   scalars = scalar_key([values[i] for i in others])
   if scalars is None:  # an index array: read it as it is
     return make.of(eqn, values)
-  key = ("record", id(eqn), *scalars)
+  key = ("record", eqn, *scalars)
   template = memo.get(key)
   if template is None:
     template = _template(eqn, values, refs, make)

@@ -18,17 +18,17 @@ def _remembered(ctx, eqn, values, make):
   scalars = records.scalar_key(values)
   if scalars is None:
     return make()
-  key = (id(eqn), *scalars)
+  key = (eqn, *scalars)
   table = ctx.machine.plan.memo
   entry = table.get(key)
   if entry is None:
     made = make()
     if type(made) is tuple:
       made = records.Views(made)
-    entry = (made, eqn)  # eqn: its id stays its own
+    entry = made
     if len(table) < MAX_REMEMBERED:
       table[key] = entry
-  return entry[0]
+  return entry
 
 
 # Entries ``_remembered`` keeps per kernel (past them, it makes anew).
