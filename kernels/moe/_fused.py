@@ -28,7 +28,10 @@ Results go back into slot ``t`` (the receiver's position) of the source's
 are whole: the last tile of a slice carries rows past it (the sender's
 next rows, or padding), which land inside the receiver's slot and are
 masked out, so every DMA has a static shape and every row read was
-written.
+written. The slots (``received``) and their results (``results``) are
+staging buffers in HBM: kernel outputs on TPU, scratch on the CPU
+fallback, where an output is copied back to XLA at every launch
+(``_Plan.staging_in_scratch``).
 
 Synchronisation. A remote DMA's receive semaphore is the issuing mesh's
 semaphore on the receiving device (a DMA lands on the same program of the
@@ -92,6 +95,11 @@ class _Plan(NamedTuple):
   slot: int  # rows per source slot, a multiple of tm
   activation: Any
   least: int  # rows of the smallest window an expert multiplies; tm: none
+  # Where the exchange's staging buffers (received, results) live: kernel
+  # outputs in HBM on TPU (as upstream's distributed kernels hold remote
+  # DMA targets), HBM scratch on the CPU fallback, where an output costs
+  # a copy of all its rows back to XLA at every launch.
+  staging_in_scratch: bool
 
   @property
   def tiles(self) -> int:
@@ -127,7 +135,7 @@ def _plan(
   tm = min(tile_rows, rows)
   slot = -(-rows // tm) * tm
   least = tm if tpu else min(tm, _common.STABLE_DOT_ROWS)
-  return _Plan(groups, experts_local, tm, slot, activation, least)
+  return _Plan(groups, experts_local, tm, slot, activation, least, not tpu)
 
 
 def _tiles(rows: jax.Array, tm: int) -> jax.Array:
@@ -141,6 +149,7 @@ class _Refs(NamedTuple):
   meta_hbm: Any  # (_GROUP + El, D) int32
   w_in: Any  # (El, H, F) HBM
   w_out: Any  # (El, F, H) HBM
+  # The staging buffers (``_Plan.staging_in_scratch``)
   received: Any  # (D * slot, H) HBM: slot s holds source s's rows
   results: Any  # (D * slot, H) HBM: their MLP outputs
   returned: Any  # (D * slot, H) HBM: slot t: this device's rows, from t
@@ -322,7 +331,9 @@ def _compute(p: _Plan, r: _Refs) -> None:
 def _scratch(p: _Plan, dispatch, compute, hidden: int, ffn: int, dtype):
   d, el, tiles = p.groups.size, p.experts_local, p.tiles
   meta = (_GROUP + el, d)
+  staging = (pltpu.HBM((d * p.slot, hidden), dtype),) * 2
   return (
+    *(staging if p.staging_in_scratch else ()),
     pltpu.SMEM(meta, jnp.int32) @ dispatch,
     pltpu.SemaphoreType.DMA(()) @ dispatch,
     pltpu.SemaphoreType.DMA((d, tiles)) @ dispatch,
@@ -335,6 +346,16 @@ def _scratch(p: _Plan, dispatch, compute, hidden: int, ffn: int, dtype):
     pltpu.VMEM((el, hidden, ffn), dtype) @ compute,
     pltpu.VMEM((el, ffn, hidden), dtype) @ compute,
   )
+
+
+def _refs(p: _Plan, refs) -> _Refs:
+  """The kernel's operands as ``_Refs``: the inputs, the outputs (the
+  staging buffers then ``returned``, or ``returned`` alone), the scratch
+  (led by the staging buffers if they are scratch)."""
+  if p.staging_in_scratch:
+    returned, staging, rest = refs[4], refs[5:7], refs[7:]
+    refs = (*refs[:4], *staging, returned, *rest)
+  return _Refs(*refs)
 
 
 def _launch(p: _Plan, xs, meta, w_in, w_out, *, interpret=None) -> jax.Array:
@@ -350,14 +371,14 @@ def _launch(p: _Plan, xs, meta, w_in, w_out, *, interpret=None) -> jax.Array:
   buffer = _common.out_type((d * p.slot, hidden), dtype, varying)
 
   def program(body):
-    return lambda *refs: body(p, _Refs(*refs))
+    return lambda *refs: body(p, _refs(p, refs))
 
   rows = d * p.slot
   itemsize = jnp.dtype(dtype).itemsize
-  _, _, returned = peers_lib.launch(
+  outs = peers_lib.launch(
     interpret,
     None,
-    (buffer, buffer, buffer),
+    (buffer,) * (1 if p.staging_in_scratch else 3),
     _scratch(p, dispatch, compute, hidden, ffn, dtype),
     meshes=[(dispatch, program(_dispatch)), (compute, program(_compute))],
     cost_estimate=pl.CostEstimate(
@@ -367,7 +388,7 @@ def _launch(p: _Plan, xs, meta, w_in, w_out, *, interpret=None) -> jax.Array:
     ),
     name=_NAME,
   )(xs, meta, w_in, w_out)
-  return returned
+  return outs[-1]
 
 
 def _metadata(groups, counts: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@ least ``_common.STABLE_DOT_ROWS`` rows on the CPU fallback (a row's
 result then depends on no other row).
 """
 
+import contextlib
 import functools
 import re
 
@@ -20,6 +21,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from launches import launch_eqns
 from moe_util import (
   Problem,
   assert_close,
@@ -235,6 +237,27 @@ def test_lowers_for_tpu_as_one_kernel(target):
   assert text.count("tpu_custom_call") == 1
   assert "moe_fused" in text
   assert re.search(r"has_communication\\22: true", text)
+
+
+@pytest.mark.parametrize(
+  ("target", "outputs"), [(None, 1), ("v5e", 3)], ids=["cpu", "tpu"]
+)
+def test_staging_buffers_are_outputs_only_on_tpu(rng, target, outputs):
+  # On the CPU fallback every output of a launch is copied back to XLA:
+  # the exchange's staging buffers are scratch there; on TPU they stay
+  # outputs (remote DMA targets, as upstream's distributed kernels hold
+  # them), so the TPU kernel is the one cross-lowered above.
+  p = Problem(rng, devices=2, tokens=5, hidden=8, ffn=8, experts_local=1)
+  layer = p.layer(top_k=1, fused=True, tile_rows=8)
+  with contextlib.ExitStack() as stack:
+    if target is not None:
+      stack.enter_context(mpmd.tpu_target(target))
+    [launch] = [
+      e
+      for e in launch_eqns(layer, *p.placed())
+      if e.params["name"] == "moe_fused"
+    ]
+  assert len(launch.outvars) == outputs
 
 
 def test_vmap_over_token_sets_as_unfused(rng):
