@@ -184,11 +184,9 @@ def gpu():
 
 
 def tensorcore_mesh(axis_name: str, num_cores: int):
-  """A Pallas ``TensorCoreMesh`` of ``num_cores`` cores.
-
-  0.11 made the mesh a dataclass of ``(axis_name, num_cores)`` and deprecated
-  ``create_tensorcore_mesh``; 0.10.2 has only the latter.
-  """
+  """A Pallas ``TensorCoreMesh`` of ``num_cores`` cores. 0.11 made the mesh
+  a dataclass of ``(axis_name, num_cores)`` and deprecated
+  ``create_tensorcore_mesh``, which is all 0.10.2 has."""
   tpu_core = tpu().core
   if JAX_VERSION >= (0, 11):
     return tpu_core.TensorCoreMesh(axis_name=axis_name, num_cores=num_cores)
@@ -339,8 +337,8 @@ def ref_indexings(traceback) -> list[tuple[Any, tuple[Any, ...]]]:
 
 
 def dma_flatten(src, dst, sem, send_sem, device_id):
-  """(flat operands, tree) of a DMA equation, flattened the way Pallas
-  flattens them (0.12 uses its tracing registry, not the default one)."""
+  """(flat operands, tree) of a DMA, as Pallas flattens them (by its own
+  tracing registry on 0.12)."""
   return tpu().primitives._dma_flatten(src, dst, sem, send_sem, device_id)
 
 
@@ -500,7 +498,8 @@ def tpu_simulator_memory():
 
 def tpu_simulator_failure() -> BaseException | None:
   """What made the TPU simulator's last launch fail, if it kept it."""
-  return getattr(tpu_simulator_memory(), "_failure", None)
+  memory = tpu_simulator_memory()
+  return None if memory is None else memory._failure
 
 
 def fail_tpu_simulator_device(error: Exception, device_id: int) -> None:
