@@ -221,7 +221,11 @@ def moe(
   128 rows there, so that XLA:CPU rounds a row the same whatever rows
   surround it: ``kernels/_common.py``, ``rows_dot``). Its gradient is
   the unfused layer's (a custom VJP that recomputes the layer unfused: the
-  fused kernel keeps no intermediates).
+  fused kernel keeps no intermediates). Its layout is the platform's where
+  it is traced: on TPU, or inside ``mpmd.tpu_target()`` to cross-lower
+  from a CPU host, 128-row tiles and the exchange's staging buffers as
+  kernel outputs; on the CPU fallback larger tiles and the staging
+  buffers as scratch (an output costs a copy back to XLA there).
 
   Args:
     x: (tokens, hidden) float32, bfloat16 or float16: this device's tokens.
