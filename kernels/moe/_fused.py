@@ -353,8 +353,9 @@ def _refs(p: _Plan, refs) -> _Refs:
   staging buffers then ``returned``, or ``returned`` alone), the scratch
   (led by the staging buffers if they are scratch)."""
   if p.staging_in_scratch:
-    returned, staging, rest = refs[4], refs[5:7], refs[7:]
-    refs = (*refs[:4], *staging, returned, *rest)
+    i = _Refs._fields.index("received")  # (the inputs come before)
+    returned, staging, rest = refs[i], refs[i + 1 : i + 3], refs[i + 3 :]
+    refs = (*refs[:i], *staging, returned, *rest)
   return _Refs(*refs)
 
 
