@@ -9,7 +9,8 @@ with a wrong value (rank, shape, range, divisibility).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Iterable
+import inspect
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -161,6 +162,28 @@ def out_type(
     dtype,
     manual_axis_type=jax.sharding.ManualAxisType(varying=varying),
   )
+
+
+def operand_names(names: Sequence[str]):
+  """Gives a kernel written as ``kernel(*refs)`` the operand names
+  ``names``, so that errors and the checker's reports name its Refs
+  (``x_tile``, not ``refs[14]``): JAX reads names from the signature.
+
+  >>> @operand_names(("x", "o"))
+  ... def kernel(*refs):
+  ...   x, o = refs
+  >>> list(inspect.signature(kernel).parameters)
+  ['x', 'o']
+  """
+
+  def name(kernel: Callable[..., None]) -> Callable[..., None]:
+    only = inspect.Parameter.POSITIONAL_ONLY
+    kernel.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+      [inspect.Parameter(n, only) for n in names]
+    )
+    return kernel
+
+  return name
 
 
 def single_core_mesh() -> Mesh:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mpmd.kernels._common import operand_names
 from mpmd.kernels.collective_matmul._reduce_scatter import rs_geometry
 from mpmd.kernels.collective_matmul._ring import (
   RingCoords,
@@ -87,6 +88,7 @@ def ag_direct_call(config, lhs: jax.Array, rhs: jax.Array, *, return_gathered):
   scratch = _scratch(dtype, config.out_dtype, tiles)
   names = (*outs, *scratch)
 
+  @operand_names(("lhs", "rhs", *names))
   def body(*refs):
     (lhs_ref, rhs_ref), r = named_refs(refs, 2, names)
     coords = RingCoords(ring)
@@ -177,6 +179,7 @@ def rs_direct_call(config, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   outs, scratch = _rs_direct_buffers(config, lhs, rhs, block)
   names = (*outs, *scratch)
 
+  @operand_names(("lhs", "rhs", *names))
   def body(*refs):
     (lhs_ref, rhs_ref), r = named_refs(refs, 2, names)
     coords = RingCoords(ring)

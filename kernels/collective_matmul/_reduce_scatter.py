@@ -10,6 +10,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mpmd.kernels._common import operand_names
 from mpmd.kernels.collective_matmul._ring import (
   Ring,
   RingCoords,
@@ -121,6 +122,7 @@ def _rs_body(plan: _RsPlan):
   num = ring.size
   last = num - 2
 
+  @operand_names(("lhs", "rhs", *names))
   def body(*refs):
     (lhs_ref, rhs_ref), r = named_refs(refs, 2, names)
     bufs = TileBuffers.from_named(r)

@@ -348,15 +348,28 @@ def _scratch(p: _Plan, dispatch, compute, hidden: int, ffn: int, dtype):
   )
 
 
-def _refs(p: _Plan, refs) -> _Refs:
-  """The kernel's operands as ``_Refs``: the inputs, the outputs (the
-  staging buffers then ``returned``, or ``returned`` alone), the scratch
-  (led by the staging buffers if they are scratch)."""
-  if p.staging_in_scratch:
-    i = _Refs._fields.index("received")  # (the inputs come before)
-    returned, staging, rest = refs[i], refs[i + 1 : i + 3], refs[i + 3 :]
-    refs = (*refs[:i], *staging, returned, *rest)
-  return _Refs(*refs)
+def _operands(p: _Plan) -> tuple[str, ...]:
+  """The ``_Refs`` fields in the order of the kernel's operands: the
+  inputs, the outputs (the staging buffers then ``returned``, or
+  ``returned`` alone), the scratch (led by the staging buffers if they are
+  scratch)."""
+  names = _Refs._fields
+  if not p.staging_in_scratch:
+    return names
+  i = names.index("received")  # (the inputs come before)
+  return (*names[:i], "returned", *names[i : i + 2], *names[i + 3 :])
+
+
+def _program(p: _Plan, body):
+  """``body(p, refs)`` as a kernel whose operands carry the ``_Refs``
+  names, so that errors name them."""
+  names = _operands(p)
+
+  @_common.operand_names(names)
+  def kernel(*refs):
+    body(p, _Refs(**dict(zip(names, refs, strict=True))))
+
+  return kernel
 
 
 def _launch(p: _Plan, xs, meta, w_in, w_out, *, interpret=None) -> jax.Array:
@@ -371,9 +384,6 @@ def _launch(p: _Plan, xs, meta, w_in, w_out, *, interpret=None) -> jax.Array:
   varying = peers_lib.varying(p.groups, xs, meta, w_in, w_out)
   buffer = _common.out_type((d * p.slot, hidden), dtype, varying)
 
-  def program(body):
-    return lambda *refs: body(p, _refs(p, refs))
-
   rows = d * p.slot
   itemsize = jnp.dtype(dtype).itemsize
   outs = peers_lib.launch(
@@ -381,7 +391,10 @@ def _launch(p: _Plan, xs, meta, w_in, w_out, *, interpret=None) -> jax.Array:
     None,
     (buffer,) * (1 if p.staging_in_scratch else 3),
     _scratch(p, dispatch, compute, hidden, ffn, dtype),
-    meshes=[(dispatch, program(_dispatch)), (compute, program(_compute))],
+    meshes=[
+      (dispatch, _program(p, _dispatch)),
+      (compute, _program(p, _compute)),
+    ],
     cost_estimate=pl.CostEstimate(
       flops=4 * rows * hidden * ffn * el,
       transcendentals=rows * ffn * el,

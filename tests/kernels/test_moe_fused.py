@@ -13,11 +13,13 @@ result then depends on no other row).
 import contextlib
 import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -33,6 +35,7 @@ from ragged_all_to_all_util import stacked_mesh
 
 import mpmd
 import mpmd.kernels
+from mpmd.kernels.moe import _fused
 
 SILU = jax.nn.silu
 
@@ -286,3 +289,20 @@ def test_vmap_over_token_sets_as_unfused(rng):
     )
 
   assert_same(layer(True)(*args), layer(False)(*args))
+
+
+def test_a_sync_bug_is_reported_with_the_kernels_ref_names(rng, monkeypatch):
+  # The compute program stops waiting for its tiles to land (every
+  # ``pl.semaphore_wait`` of the fused kernel's module is dropped): the
+  # checker's report names the kernel's Refs as the kernel names them,
+  # not as operands of a ``*refs`` function (``refs[14]``).
+  no_waits = types.SimpleNamespace(**vars(pl))
+  no_waits.semaphore_wait = lambda *args, **kwargs: None
+  monkeypatch.setattr(_fused, "pl", no_waits)
+  p = Problem(rng, devices=2, tokens=11, hidden=8, ffn=8, experts_local=2)
+  layer = jax.jit(p.layer(top_k=2, fused=True, tile_rows=8))
+  with pytest.raises(AssertionError) as failed:
+    mpmd.testing.assert_schedule_independent(layer, *p.placed(), schedules=4)
+  message = str(failed.value)
+  assert re.search(r"reads 'x_tile'|data race on 'received'", message)
+  assert "refs[" not in message
