@@ -2,6 +2,7 @@
 functions, out and scratch types, options, aliases (each run once, by
 ``mpmd._launch.check_launch``), and per call the operands."""
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -382,7 +383,11 @@ def check_aliases_arg(aliases: Any) -> FrozenDict:
   return FrozenDict({int(i): int(o) for i, o in aliases.items()})
 
 
-_CANONICAL_MESHES: dict[Any, Any] = {}
+# Weak values: a mesh is held by the avals and kernels that use it, not by
+# this table, which only says which of equal meshes came first.
+_CANONICAL_MESHES: weakref.WeakValueDictionary[Any, Any] = (
+  weakref.WeakValueDictionary()
+)
 
 
 def _canonical_mesh(mesh: Any) -> Any:

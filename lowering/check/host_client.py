@@ -16,9 +16,6 @@ import numpy as np
 from mpmd import _jax
 from mpmd._jax import core, mlir
 
-# Drop with jax 0.10.
-CALLBACKS_FILL_POOL = _jax.JAX_VERSION < (0, 11)
-
 
 @functools.cache
 def _client():

@@ -26,7 +26,6 @@ from mpmd._jax import (
 )
 from mpmd._lowering import jaxpr_util
 from mpmd._lowering.check import (
-  host_client,
   records,
   refs,
   scalars,
@@ -67,7 +66,7 @@ class Context:
     self.scope_depth = 0
     # Segments compile for a client of our own (see ``Segment``).
     self.own_client = (
-      bool(machine.plan.device_axes) and host_client.CALLBACKS_FILL_POOL
+      bool(machine.plan.device_axes) and _jax.CALLBACKS_FILL_POOL
     )
     # The kernel source line of the equation running now (or of the
     # nearest enclosing one that has a line of the user's).

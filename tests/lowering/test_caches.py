@@ -1,11 +1,12 @@
 """The lowering's caches are JAX's: jax.clear_caches() empties them, and
-they hold no jaxpr alive."""
+they hold no jaxpr (and no mesh) alive."""
 
 import gc
 import weakref
 
 import jax
 
+from mpmd import _arguments, meshes
 from mpmd._lowering import host_programs
 
 
@@ -22,5 +23,19 @@ def test_the_callback_cache_holds_no_jaxpr_alive():
   host_programs._jaxpr_calls_back(jaxpr)
   held = weakref.ref(jaxpr)
   del jaxpr
+  gc.collect()
+  assert held() is None
+
+
+def test_the_mesh_table_holds_no_mesh_alive():
+  # Equal meshes met in one launch are made one object (jax 0.10 compares
+  # multi-core TensorCore meshes elementwise); the table that remembers
+  # the first of them does not keep it alive once nothing uses it.
+  mesh = meshes.tensorcore_mesh("held_by_nobody_else", num_cores=2)
+  assert _arguments._canonical_mesh(mesh) is mesh
+  again = meshes.tensorcore_mesh("held_by_nobody_else", num_cores=2)
+  assert _arguments._canonical_mesh(again) is mesh
+  held = weakref.ref(mesh)
+  del mesh, again
   gc.collect()
   assert held() is None
