@@ -383,7 +383,10 @@ def _trace_kernel(kernels: Kernels, caller: int, views: _Views, reach):
   """The jaxpr of mesh ``caller``'s kernel, checked, and its consts;
   ``reach``: the launch's meshes, then the external meshes it addresses."""
   fn = kernels.fns[caller]
-  debug_info = api_util.debug_info("mpmd_map", fn, views.flat_avals, {})
+  # Named as the kernel takes its operands: a pytree of scratch gets
+  # ``scratch['acc'][0]``, not a position among the flattened Refs.
+  args, kwargs = views.tree.unflatten(views.flat_avals)
+  debug_info = api_util.debug_info("mpmd_map", fn, args, kwargs)
   if kernels.name is not None:
     debug_info = debug_info.replace_func_name(kernels.name)
   jaxpr, consts = _trace_to_jaxpr(

@@ -4,12 +4,14 @@ one mesh)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax import lax
 
+from mpmd.kernels import _common
 from mpmd.kernels.gpu.warp_specialized import WarpSpecializedPipeline
 from mpmd.types import Interpret
 
@@ -109,10 +111,12 @@ def _two_meshes(num_compute, compute_fn, memory_fn, grid, grid_names):
     grid=grid, grid_names=grid_names, num_threads=1, thread_name=MEMORY_AXIS
   )
 
+  @_named_like(compute_fn, drop=1)  # (the warpgroup index)
   def compute_kernel(*refs):
     *refs, scratch = refs
     compute_fn(*refs, scratch, lax.axis_index(COMPUTE_AXIS))
 
+  @_named_like(memory_fn)
   def memory_kernel(*refs):
     *refs, scratch = refs
     memory_fn(*refs, scratch)
@@ -129,6 +133,7 @@ def _one_mesh(num_compute, compute_fn, memory_fn, grid, grid_names):
     thread_name=SINGLE_MESH_AXIS,
   )
 
+  @_named_like(memory_fn)
   def kernel(*refs):
     *refs, scratch = refs
     wg = lax.axis_index(SINGLE_MESH_AXIS)
@@ -139,3 +144,21 @@ def _one_mesh(num_compute, compute_fn, memory_fn, grid, grid_names):
     )
 
   return [(mesh, kernel)]
+
+
+def _named_like(fn: Callable[..., None], drop: int = 0):
+  """Names a ``kernel(*refs)`` wrapper's operands after ``fn``'s
+  parameters (less its last ``drop``), so that errors name the user's
+  Refs; leaves it as it is where ``fn`` takes ``*args`` or no plain
+  positional parameters."""
+  try:
+    params = list(inspect.signature(fn).parameters.values())
+  except (TypeError, ValueError):  # (no signature: a builtin, say)
+    return lambda kernel: kernel
+  plain = (
+    inspect.Parameter.POSITIONAL_ONLY,
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+  )
+  if not params or any(p.kind not in plain for p in params):
+    return lambda kernel: kernel
+  return _common.operand_names([p.name for p in params[: len(params) - drop]])

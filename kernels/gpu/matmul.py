@@ -34,6 +34,7 @@ from mpmd.kernels._common import (
   check_bool,
   check_dtype,
   check_int,
+  operand_names,
   out_type,
   varying_axes,
 )
@@ -257,6 +258,7 @@ def _software_kernel(config: _Config, epilogue: Epilogue, has_c: bool):
   )
   last = config.k_steps - 1
 
+  @operand_names(("a_ref", "b_ref", *("c_ref",) * has_c, "o_ref"))
   def kernel(a_ref, b_ref, *refs):
     *c_ref, o_ref = refs
     m_slice, n_slice = _cta_slices(config)
@@ -338,6 +340,9 @@ def _ws_fns(config: _Config, epilogue: Epilogue, has_c: bool):
     ops += [c.at[m_slice, n_slice] for c in c_ref]
     return ops, m_slice, n_slice
 
+  names = ("a_ref", "b_ref", *("c_ref",) * has_c, "o_ref", "scratch")
+
+  @operand_names((*names, "wg"))
   def compute_fn(a_ref, b_ref, *refs):
     *c_ref, o_ref, scratch, wg = refs
     ops, m_slice, n_slice = operands(a_ref, b_ref, c_ref)
@@ -373,6 +378,7 @@ def _ws_fns(config: _Config, epilogue: Epilogue, has_c: bool):
       *ops, scratch=scratch["pipeline"], body=body, compute_context=context
     )
 
+  @operand_names(names)
   def memory_fn(a_ref, b_ref, *refs):
     *c_ref, _, scratch = refs
     ops, _, _ = operands(a_ref, b_ref, c_ref)

@@ -72,6 +72,13 @@ class _KernelRefs(NamedTuple):
     pltpu.sync_copy(meta_hbm, meta)
     return cls(lhs, rhs, existing, out, meta, accs, meta[0])
 
+  @staticmethod
+  def names(has_existing: bool, num_accs: int) -> tuple[str, ...]:
+    """The operands' names, in ``unpack``'s order (for messages)."""
+    existing = ("existing_out",) if has_existing else ()
+    accs = tuple(f"acc_{i}" for i in range(num_accs))
+    return ("meta_hbm", "lhs", "rhs", *existing, "out", "meta", *accs)
+
 
 class GmmConfig(NamedTuple):
   """Static parameters of one gmm call (hashable: a custom_vjp closure key)."""
@@ -199,6 +206,9 @@ def _gmm_kernel(plan: _GmmPlan):
   k_main, k_rem, layout = plan.k_main, plan.k_rem, plan.layout
   block_spec = _block_specs(plan.buffer_count)
 
+  names = _KernelRefs.names(plan.has_existing, len(plan.col_strips))
+
+  @_common.operand_names(names)
   def kernel(*refs):
     r = _KernelRefs.unpack(refs, plan.has_existing)
 
@@ -399,6 +409,9 @@ def _tgmm_kernel(plan: _TgmmPlan):
   tm, layout = plan.tm, plan.layout
   block_spec = _block_specs(plan.buffer_count)
 
+  names = _KernelRefs.names(plan.has_existing, len(plan.strips))
+
+  @_common.operand_names(names)
   def kernel(*refs):
     r = _KernelRefs.unpack(refs, plan.has_existing)
 

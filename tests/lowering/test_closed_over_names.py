@@ -108,3 +108,27 @@ def test_the_checker_runs_a_closed_over_scalar_in_a_handshake(capsys):
   x = _rows()[:WINDOW]
   np.testing.assert_array_equal(f(x, 3.0), np.asarray(x) * 3.0)
   assert "takes the check path" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+  "interpret", [None, mpmd.CheckParams()], ids=["fast", "checker"]
+)
+def test_refs_in_a_pytree_of_scratch_are_named_by_their_path(interpret):
+  # Scratch given as a dict reaches the kernel as keyword arguments: an
+  # error names the Ref by its path in them, not by its position among
+  # the flattened operands.
+  def oob_stage(x_hbm, o_hbm, *, stage, extra):
+    pltpu.sync_copy(x_hbm.at[pl.ds(0, WINDOW)], stage["rows"])
+    pltpu.sync_copy(stage["rows"].at[pl.ds(4, WINDOW)], o_hbm)
+    del extra
+
+  f = mpmd.mpmd_map(
+    [(CORE, oob_stage)],
+    OUT,
+    scratch_types=dict(
+      stage=dict(rows=pltpu.VMEM((WINDOW, COLS), jnp.float32)),
+      extra=pltpu.VMEM((WINDOW, COLS), jnp.float32),
+    ),
+    interpret=interpret,
+  )
+  _out_of_bounds(jax.jit(f), _rows(), names=["oob_stage", "stage['rows']"])
