@@ -298,6 +298,7 @@ def scratch_aval(scratch_type: Any, i: int) -> Any:
       f"plgpu.SMEM(...)), got {type(scratch_type).__name__}"
     )
   aval = scratch_type.get_ref_aval()
+  check_lojax(aval, f"scratch_types leaf {i}")
   _check_shape(_inner_shape(aval), f"scratch_types leaf {i}")
   return aval
 
@@ -499,6 +500,10 @@ def check_consts_not_passed(consts: Sequence[Any], flat_args) -> None:
 
 
 def check_consts(consts: Sequence[Any], debug_info) -> None:
+  for c in consts:
+    check_lojax(
+      core.typeof(c), f"a value kernel {debug_info.func_src_info} closes over"
+    )
   bad = [
     aval
     for c in consts

@@ -5,6 +5,8 @@ raises, so do we (same error type, the same gist); where we deliberately
 accept more, the test shows what the program then means.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -474,3 +476,55 @@ def test_select_ref_on_cpu_fails_when_lowered_and_lowers_for_tpu():
   assert "tpu_custom_call" in text
   with pytest.raises(NotImplementedError, match=SELECT_ERROR):
     traced.lower(lowering_platforms=("cpu",))
+
+
+def test_hijax_scratch_is_not_supported():
+  # Raised before the kernel is traced (upstream's closed-over hijax Ref
+  # test stages its copy through such scratch): the same refusal as for
+  # inputs and outputs, not a type error of the launch's typecheck.
+  with pytest.raises(
+    NotImplementedError,
+    match=r"hijax types \(jax.experimental.hijax.HiType\) are not supported: "
+    r"scratch_types leaf 1 is a AbstractRef",
+  ):
+    mpmd.mpmd_map(
+      [(tc(), idle)], OUT, scratch_types=[VMEM[0], pltpu.VMEM.like(Opaque())]
+    )()
+
+
+@dataclasses.dataclass(frozen=True)
+class Boxed:
+  """A value of a hijax type: one array in a box."""
+
+  value: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxedType(hijax.HiType):
+  inner: jax.core.ShapedArray
+
+  def lo_ty(self):
+    return [self.inner]
+
+  def lower_val(self, hi_val):
+    return [hi_val.value]
+
+  def raise_val(self, value):
+    return Boxed(value)
+
+
+hijax.register_hitype(Boxed, lambda b: BoxedType(jax.typeof(b.value)))
+
+
+def test_closed_over_hijax_values_are_not_supported():
+  # What a kernel closes over is checked as its operands are.
+  from mpmd import _arguments
+
+  boxed = Boxed(jnp.zeros(ROWS, jnp.float32))
+  info = jax.make_jaxpr(idle)(1.0).jaxpr.debug_info
+  with pytest.raises(
+    NotImplementedError,
+    match=r"hijax types .* are not supported: a value kernel .* closes over "
+    r"is a BoxedType",
+  ):
+    _arguments.check_consts([boxed], info)
