@@ -16,6 +16,7 @@ from mpmd._arguments import short
 from mpmd._jax import (
   core,
   pallas_core,
+  source_info_util,
 )
 from mpmd._lowering import addressing, bounds, errors, jaxpr_util, paths
 from mpmd._pallas_ops import Sync
@@ -234,7 +235,7 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
         _check_dma(top, eqn, outer, roles, kernel)
       sem, device_id = addressing.dma_operands(eqn, eqn.invars)
       what = f"{kernel}: a DMA ({name})"
-      _check_device_id(device_id, axis_sizes, what)
+      _check_device_id(eqn, device_id, axis_sizes, what)
       target = addressing.resolve(
         where.meshes, where.caller, sem.aval, device_id, what
       )
@@ -244,9 +245,9 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
       sem, device_id = signal.sem, signal.device_id
       core_index = signal.core_index
       what = f"{kernel}: semaphore_signal"
-      _check_device_id(device_id, axis_sizes, what)
+      _check_device_id(eqn, device_id, axis_sizes, what)
       if device_id is None:
-        _check_core_index(core_index, mesh, what)
+        _check_core_index(eqn, core_index, mesh, what)
       addressing.resolve(where.meshes, where.caller, sem.aval, device_id, what)
     elif kind is Sync.RUN_SCOPED:
       _check_collective_axes(eqn.params.get("collective_axes"), mesh, kernel)
@@ -434,8 +435,15 @@ def _check_sparsecore_dma(target, device_id, where: _Where, what: str):
   )
 
 
-def _check_device_id(device_id: Any, axis_sizes, what: str) -> None:
-  """Axes a ``device_id`` dict names exist; literal indices are in range."""
+def _at(eqn: core.JaxprEqn) -> str:
+  """`` (at file.py:12:4 (fn))``: where an operation is, for a message."""
+  return f" (at {source_info_util.summarize(eqn.source_info)})"
+
+
+def _check_device_id(eqn, device_id: Any, axis_sizes, what: str) -> None:
+  """Axes a ``device_id`` dict names exist; literal indices are in range
+  (else a ``StaticOutOfBoundsError``: on hardware, a DMA or signal to a
+  device that is not there)."""
   if not isinstance(device_id, Mapping):
     return
   for axis, index in device_id.items():
@@ -451,19 +459,19 @@ def _check_device_id(device_id: Any, axis_sizes, what: str) -> None:
     if isinstance(index, core.Literal):
       value = int(index.val)
       if not 0 <= value < size:
-        raise ValueError(
+        raise errors.StaticOutOfBoundsError(
           f"{what} names device_id {{{axis!r}: {value}}}: expected an "
-          f"index in [0, {size}) along axis {axis!r}"
+          f"index in [0, {size}) along axis {axis!r}{_at(eqn)}"
         )
 
 
-def _check_core_index(core_index: Any, mesh, what: str) -> None:
+def _check_core_index(eqn, core_index: Any, mesh, what: str) -> None:
   """A literal ``core_index`` names one of the caller's mesh's programs."""
   if not isinstance(core_index, core.Literal) or paths.is_gpu_mesh(mesh):
     return
   size, value = math.prod(mesh.shape.values()), int(core_index.val)
   if not 0 <= value < size:
-    raise ValueError(
+    raise errors.StaticOutOfBoundsError(
       f"{what} names core_index={value}: expected an index in [0, {size}) "
-      f"(the programs of its mesh {dict(mesh.shape)})"
+      f"(the programs of its mesh {dict(mesh.shape)}){_at(eqn)}"
     )

@@ -171,8 +171,9 @@ MPMD_MAP_CASES = [
   Case(
     "device_id_past_the_axis",
     lambda: launch([(tc(num_cores=2), signal({"core": 2}))], scratch_types=SEM),
-    ValueError,
-    r"names device_id \{'core': 2\}: expected an index in \[0, 2\)",
+    mpmd.OutOfBoundsError,  # (a StaticOutOfBoundsError: a ValueError too)
+    r"names device_id \{'core': 2\}: expected an index in \[0, 2\) along "
+    r"axis 'core' \(at .*test_errors.py:\d+",  # the signal's line
   ),
   Case(
     "core_index_past_the_mesh",
@@ -180,7 +181,7 @@ MPMD_MAP_CASES = [
       [(tc("a", num_cores=2), signal_core(2)), (tc("b"), noop)],
       scratch_types=[SEM[0] @ tc("a", num_cores=2)],
     ),
-    ValueError,
+    mpmd.OutOfBoundsError,
     r"semaphore_signal names core_index=2: expected an index in \[0, 2\) "
     r"\(the programs of its mesh \{'a': 2\}\)",
   ),
