@@ -33,7 +33,14 @@ from jax.experimental import checkify
 from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, state_types, tree_util
 from mpmd._lowering import errors, jaxpr_util, watchdog
-from mpmd._lowering.ranges import CALLS, dma_sides, parts, ref_indexers
+from mpmd._lowering.ranges import (
+  CALLS,
+  Proven,
+  dma_sides,
+  parts,
+  ref_indexers,
+  semaphore_side,
+)
 from mpmd._pallas_ops import Sync
 
 # Checks whose message starts so report a DeadlockError, the others an
@@ -272,8 +279,8 @@ def _int32(x: Any) -> Any:
   return lax.convert_element_type(x, jnp.int32)
 
 
-def _describe(role: str, name: str, chain: str, shapes: list[str]) -> str:
-  text = f"a DMA's {role} window {chain} is out of bounds of {name}"
+def _describe(what: str, name: str, chain: str, shapes: list[str]) -> str:
+  text = f"{what} window {chain} is out of bounds of {name}"
   if len(shapes) > 1:
     text += f" (its successive .at[] index shapes {', '.join(shapes)})"
   return text
@@ -304,8 +311,25 @@ def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
       name = refs.names.get(root, "a Ref")
       raise errors.StaticOutOfBoundsError(
         f"mpmd_map: kernel {kernel}: "
-        f"{_describe(role, name, chain, shapes)} (hardware would fault)"
+        f"{_describe(_DMA + role, name, chain, shapes)} (hardware would "
+        "fault)"
       )
+
+
+# How messages name the operations whose addresses are checked.
+_OPERATION = {
+  Sync.DMA_START: "a DMA",
+  Sync.DMA_WAIT: "a DMA wait",
+  Sync.SIGNAL: "a semaphore_signal",
+  Sync.SEMAPHORE_WAIT: "a semaphore_wait",
+  Sync.SEMAPHORE_READ: "a semaphore_read",
+}
+_DMA = "a DMA's "
+
+
+def _line(eqn: core.JaxprEqn) -> str:
+  """``file.py:12:4 (fn)``: where the kernel's code has the operation."""
+  return _jax.source_info_util.summarize(eqn.source_info)
 
 
 def _escape(text: str) -> str:
@@ -330,7 +354,7 @@ class Checks:
     self,
     kernel: str,
     refs: Refs,
-    proven: set[core.JaxprEqn],
+    proven: Proven,
     path: str,
     where: Callable[[list[Any]], str],
   ):
@@ -351,48 +375,99 @@ class Checks:
   def _prefix(self, args: list[Any]) -> str:
     return f"kernel {_escape(self.kernel)}{self.where(args)}"
 
-  def dma(self, eqn: core.JaxprEqn, invals: Sequence[Any]) -> None:
+  def dma(
+    self, eqn: core.JaxprEqn, invals: Sequence[Any], devices=None
+  ) -> None:
     """Checks the windows of a ``dma_start`` that may leave their buffers
-    (static ones in bounds cost nothing)."""
-    if eqn in self.proven:
+    (static ones in bounds cost nothing), and where ``devices`` (the
+    lockstep path's ``Devices``) are given, that its target is one of
+    them."""
+    if eqn in self.proven.checks:
       return
     for role, static_ref, ref in dma_sides(eqn, invals):
-      root, windows = _windows(static_ref, ref, self.refs)
-      if all(d.static and d.in_bounds() for _, ds in windows for d in ds):
+      self._window(eqn, _DMA + role, static_ref, ref)
+    if devices is not None:
+      device_id = _pallas_ops.DmaOperands.of(eqn, invals).device_id
+      self._device(eqn, device_id, devices)
+
+  def address(self, eqn: core.JaxprEqn, invals: Sequence[Any], devices=None):
+    """Checks the semaphore a wait, a signal or a read indexes, and (with
+    ``devices``) the device a signal targets."""
+    side = semaphore_side(eqn, invals)
+    if side is None or eqn in self.proven.addresses:
+      return
+    role, static_ref, ref = side
+    kind = _pallas_ops.kind(eqn)
+    self._window(eqn, f"{_OPERATION[kind]}'s {role}", static_ref, ref)
+    if devices is not None and kind is Sync.SIGNAL:
+      device_id = _pallas_ops.SignalOperands.of(eqn, invals).device_id
+      self._device(eqn, device_id, devices)
+
+  def _window(self, eqn, what: str, static_ref: Any, ref: Any) -> None:
+    root, windows = _windows(static_ref, ref, self.refs)
+    if all(d.static and d.in_bounds() for _, ds in windows for d in ds):
+      return
+    args: list[Any] = []
+    prefix = self._prefix(args)
+    oks, chain = [], ""
+    for _, dims in windows:
+      texts = []
+      for d in dims:
+        if d.static:
+          texts.append(d.text())
+          oks.append(jnp.bool_(d.in_bounds()))
+        elif np.ndim(d.start):
+          # An array of indices (a gather): each must be in bounds.
+          oks.append(jnp.all((d.start >= 0) & (d.start < d.bound)))
+          texts.append("<indices>")
+        else:
+          oks.append(d.in_bounds())
+          args.append(d.start)
+          text = f"{{0[{len(args) - 1}]}}"
+          if d.is_slice:
+            args.append(d.start + (d.size - 1) * d.stride + 1)
+            text += f":{{0[{len(args) - 1}]}}"
+            text += "" if d.stride == 1 else f":{d.stride}"
+          texts.append(text)
+      chain += f".at[{', '.join(texts)}]"
+    name = _escape(self.refs.names.get(root, "a Ref"))
+    shapes = [shape for shape, _ in windows]
+    message = (
+      f"mpmd_map: {prefix}: {_describe(what, name, chain, shapes)} (at "
+      f"{_escape(_line(eqn))})"
+    )
+    self._check(functools.reduce(jnp.logical_and, oks), message, args)
+
+  def _device(self, eqn: core.JaxprEqn, device_id: Any, devices) -> None:
+    """Checks that each traced coordinate of ``device_id`` is within its
+    axis of ``devices`` (literal ones were checked when traced): past it,
+    a DMA or signal reaches no device (on hardware: a fault, or a wait
+    that never ends)."""
+    if device_id is None:
+      return
+    if not isinstance(device_id, Mapping):
+      device_id = {devices.axes[0]: device_id}
+    for axis, size in zip(devices.axes, devices.sizes, strict=True):
+      index = device_id.get(axis)
+      if index is None or _static(index, self.refs) is not None:
         continue
       args: list[Any] = []
       prefix = self._prefix(args)
-      oks, chain = [], ""
-      for _, dims in windows:
-        texts = []
-        for d in dims:
-          if d.static:
-            texts.append(d.text())
-            oks.append(jnp.bool_(d.in_bounds()))
-          elif np.ndim(d.start):
-            # An array of indices (a gather): each must be in bounds.
-            oks.append(jnp.all((d.start >= 0) & (d.start < d.bound)))
-            texts.append("<indices>")
-          else:
-            oks.append(d.in_bounds())
-            args.append(d.start)
-            text = f"{{0[{len(args) - 1}]}}"
-            if d.is_slice:
-              args.append(d.start + (d.size - 1) * d.stride + 1)
-              text += f":{{0[{len(args) - 1}]}}"
-              text += "" if d.stride == 1 else f":{d.stride}"
-            texts.append(text)
-        chain += f".at[{', '.join(texts)}]"
-      name = _escape(self.refs.names.get(root, "a Ref"))
-      shapes = [shape for shape, _ in windows]
-      message = f"mpmd_map: {prefix}: {_describe(role, name, chain, shapes)}"
-      self._check(functools.reduce(jnp.logical_and, oks), message, args)
+      index = _int32(index)
+      args.append(index)
+      operation = _OPERATION[_pallas_ops.kind(eqn)]
+      message = (
+        f"mpmd_map: {prefix}: {operation} at {_escape(_line(eqn))} names "
+        f"device_id {_escape(repr(axis))}={{0[{len(args) - 1}]}}, outside "
+        f"the mesh (size {size})"
+      )
+      self._check((index >= 0) & (index < size), message, args)
 
   def wait(self, eqn: core.JaxprEqn, sem: Any, ok: Any) -> None:
     """Reports a wait on a ``pl.run_scoped`` semaphore that found it short
     (``sem``: the semaphore operand of the waiting equation)."""
     root, _ = ref_indexers(sem)
-    if root not in self.refs.scoped or eqn in self.proven:
+    if root not in self.refs.scoped or eqn in self.proven.checks:
       return
     args: list[Any] = []
     message = (

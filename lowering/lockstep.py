@@ -112,8 +112,10 @@ def sync_rule(
       exchanges.flush_if_touched(eqn, invals)
     if kind is Sync.BARRIER_SEMAPHORE:
       return list(barrier)
+    if kind in _ADDRESSED:
+      checks.address(eqn, invals, devices)
     if kind is Sync.DMA_START:
-      checks.dma(eqn, invals)
+      checks.dma(eqn, invals, devices)
       flags = (False, False) if once is None else once[eqn]
       _dma_start(eqn, invals, exchanges, flags)
       return []
@@ -156,6 +158,8 @@ def sync_rule(
 
 # The waits: they touch only their semaphore.
 _WAITS = (Sync.DMA_WAIT, Sync.SEMAPHORE_WAIT)
+# The operations that index a semaphore of their own (``Checks.address``).
+_ADDRESSED = (*_WAITS, Sync.SIGNAL, Sync.SEMAPHORE_READ)
 
 
 def _dma_start(eqn, invals, exchanges: Exchanges | None, once: Once) -> None:

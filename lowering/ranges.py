@@ -6,7 +6,7 @@ destination)."""
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -32,16 +32,63 @@ def parts(index: Any) -> tuple[Any, Any, int, bool]:
 
 
 def dma_sides(eqn: core.JaxprEqn, invals: Sequence[Any] | None):
-  """(role, source or destination operand, its traced value or None) of a
-  ``dma_start``."""
+  """(role, operand, its traced value or None) of each window of a
+  ``dma_start``: its source and destination, and the semaphores it
+  signals (an index into an array of semaphores leaves it as a window
+  leaves its buffer)."""
   dma = _pallas_ops.DmaOperands.of(eqn)
-  static = [dma.src, dma.dst]
-  if invals is None:
-    traced = [None, None]
-  else:
-    values = _pallas_ops.DmaOperands.of(eqn, invals)
-    traced = [values.src, values.dst]
-  return zip(("source", "destination"), static, traced, strict=True)
+  values = None if invals is None else _pallas_ops.DmaOperands.of(eqn, invals)
+  sides = []
+  for role, field in _DMA_SIDES:
+    static = getattr(dma, field)
+    if static is not None:
+      traced = None if values is None else getattr(values, field)
+      sides.append((role, static, traced))
+  return sides
+
+
+_DMA_SIDES = (
+  ("source", "src"),
+  ("destination", "dst"),
+  ("receive semaphore", "dst_sem"),
+  ("send semaphore", "src_sem"),
+)
+
+
+def semaphore_side(eqn: core.JaxprEqn, invals: Sequence[Any] | None):
+  """(role, semaphore operand, its traced value or None) of a
+  ``dma_wait``, ``semaphore_signal``, ``semaphore_wait`` or
+  ``semaphore_read`` (its semaphore seen through its indexers); None for
+  any other equation."""
+  kind = _pallas_ops.kind(eqn)
+  if kind is Sync.DMA_WAIT:
+    [static, traced] = [
+      None if v is None else _pallas_ops.DmaOperands.of(eqn, v).awaited[1]
+      for v in (eqn.invars, invals)
+    ]
+    return "awaited semaphore", static, traced
+  operands = _SEMAPHORE_OPERANDS.get(kind)
+  if operands is None:
+    return None
+  static, traced = (
+    None if v is None else _transformed(operands.of(eqn, v))
+    for v in (eqn.invars, invals)
+  )
+  return "semaphore", static, traced
+
+
+def _transformed(op) -> Any:
+  """An operation's semaphore seen through its transforms, as a Ref."""
+  if not op.transforms:
+    return op.sem
+  return state_types.TransformedRef(op.sem, tuple(op.transforms))
+
+
+_SEMAPHORE_OPERANDS = {
+  Sync.SIGNAL: _pallas_ops.SignalOperands,
+  Sync.SEMAPHORE_WAIT: _pallas_ops.SemaphoreWaitOperands,
+  Sync.SEMAPHORE_READ: _pallas_ops.SemaphoreReadOperands,
+}
 
 
 Range = tuple[int, int]
@@ -120,13 +167,35 @@ class _Prover:
     # does must hold for every call.
     self.held: set[core.JaxprEqn] = set()
     self.failed: set[core.JaxprEqn] = set()
+    # The same for the semaphore operations' addresses (``Proven``).
+    self.addressed: set[core.JaxprEqn] = set()
+    self.misaddressed: set[core.JaxprEqn] = set()
 
   @property
-  def proven(self) -> set[core.JaxprEqn]:
-    return self.held - self.failed
+  def proven(self) -> "Proven":
+    return Proven(
+      frozenset(self.held - self.failed),
+      frozenset(self.addressed - self.misaddressed),
+    )
 
   def verdict(self, eqn: core.JaxprEqn, holds: bool) -> None:
     (self.held if holds else self.failed).add(eqn)
+
+  def address_verdict(self, eqn: core.JaxprEqn, holds: bool) -> None:
+    (self.addressed if holds else self.misaddressed).add(eqn)
+
+  def device_in_range(self, device_id: Any) -> bool:
+    """Whether every coordinate of a ``device_id`` dict is within its
+    axis (an index alone, or an unknown axis: not known)."""
+    if device_id is None:
+      return True
+    if not isinstance(device_id, dict):
+      return False
+    for axis, index in device_id.items():
+      size, got = self.axis_sizes.get(axis), self.range(index)
+      if size is None or got is None or got[0] < 0 or got[1] >= size:
+        return False
+    return True
 
   def set(self, v: core.Var, r: Range | None) -> None:
     if r is None:
@@ -186,7 +255,20 @@ class _Prover:
       self.scoped_waits(scope)
     elif _pallas_ops.kind(eqn) is Sync.DMA_START:
       sides = dma_sides(eqn, None)
-      self.verdict(eqn, all(self.window_in_bounds(r) for _, r, _ in sides))
+      device_id = _pallas_ops.DmaOperands.of(eqn).device_id
+      self.verdict(
+        eqn,
+        all(self.window_in_bounds(r) for _, r, _ in sides)
+        and self.device_in_range(device_id),
+      )
+    elif (side := semaphore_side(eqn, None)) is not None:
+      device_id = None
+      if _pallas_ops.kind(eqn) is Sync.SIGNAL:
+        device_id = _pallas_ops.SignalOperands.of(eqn).device_id
+      self.address_verdict(
+        eqn,
+        self.window_in_bounds(side[1]) and self.device_in_range(device_id),
+      )
     else:
       for sub in jaxpr_util.sub_jaxprs(params):
         call = name in CALLS and len(sub.invars) == len(eqn.invars)
@@ -394,13 +476,24 @@ def _step(body: core.Jaxpr, carry: core.Var, out: Any) -> int | None:
   return int(other.val)
 
 
+class Proven(NamedTuple):
+  """The equations whose run-time checks cannot fail (``prove``)."""
+
+  # dma_starts: windows in bounds (semaphores too), device ids in the
+  # mesh; waits on scoped semaphores: satisfied.
+  checks: frozenset[core.JaxprEqn]
+  # Signals, waits and reads of semaphores: the semaphore's index in
+  # bounds, a signal's device id in the mesh.
+  addresses: frozenset[core.JaxprEqn]
+
+
 def prove(
   jaxpr: core.Jaxpr,
   axis_sizes: dict[core.AxisName, int],
   once: dict[core.JaxprEqn, tuple[bool, bool]] | None = None,
-) -> set[core.JaxprEqn]:
+) -> Proven:
   """The equations of ``jaxpr`` (nested ones too) whose run-time
-  check cannot fail: ``dma_start``s in bounds, satisfied scoped waits.
+  checks cannot fail (``Proven``).
 
   ``axis_sizes``: the kernel mesh's axes, in order (``program_id`` counts
   them), then any device axes of an enclosing ``shard_map``; ``once``:
