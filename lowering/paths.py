@@ -143,6 +143,9 @@ def sync_reason(
 ) -> str | None:
   """Why programs of these kernels may wait on each other (None if never)."""
   for i, jaxpr in enumerate(jaxprs):
+    if _spins(jaxpr):
+      # The fast path would loop forever where nobody signals.
+      return "it reads a semaphore inside a while loop (it may spin)"
     for eqn in jaxpr_util.iter_eqns(jaxpr):
       name, kind = eqn.primitive.name, _pallas_ops.kind(eqn)
       if kind in (Sync.DMA_START, Sync.DMA_WAIT):
@@ -169,6 +172,18 @@ def sync_reason(
       elif kind is Sync.BARRIER_SEMAPHORE:
         return "it uses the cross-device barrier semaphore"
   return None
+
+
+def _spins(jaxpr: core.Jaxpr, in_loop: bool = False) -> bool:
+  """Whether ``jaxpr`` reads a semaphore inside a while loop: a program
+  that may spin until another signals."""
+  for eqn in jaxpr.eqns:
+    if in_loop and _pallas_ops.kind(eqn) is Sync.SEMAPHORE_READ:
+      return True
+    loop = in_loop or eqn.primitive.name == "while"
+    if any(_spins(sub, loop) for sub in jaxpr_util.sub_jaxprs(eqn.params)):
+      return True
+  return False
 
 
 def check_simulable(jaxprs: Sequence[core.Jaxpr]) -> None:
