@@ -41,9 +41,19 @@ from mpmd._primitives import mpmd_map as prim
 
 
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
-  programs, labels, num_checks, sparsecores = _fast_programs(
+  programs, labels, num_checks, sparsecores, both_write = _fast_programs(
     len(in_nodes), params
   )
+  checked = paths.checker_covers(params["jaxprs"], params["meshes"])
+  if both_write is not None and checked is not None:
+    # A race unless they store the same bytes: the checking executor
+    # tells (in upstream's meaning: the same bytes are no race).
+    from mpmd._lowering.check import launch
+
+    path = paths.Path(paths.CHECK, both_write, checked)
+    if params["debug"]:
+      print(f"mpmd_map: the checking executor runs it instead: {both_write}")
+    return launch.lower(ctx, *in_nodes, path=path, **params)
   run = functools.partial(
     _run_unrolled,
     programs=programs,
@@ -141,7 +151,8 @@ def _fast_programs(num_in: int, params):
   """One pure jaxpr per program, in launch order, axis indices literal; a
   label for each (``mesh 1 program 0 (core=0)``); how many run-time checks
   they make (``bounds.Checks``); the SparseCore each runs on (0 for other
-  programs), whose VMEM_SHARED it sees.
+  programs), whose VMEM_SHARED it sees; where two programs write the same
+  elements (``static.find_race``; None if none do).
 
   DMAs and semaphores go through the lockstep path's rewrite: semaphores
   count bytes in int32 (Pallas' discharge rules count elements in int16,
@@ -212,8 +223,8 @@ def _fast_programs(num_in: int, params):
       return (k, sparsecores[program])
     return None
 
-  static.find_race(found, shared, labels, names)
-  return programs, labels, num_checks, tuple(sparsecores)
+  both_write = static.find_race(found, shared, labels, names)
+  return programs, labels, num_checks, tuple(sparsecores), both_write
 
 
 def _uninitialized(aval):

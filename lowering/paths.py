@@ -287,7 +287,7 @@ def choose(
       "interpret=pltpu.InterpretParams() (or interpret=None on CPU) for "
       "the TPU simulator."
     )
-  checked = _checker_covers(jaxprs, meshes)
+  checked = checker_covers(jaxprs, meshes)
   if checked is not None:
     return Path(
       CHECK,
@@ -323,7 +323,7 @@ def _check_simulator_counts(jaxprs: Sequence[core.Jaxpr]) -> None:
         )
 
 
-def _checker_covers(jaxprs, meshes):
+def checker_covers(jaxprs, meshes):
   """``CheckParams()`` where the checking executor runs every operation of
   a launch whose programs wait on each other (else None: the simulator)."""
   from mpmd import checking

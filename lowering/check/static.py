@@ -67,8 +67,11 @@ def _value(env, v):
   return env.get(v, _UNKNOWN)
 
 
-def _walk(jaxpr, env, program, axis_values, found) -> None:
+def _walk(jaxpr, env, program, axis_values, found, outer: str = "") -> None:
+  """``outer``: where the enclosing equation is in the user's code (the
+  equations of a ``sync_copy``'s scope have no line of their own)."""
   for eqn in jaxpr.eqns:
+    where = interp.where(eqn) or outer
     ins = [_value(env, v) for v in eqn.invars]
     prim = eqn.primitive
     outs = None
@@ -81,17 +84,17 @@ def _walk(jaxpr, env, program, axis_values, found) -> None:
       state_primitives.swap_p,
       state_primitives.addupdate_p,
     ):
-      _state_access(eqn, ins, program, found)
+      _state_access(eqn, ins, program, found, where)
     elif _pallas_ops.kind(prim) is _pallas_ops.Sync.DMA_START:
-      _dma_access(eqn, ins, program, found)
+      _dma_access(eqn, ins, program, found, where)
     elif prim is _jax.pallas_primitives.run_scoped_p:
       body = eqn.params["jaxpr"]
       inner = dict(zip(body.constvars, ins, strict=True))
-      _walk(body, inner, program, axis_values, found)
+      _walk(body, inner, program, axis_values, found, where)
     elif prim is lax_control_flow.cond_p and ins[0] is not _UNKNOWN:
       branch, _ = interp.opened(eqn.params["branches"][int(ins[0])])
       inner = dict(zip(branch.invars, ins[1:], strict=True))
-      _walk(branch, inner, program, axis_values, found)
+      _walk(branch, inner, program, axis_values, found, where)
     elif prim is pjit.jit_p and not eqn.effects:
       outs = _evaluate(eqn, ins)
     elif not eqn.effects and not any(
@@ -138,36 +141,37 @@ def _window(ref, transforms, where):
   return k, view.ids.reshape(-1)
 
 
-def _state_access(eqn, ins, program, found) -> None:
+def _state_access(eqn, ins, program, found, where: str) -> None:
   ref, *rest = ins
   flat = rest if eqn.primitive is state_primitives.get_p else rest[1:]
   try:
     transforms = eqn.params["tree"].unflatten(flat)
   except Exception:  # noqa: BLE001 (unknown leaves: not statically known)
     return
-  window = _window(ref, transforms, interp.where(eqn))
+  window = _window(ref, transforms, where)
   if window is not None:
     write = eqn.primitive is not state_primitives.get_p
-    found.append(Access(program, *window, write, interp.where(eqn)))
+    found.append(Access(program, *window, write, where))
 
 
-def _dma_access(eqn, ins, program, found) -> None:
+def _dma_access(eqn, ins, program, found, where: str) -> None:
   try:
     dma = records.DmaStart.of(eqn, ins)
   except Exception:  # noqa: BLE001 (unknown leaves: not statically known)
     return
   if dma.device_id is not None:
     return  # another device's memory
-  where = interp.where(eqn)
   for operand, write in ((dma.src, False), (dma.dst, True)):
     window = _window(operand.ref, operand.transforms, where)
     if window is not None:
       found.append(Access(program, *window, write, where))
 
 
-def find_race(per_program, shared, labels, names) -> None:
+def find_race(per_program, shared, labels, names) -> str | None:
   """Raises ``RaceError`` where one program reads elements of a buffer that
-  another writes.
+  another writes; returns where two programs write the same elements
+  (None if none do): a race unless they store the same bytes, which only
+  the checking executor can tell.
 
   Args:
     per_program: each program's ``accesses``.
@@ -190,21 +194,29 @@ def find_race(per_program, shared, labels, names) -> None:
         # values, then reading them back): that part is not another's.
         a = dataclasses.replace(a, ids=np.setdiff1d(a.ids, own[key]))
       by_buffer.setdefault(key, []).append(a)
+  both_write = None
   for group in by_buffer.values():
     for i, a in enumerate(group):
       for b in group[i + 1 :]:
-        # One reads what the other writes. (Programs that all write the
-        # same values, a common idiom, are left to the checking executor.)
-        if a.program == b.program or a.write == b.write:
+        if a.program == b.program or not (a.write or b.write):
           continue
         common = np.intersect1d(a.ids, b.ids)
-        if common.size:
-          raise errors.RaceError(
-            f"data race on {names[a.operand]}: {labels[a.program]} "
-            f"{'writes' if a.write else 'reads'} it at {a.where} and "
-            f"{labels[b.program]} {'writes' if b.write else 'reads'} it "
-            f"at {b.where} ({common.size} elements in common), and no "
-            "semaphore or DMA wait orders the two programs (they never "
-            "wait on each other). Signal one from the other, or give "
-            "each its own part of the buffer."
-          )
+        if not common.size:
+          continue
+        if a.write and b.write:
+          if both_write is None:
+            both_write = (
+              f"{labels[a.program]} and {labels[b.program]} write "
+              f"{common.size} elements of {names[a.operand]} in common"
+            )
+          continue
+        raise errors.RaceError(
+          f"data race on {names[a.operand]}: {labels[a.program]} "
+          f"{'writes' if a.write else 'reads'} it at {a.where} and "
+          f"{labels[b.program]} {'writes' if b.write else 'reads'} it "
+          f"at {b.where} ({common.size} elements in common), and no "
+          "semaphore or DMA wait orders the two programs (they never "
+          "wait on each other). Signal one from the other, or give "
+          "each its own part of the buffer."
+        )
+  return both_write

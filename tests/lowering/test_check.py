@@ -367,9 +367,16 @@ def _one_program(body, scratch):
   )
 
 
+def _own_rows(*refs):
+  """Each core's half of the rows of each of ``refs`` (cores that write
+  the same rows go to the checking executor, which tells same bytes)."""
+  rows = pl.ds(jax.lax.axis_index("core") * (ROWS // 2), ROWS // 2)
+  return [r.at[rows] for r in refs]
+
+
 def test_fast_path_rejects_a_signal_nobody_waits_for():
   def signals(x_hbm, o_hbm, sem):
-    pltpu.sync_copy(x_hbm, o_hbm)
+    pltpu.sync_copy(*_own_rows(x_hbm, o_hbm))
     pl.semaphore_signal(sem, 1)
 
   f = _one_program(signals, [pltpu.SemaphoreType.REGULAR(())])
@@ -380,7 +387,7 @@ def test_fast_path_rejects_a_signal_nobody_waits_for():
 
 def test_fast_path_rejects_a_dma_nobody_waits_for():
   def starts(x_hbm, o_hbm, sem):
-    pltpu.make_async_copy(x_hbm, o_hbm, sem).start()
+    pltpu.make_async_copy(*_own_rows(x_hbm, o_hbm), sem).start()
 
   f = _one_program(starts, [pltpu.SemaphoreType.DMA(())])
   with pytest.raises(mpmd.LeftoverError, match="not back to zero"):
@@ -389,7 +396,7 @@ def test_fast_path_rejects_a_dma_nobody_waits_for():
   # Waited for, the same copy is fine.
 
   def copies(x_hbm, o_hbm, sem):
-    copy = pltpu.make_async_copy(x_hbm, o_hbm, sem)
+    copy = pltpu.make_async_copy(*_own_rows(x_hbm, o_hbm), sem)
     copy.start()
     copy.wait()
 
@@ -465,8 +472,11 @@ def test_fast_path_proves_a_race_between_programs_that_never_wait():
         scratch_types=[pltpu.HBM((ROWS, COLS), jnp.float32)],
       )
     )
-    with pytest.raises(mpmd.RaceError, match="data race on 'staged'"):
+    with pytest.raises(mpmd.RaceError, match="data race on 'staged'") as race:
       f(X)
+    # Each access at its line (a sync_copy's DMA has none of its own).
+    for line in ("pltpu.sync_copy(x_hbm, staged)", "sync_copy(staged, o_hbm)"):
+      assert f"{__file__}:{_line_of(line)}:" in str(race.value), race.value
 
 
 def test_fast_path_programs_on_their_own_parts_do_not_race():
@@ -484,3 +494,9 @@ def test_fast_path_programs_on_their_own_parts_do_not_race():
     )
   )
   np.testing.assert_array_equal(f(X), X)
+
+
+def _line_of(text: str) -> int:
+  """The line of this file that holds ``text``."""
+  with open(__file__) as source:
+    return next(n for n, line in enumerate(source, 1) if text in line)

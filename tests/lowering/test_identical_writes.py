@@ -71,3 +71,45 @@ def test_writes_of_different_bytes_race_on_every_path(interpret):
   # The rerun it suggests checks as this path did.
   option = "identical_writes_race=False"
   assert (option in str(caught.value)) == (interpret is None)
+
+
+# -- programs that never wait on each other (the fast path's launches) --------
+
+
+def _copies(kernel, debug=False):
+  return jax.jit(
+    mpmd.mpmd_map(
+      [(mpmd.tensorcore_mesh("core", num_cores=2), kernel)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[pltpu.VMEM((ROWS, COLS), jnp.float32)],
+      debug=debug,
+    )
+  )
+
+
+def copy_plus_core(x_hbm, o_hbm, buf):
+  pltpu.sync_copy(x_hbm, buf)
+  buf[...] = buf[...] + jax.lax.axis_index("core").astype(jnp.float32)
+  pltpu.sync_copy(buf, o_hbm)  # both cores, all rows: different bytes
+
+
+def copy_as_is(x_hbm, o_hbm, buf):
+  pltpu.sync_copy(x_hbm, buf)
+  pltpu.sync_copy(buf, o_hbm)  # both cores, all rows: the same bytes
+
+
+def test_programs_that_never_wait_race_on_writes_of_different_bytes(capsys):
+  # The fast path proves nothing about bytes: it hands the launch to the
+  # checking executor (it ran the programs one after the other, and the
+  # last one's rows came out, whatever the hardware would keep).
+  with pytest.raises(mpmd.RaceError, match="data race on 'o_hbm'"):
+    with mpmd.typed_errors():
+      jax.block_until_ready(_copies(copy_plus_core, debug=True)(X))
+  assert (
+    "the checking executor runs it instead: mesh 0 program 0 (core=0) and "
+    "mesh 0 program 1 (core=1) write 1024 elements of 'o_hbm'"
+  ) in capsys.readouterr().out
+
+
+def test_programs_that_never_wait_may_write_the_same_bytes():
+  np.testing.assert_array_equal(_copies(copy_as_is)(X), X)
