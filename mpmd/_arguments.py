@@ -2,6 +2,7 @@
 functions, out and scratch types, options, aliases (each run once, by
 ``mpmd._launch.check_launch``), and per call the operands."""
 
+import inspect
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -560,3 +561,23 @@ def check_aliases(aliases, in_avals, out_avals) -> None:
         f"mpmd_map: input {i} ({short(a)}) cannot alias output {o} "
         f"({short(b)}): shapes and dtypes must match"
       )
+
+
+def check_arity(fn, args, kwargs, debug_info):
+  """A kernel's signature takes what ``mpmd_map`` passes it: its inputs,
+  then its outputs, then its scratch (a ``TypeError`` that says so, not
+  only Python's count of positional arguments)."""
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):  # (no signature to check: a builtin)
+    return
+  try:
+    signature.bind(*args, **kwargs)
+  except TypeError as e:
+    keywords = f" and keyword scratch {sorted(kwargs)}" if kwargs else ""
+    raise TypeError(
+      f"mpmd_map: kernel {debug_info.func_src_info} is called with its "
+      "inputs, then its outputs, then its scratch Refs "
+      f"({len(args)} positional arguments{keywords}), but its signature "
+      f"does not take them: {e}"
+    ) from None

@@ -9,6 +9,7 @@ import jax
 from mpmd import _warp_map as warp_map
 from mpmd._arguments import (
   check_aliases,
+  check_arity,
   check_consts,
   check_consts_not_passed,
   check_consts_unbatched,
@@ -387,6 +388,7 @@ def _trace_kernel(kernels: Kernels, caller: int, views: _Views, reach):
   # ``scratch['acc'][0]``, not a position among the flattened Refs.
   args, kwargs = views.tree.unflatten(views.flat_avals)
   debug_info = api_util.debug_info("mpmd_map", fn, args, kwargs)
+  check_arity(fn, args, kwargs, debug_info)
   if kernels.name is not None:
     debug_info = debug_info.replace_func_name(kernels.name)
   jaxpr, consts = _trace_to_jaxpr(

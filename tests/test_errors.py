@@ -169,6 +169,14 @@ MPMD_MAP_CASES = [
     r"of the kernel meshes or of an enclosing shard_map \{'core': 1\}",
   ),
   Case(
+    "kernel_of_too_few_parameters",
+    lambda: launch([(tc(), load_input)], scratch_types=VMEM),
+    TypeError,
+    r"kernel load_input at .*:\d+ is called with its inputs, then its outputs, "
+    r"then its scratch Refs \(3 positional arguments\), but its signature "
+    r"does not take them: too many positional arguments",
+  ),
+  Case(
     "device_id_past_the_axis",
     lambda: launch([(tc(num_cores=2), signal({"core": 2}))], scratch_types=SEM),
     mpmd.OutOfBoundsError,  # (a StaticOutOfBoundsError: a ValueError too)
