@@ -427,6 +427,8 @@ def check_scratch_owners(scratch_avals, meshes) -> None:
     tpu_spaces.HBM,
     tpu_spaces.VMEM_SHARED,
   )
+  tpu_launch = not any(paths.is_gpu_mesh(m) for m in meshes)
+  unowned = []
   for i, aval in enumerate(scratch_avals):
     space = getattr(aval, "memory_space", None)
     if isinstance(space, pallas_core.CoreMemorySpace):
@@ -436,16 +438,20 @@ def check_scratch_owners(scratch_avals, meshes) -> None:
           f"of core type {space.mesh.core_type} that is not in this launch"
         )
       continue
-    tpu_launch = not any(paths.is_gpu_mesh(m) for m in meshes)
     if len(meshes) > 1 and tpu_launch and space not in shared:
-      raise NotImplementedError(
-        f"mpmd_map: scratch_types leaf {i} in {space} without an owner in a "
-        "launch of several meshes: per-program scratch names its mesh "
-        "(`pltpu.VMEM @ mesh`, `pltpu.SemaphoreType.REGULAR @ mesh`); "
-        "scratch shared by all programs is pltpu.HBM, and by a SparseCore's "
-        "subcores pltpu.VMEM_SHARED (upstream: MPMD map with more than one "
-        "mesh requires scratch_type to have a `core_type` specified)"
-      )
+      unowned.append(f"{i} in {space}")
+  if unowned:
+    axes = " or ".join(str(list(m.shape)) for m in meshes)
+    raise NotImplementedError(
+      f"mpmd_map: scratch_types leaf {', leaf '.join(unowned)} without an "
+      "owner in a launch of several meshes: per-program scratch names the "
+      "mesh of the programs that use it (`pltpu.VMEM(...) @ mesh`, "
+      "`pltpu.SemaphoreType.REGULAR @ mesh`; here the mesh of axes "
+      f"{axes}); scratch shared by all programs is pltpu.HBM, and by a "
+      "SparseCore's subcores pltpu.VMEM_SHARED (upstream: MPMD map with "
+      "more than one mesh requires scratch_type to have a `core_type` "
+      "specified)"
+    )
 
 
 def kernel_aval(aval: Any, meshes: Sequence[Any]) -> Any:

@@ -290,16 +290,18 @@ def _noop(*refs):
 
 
 def test_error_unowned_vmem_with_several_meshes():
-  # Upstream raises NotImplementedError for it too.
+  # Upstream raises NotImplementedError for it too. Every unowned leaf is
+  # named, and the meshes one may own it.
   with pytest.raises(
     NotImplementedError,
-    match=r"scratch_types leaf 0 in vmem without an owner in a launch of "
-    r"several meshes: .*`pltpu.VMEM @ mesh`",
+    match=r"scratch_types leaf 0 in vmem, leaf 1 in semaphore_mem without "
+    r"an owner in a launch of several meshes: .*`pltpu.VMEM\(...\) @ mesh`.*"
+    r"here the mesh of axes \['a'\] or \['b'\]",
   ):
     mpmd.mpmd_map(
       [(tc("a", 1), _noop), (tc("b", 1), _noop)],
       (),
-      scratch_types=[pltpu.VMEM(ROWS, jnp.float32)],
+      scratch_types=[pltpu.VMEM(ROWS, jnp.float32), pltpu.SemaphoreType.DMA],
     )
 
 
