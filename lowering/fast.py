@@ -54,12 +54,24 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
     if params["debug"]:
       print(f"mpmd_map: the checking executor runs it instead: {both_write}")
     return launch.lower(ctx, *in_nodes, path=path, **params)
+  buffers = _buffers(len(in_nodes), params, programs[0], sparsecores)
+  kernel = params["jaxprs"][0]
+  names = bounds.operand_names(
+    kernel,
+    len(in_nodes),
+    len(params["out_avals"]),
+    params["input_output_aliases"],
+  )
   run = functools.partial(
     _run_unrolled,
     programs=programs,
-    labels=labels,
     num_checks=num_checks,
-    buffers=_buffers(len(in_nodes), params, programs[0], sparsecores),
+    buffers=buffers,
+    report=_Report(
+      kernel.debug_info.func_src_info,
+      tuple(labels),
+      tuple(names[k] for k in buffers.semaphores),
+    ),
   )
   # Kernels are traced without varying-axes types: under a
   # shard_map(check_vma=True) their index arithmetic mixes varying and
@@ -231,17 +243,27 @@ def _uninitialized(aval):
   return pallas_primitives.uninitialized_value(aval.shape, aval.dtype)
 
 
-def _run_unrolled(*args, programs, labels, num_checks, buffers: _Buffers):
+class _Report(NamedTuple):
+  """How a failed launch's message names its kernel, its programs and its
+  semaphores (``bounds.operand_names``)."""
+
+  kernel: str
+  labels: tuple[str, ...]
+  semaphores: tuple[str, ...]
+
+
+def _run_unrolled(*args, programs, num_checks, buffers: _Buffers, report):
   launch = functools.partial(_launch, programs=programs, buffers=buffers)
   error, (outs, stuck) = bounds.checked(launch, num_checks)(*args)
   if buffers.semaphores or error is not None:
-    _raise_if_failed(error, stuck, labels)
+    _raise_if_failed(error, stuck, report)
   return outs
 
 
 def _launch(*args, programs, buffers: _Buffers):
   """Runs the programs one after another; the outputs, and per program
-  whether it waited on a semaphore more than it was signalled."""
+  and semaphore whether it waited on it more than it was signalled, and
+  whether it left it counting."""
   b = buffers
   outs = [
     args[b.out_sources[o]] if o in b.out_sources else b.fresh(b.num_in + o, a)
@@ -260,13 +282,13 @@ def _launch(*args, programs, buffers: _Buffers):
     )
     stuck.append(program_stuck)
     left.append(program_left)
-  return outs, (jnp.stack(stuck), jnp.stack(left))
+  return outs, (jnp.stack(stuck), jnp.stack(left))  # (programs, semaphores)
 
 
 def _run_program(program, p: int, args, outs, shared, b: _Buffers):
   """Runs program ``p`` on the inputs, the outputs so far and its scratch
-  (writing the buffers it shares back to ``shared``); its outputs, and
-  whether it is stuck."""
+  (writing the buffers it shares back to ``shared``); its outputs, and per
+  semaphore whether it is stuck on it and whether it left it counting."""
   num_in, num_out = b.num_in, len(b.out_avals)
   keys = [b.shared_key(k, p) for k in range(len(b.scratch))]
   operands = [
@@ -287,22 +309,21 @@ def _run_program(program, p: int, args, outs, shared, b: _Buffers):
       shared[key] = operands[num_in + num_out + k]
   # A wait that found its semaphore short poisoned it (negative): on
   # hardware that program would wait forever.
-  stuck = functools.reduce(
-    jnp.logical_or,
-    [jnp.any(operands[k] < 0) for k in b.semaphores],
-    jnp.bool_(False),
-  )
+  stuck = [jnp.any(operands[k] < 0) for k in b.semaphores]
   # A scratch semaphore still counting at the end: a signal nobody waited
   # for, or a DMA nobody awaited (operands carry theirs to the next launch).
-  left = functools.reduce(
-    jnp.logical_or,
-    [jnp.any(operands[k] > 0) for k in b.semaphores if k >= num_in + num_out],
-    jnp.bool_(False),
+  left = [
+    jnp.any(operands[k] > 0) & (k >= num_in + num_out) for k in b.semaphores
+  ]
+  none = jnp.zeros((0,), jnp.bool_)
+  return (
+    operands[num_in : num_in + num_out],
+    jnp.stack(stuck) if stuck else none,
+    jnp.stack(left) if left else none,
   )
-  return operands[num_in : num_in + num_out], stuck, left
 
 
-def _raise_if_failed(error, stuck, labels) -> None:
+def _raise_if_failed(error, stuck, report: _Report) -> None:
   """Raises, when the launch has run, the first failed check, or else a
   deadlock naming the stuck programs."""
   failed = jnp.any(stuck[0]) | jnp.any(stuck[1])
@@ -310,7 +331,7 @@ def _raise_if_failed(error, stuck, labels) -> None:
     failed = jnp.logical_or(failed, bounds.failed(error))
   leaves, treedef = tree_util.tree_flatten(error)
   raise_error = functools.partial(
-    _raise_for, labels, treedef if leaves else None
+    _raise_for, report, treedef if leaves else None
   )
   # Python runs only to raise: a callback per launch costs milliseconds.
   lax.cond(
@@ -326,23 +347,28 @@ _SEMAPHORE_FAILURES = (
   (
     watchdog.DeadlockError,
     "mpmd_map deadlock: on the CPU fast path (programs run one after "
-    "another) these programs waited on a semaphore more than it was "
-    "signalled, so on hardware they would wait forever: ",
+    "another), in kernel {}, these programs waited on a semaphore more "
+    "than it was signalled, so on hardware they would wait forever:\n",
   ),
   (
     errors.LeftoverError,
-    "mpmd_map: on the CPU fast path these programs ended with a scratch "
-    "semaphore not back to zero (a signal nobody waited for, or a DMA "
-    "whose completion nobody awaited): ",
+    "mpmd_map: on the CPU fast path, kernel {} ended with scratch "
+    "semaphores not back to zero (a signal nobody waited for, or a DMA "
+    "whose completion nobody awaited):\n",
   ),
 )
 
 
-def _raise_for(labels, treedef, stuck, *leaves) -> None:
+def _raise_for(report: _Report, treedef, stuck, *leaves) -> None:
   failure = bounds.first_failure(treedef, leaves)
   if failure is not None:
     raise failure
   for (error, message), flags in zip(_SEMAPHORE_FAILURES, stuck, strict=True):
-    found = [label for label, s in zip(labels, flags, strict=True) if s]
-    if found:
-      raise error(f"{message}{found}")
+    lines = []
+    for label, per_semaphore in zip(report.labels, flags, strict=True):
+      named = zip(report.semaphores, per_semaphore, strict=True)
+      found = [name for name, flagged in named if flagged]
+      if found:
+        lines.append(f"  {label}: {', '.join(found)}")
+    if lines:
+      raise error(message.format(report.kernel) + "\n".join(lines))

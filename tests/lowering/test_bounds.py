@@ -592,8 +592,9 @@ def _scoped_wait_before_signal(kind: str):
       if kind == "regular":
         pl.semaphore_wait(sem, 1)
         pl.semaphore_signal(sem, 1)
-      else:
-        copy = pltpu.make_async_copy(x_hbm, o_hbm, sem)
+      else:  # each core its own rows (no two programs write the same)
+        rows = pl.ds(jax.lax.axis_index("core") * WINDOW, WINDOW)
+        copy = pltpu.make_async_copy(x_hbm.at[rows], o_hbm.at[rows], sem)
         copy.wait()
         copy.start()
 
@@ -648,9 +649,9 @@ def test_fast_path_wait_before_signal_on_a_kernel_semaphore():
   recover)."""
 
   def kernel(x_hbm, o_hbm, sem):
+    del x_hbm, o_hbm
     pl.semaphore_wait(sem, 1)
     pl.semaphore_signal(sem, 1)
-    pltpu.sync_copy(x_hbm, o_hbm)
 
   f = mpmd.mpmd_map(
     [(mpmd.tensorcore_mesh("core", num_cores=2), kernel)],
@@ -663,9 +664,10 @@ def test_fast_path_wait_before_signal_on_a_kernel_semaphore():
   ):
     jax.block_until_ready(f(_rows()))
   message = str(info.value)
-  assert "['mesh 0 program 0 (core=0)', 'mesh 0 program 1 (core=1)']" in (
-    message
-  )
+  for program in ("mesh 0 program 0 (core=0)", "mesh 0 program 1 (core=1)"):
+    # Each program, the semaphore it waits on and the kernel.
+    assert f"\n  {program}: 'sem' (scratch 0, " in message, message
+  assert "in kernel kernel at " in message, message
 
 
 def test_fast_path_scoped_signal_then_wait_runs():

@@ -150,7 +150,7 @@ def test_the_send_semaphore_is_the_callers_own():
 
   with mpmd.tpu_target(TARGET):
     f = _into_tensorcore_vmem(sc_fn)
-    with pytest.raises(mpmd.LeftoverError, match="semaphore not back to zero"):
+    with pytest.raises(mpmd.LeftoverError, match="semaphores not back to zero"):
       with mpmd.typed_errors():
         jax.block_until_ready(jax.jit(lambda x: f(x)[0])(_x()))
 

@@ -451,7 +451,7 @@ def test_fast_path_reports_a_wait_nothing_signals():
   with pytest.raises(
     Exception,
     match=r"mpmd_map deadlock: on the CPU fast "
-    r"path .* \['mesh 0 program 1 \(core=1\)'\]",
+    r"path .*\n  mesh 0 program 1 \(core=1\): 'sem'",
   ):
     jax.block_until_ready(f(jnp.ones((2, *ROWS), jnp.float32)))
 
@@ -546,7 +546,7 @@ def test_fast_path_deadlock_label_counts_meshes_by_position():
     jax.ShapeDtypeStruct((2, *ROWS), jnp.float32),
     scratch_types=[pltpu.SemaphoreType.REGULAR @ mesh],
   )
-  stuck_program = r"\['mesh 1 program 1 \(core=1\)'\]"
+  stuck_program = r"\n  mesh 1 program 1 \(core=1\): 'sem'"
   with (
     pytest.raises(mpmd.DeadlockError, match=stuck_program),
     mpmd.typed_errors(),
