@@ -241,12 +241,6 @@ def _physical(aval: core.AbstractValue) -> core.AbstractValue:
   return _jax.interpret_mode_aval(aval)
 
 
-def _describe(aval: core.AbstractValue) -> str:
-  inner = jaxpr_util.shaped(jaxpr_util.ref_type(aval).inner_aval)
-  kind, shape = inner.dtype.name, inner.shape
-  return f"{kind}{list(shape)}" if shape else kind
-
-
 def lower(
   ctx: mlir.LoweringRuleContext, *in_nodes, kernel, axes, **params
 ) -> Sequence[Any]:
@@ -271,14 +265,12 @@ def lower(
       raise NotImplementedError("mpmd_map: kernel captured constants")
     jaxpr = jaxpr_util.map_avals(jaxpr, widen)
     once = once_by_eqn(jaxpr, flags)
+    operand_names = bounds.operand_names(
+      traced, num_in, num_out, params["input_output_aliases"]
+    )
     checks = bounds.Checks(
       traced.debug_info.func_src_info,
-      bounds.trace_refs(
-        jaxpr,
-        bounds.operand_names(
-          traced, num_in, num_out, params["input_output_aliases"]
-        ),
-      ),
+      bounds.trace_refs(jaxpr, operand_names),
       ranges.prove(jaxpr, {**mesh.shape, **sizes}, once),
       path="lockstep path (devices run in step)",
       where=functools.partial(_where, devices.all_axes),
@@ -301,7 +293,7 @@ def lower(
   kernel_avals = [v.aval for v in traced.invars] + barrier_avals
   semaphores = [k for k, a in enumerate(kernel_avals) if paths.is_semaphore(a)]
   names = [
-    _operand_name(k, num_in, num_out, len(traced.invars), kernel_avals[k])
+    operand_names[k] if k < len(traced.invars) else "the barrier semaphore"
     for k in semaphores
   ]
   run = functools.partial(
@@ -315,6 +307,7 @@ def lower(
     names=names,
     devices=devices,
     num_checks=checks.count,
+    kernel=traced.debug_info.func_src_info,
   )
   # The kernel's values carry no varying-axes types: check none here.
   with _jax.no_vma_check():
@@ -324,18 +317,6 @@ def lower(
   if ctx.tokens_out is None and ctx.tokens_in is not None:
     ctx.set_tokens_out(ctx.tokens_in)
   return outs
-
-
-def _operand_name(k, num_in, num_out, num_operands, aval) -> str:
-  """How a deadlock report names semaphore ``k`` of the launch (its
-  operands, then the barrier semaphore)."""
-  if k >= num_operands:
-    return "the barrier semaphore"
-  if k < num_in:
-    return f"input {k} ({_describe(aval)})"
-  if k < num_in + num_out:
-    return f"output {k - num_in} ({_describe(aval)})"
-  return f"scratch {k - num_in - num_out} ({_describe(aval)})"
 
 
 def _where(axes, args: list[Any]) -> str:
@@ -358,6 +339,7 @@ def _run(
   names,
   devices,
   num_checks,
+  kernel,
 ):
   avals = [v.aval for v in program.jaxpr.invars]
 
@@ -383,11 +365,15 @@ def _run(
   ]
   error, final = bounds.checked(launch, num_checks)(*operands)
   if semaphores or error is not None:
-    _report_verdicts(final, error, semaphores, num_in + num_out, names, devices)
+    _report_verdicts(
+      final, error, semaphores, num_in + num_out, names, devices, kernel
+    )
   return final[num_in : num_in + num_out]
 
 
-def _report_verdicts(final, error, semaphores, num_operands, names, devices):
+def _report_verdicts(
+  final, error, semaphores, num_operands, names, devices, kernel: str
+):
   """Raises, on every device run in step, what went wrong on any of them:
   a semaphore wait that came up short or scratch left counting
   (``semaphores``: their positions in ``final``, the launch's final Ref
@@ -429,7 +415,11 @@ def _report_verdicts(final, error, semaphores, num_operands, names, devices):
   report = functools.partial(
     _report,
     functools.partial(
-      _raise_for_reports, names, devices.all_axes, treedef if leaves else None
+      _raise_for_reports,
+      kernel,
+      names,
+      devices.all_axes,
+      treedef if leaves else None,
     ),
   )
   lax.cond(
@@ -454,7 +444,7 @@ def _report(raise_error, coords, short, *leaves) -> None:
   raise_error(sorted(reports, key=lambda r: tuple(r[0])))
 
 
-def _raise_for_reports(names, axes, treedef, reports) -> None:
+def _raise_for_reports(kernel, names, axes, treedef, reports) -> None:
   """Raises the first failed check of the lowest failing device, else the
   deadlock of every device whose waits came up short."""
   for _, _, *leaves in reports:
@@ -462,6 +452,7 @@ def _raise_for_reports(names, axes, treedef, reports) -> None:
     if failure is not None:
       raise failure
   _raise_if_short(
+    kernel,
     names,
     axes,
     np.asarray(
@@ -470,7 +461,7 @@ def _raise_for_reports(names, axes, treedef, reports) -> None:
   )
 
 
-def _raise_if_short(names, axes, reports) -> None:
+def _raise_if_short(kernel: str, names, axes, reports) -> None:
   reports = np.asarray(reports)
   coords, short = reports[:, : len(axes)], reports[:, len(axes) :]
   lines, left = [], []
@@ -486,16 +477,17 @@ def _raise_if_short(names, axes, reports) -> None:
       left.append(f"  device ({where}): {', '.join(counting)}")
   if not lines:
     raise errors.LeftoverError(
-      "mpmd_map: on the CPU lockstep path these scratch semaphores were not "
-      "back to zero when the kernel ended (a signal nobody waited for, or a "
-      "DMA whose completion nobody awaited):\n" + "\n".join(left)
+      f"mpmd_map: on the CPU lockstep path, kernel {kernel} ended with "
+      "scratch semaphores not back to zero (a signal nobody waited for, or "
+      "a DMA whose completion nobody awaited):\n" + "\n".join(left)
     )
   raise watchdog.DeadlockError(
-    "mpmd_map deadlock: on the CPU lockstep path (devices run in step) "
-    "these waits asked for more than had been signalled when every device "
-    "had reached them, so on hardware they would wait forever:\n"
+    f"mpmd_map deadlock: on the CPU lockstep path (devices run in step), in "
+    f"kernel {kernel}, these waits asked for more than had been signalled "
+    "when every device had reached them, so on hardware they would wait "
+    "forever:\n"
     + "\n".join(lines)
     + "\n(unless the devices must run out of step, which this path cannot "
-    "show: pass interpret=pltpu.InterpretParams() to run the threaded TPU "
-    "simulator)"
+    "show: interpret=mpmd.CheckParams() runs every device's programs under "
+    "one scheduler, in any order, and names the line of each wait)"
   )
