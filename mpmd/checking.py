@@ -183,6 +183,12 @@ def _call(session, f, args, kwargs, text, keep=None):
     if typed is not None:
       return None, typed
     raise
+  if not session.runs:
+    raise ValueError(
+      f"mpmd: {getattr(f, '__name__', f)!r} ran no mpmd_map launch, so "
+      "no schedule of one could be checked (under jit, a launch whose "
+      "outputs are unused is dropped)"
+    )
   if keep is not None:
     keep.append(out)
   return [np.asarray(x) for x in jax.tree.leaves(out)], None
@@ -303,7 +309,7 @@ def explore(
   Args:
     f: the function; its launches' kernels are what is checked.
     *args: its arguments (arrays; shapes and dtypes as it wants them).
-    schedules: how many schedules to run.
+    schedules: how many schedules to run (at least 1).
     seed: the first random seed.
     depth: the PCT depth (bugs needing up to ``depth`` ordering
       constraints are found with good probability).
@@ -346,6 +352,10 @@ def explore(
     Traceback (most recent call last):
     RaceError: data race on 'staged' ...
   """
+  _check_count("schedules", schedules)
+  _check_count("depth", depth)
+  if max_failures is not None:
+    _check_count("max_failures", max_failures)
   session = params_lib.Session()
   reference = None
   found: dict[Signature, Failure] = {}
@@ -372,7 +382,19 @@ def explore(
     )
     if max_failures is not None and len(found) >= max_failures:
       break
-  return Report(run + 1 if schedules else 0, list(found.values()))
+  return Report(run + 1, list(found.values()))
+
+
+def _check_count(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(
+      f"mpmd.explore: expected {name!r} to be an int, got "
+      f"{type(value).__name__}"
+    )
+  if value < 1:
+    raise ValueError(
+      f"mpmd.explore: expected {name!r} to be at least 1, got {value}"
+    )
 
 
 def replay(f: Callable[..., Any], *args, schedule: str, **kwargs):

@@ -216,6 +216,36 @@ def test_bad_schedule_strings(schedule, error):
     mpmd.replay(two_meshes(), X, schedule=schedule)
 
 
+@pytest.mark.parametrize(
+  "option, value, error",
+  [
+    ("schedules", 0, ValueError),  # (it checked nothing, and passed)
+    ("schedules", -1, ValueError),
+    ("schedules", 2.0, TypeError),
+    ("depth", 0, ValueError),
+    ("max_failures", 0, ValueError),
+  ],
+)
+def test_explore_rejects_bad_counts(option, value, error):
+  with pytest.raises(error, match=f"mpmd.explore: expected '{option}'"):
+    mpmd.explore(two_meshes(), X, **{option: value})
+  if option == "schedules":
+    with pytest.raises(error, match=f"expected '{option}'"):
+      mpmd.testing.assert_schedule_independent(two_meshes(), X, schedules=value)
+
+
+def test_a_function_without_launches_has_nothing_to_check():
+  def plain(x):
+    return x + 1
+
+  for check in (
+    lambda: mpmd.explore(plain, X, schedules=2),
+    lambda: mpmd.replay(plain, X, schedule="random:1"),
+  ):
+    with pytest.raises(ValueError, match="'plain' ran no mpmd_map launch"):
+      check()
+
+
 def test_check_params_rejects_bad_values():
   with pytest.raises(TypeError, match="'schedule'"):
     mpmd.CheckParams(schedule=1.5)
