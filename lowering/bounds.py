@@ -20,6 +20,7 @@ block forever (a ``DeadlockError``): those semaphores are gone before the
 end-of-launch check of the kernel's own semaphores.
 """
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -296,7 +297,7 @@ def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
     kernel: ``kern at file.py:12`` (the kernel's ``func_src_info``).
   """
   refs = trace_refs(jaxpr, names)
-  for eqn in jaxpr_util.iter_eqns(jaxpr):
+  for eqn, line in _located(jaxpr):
     if _pallas_ops.kind(eqn) is not Sync.DMA_START:
       continue
     for role, static_ref, _ in dma_sides(eqn, None):
@@ -311,8 +312,8 @@ def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
       name = refs.names.get(root, "a Ref")
       raise errors.StaticOutOfBoundsError(
         f"mpmd_map: kernel {kernel}: "
-        f"{_describe(_DMA + role, name, chain, shapes)} (hardware would "
-        "fault)"
+        f"{_describe(_DMA + role, name, chain, shapes)} (at {line}; "
+        "hardware would fault)"
       )
 
 
@@ -325,6 +326,17 @@ _OPERATION = {
   Sync.SEMAPHORE_READ: "a semaphore_read",
 }
 _DMA = "a DMA's "
+
+
+def _located(jaxpr: core.Jaxpr, outer: str = ""):
+  """(equation, its line in the user's code) for every equation of
+  ``jaxpr``, nested ones too: a nested equation without a line of its own
+  (a sync_copy's DMA) has its enclosing one's."""
+  for eqn in jaxpr.eqns:
+    line = _line(eqn) or outer
+    yield eqn, line
+    for sub in jaxpr_util.sub_jaxprs(eqn.params):
+      yield from _located(sub, line)
 
 
 def _line(eqn: core.JaxprEqn) -> str:
@@ -361,6 +373,21 @@ class Checks:
     self.kernel, self.refs, self.proven = kernel, refs, proven
     self.path, self.where = path, where
     self.count = 0
+    # The user's lines of the equations being rewritten around the current
+    # one (a sync_copy's DMA has no line of its own: its scope's).
+    self.enclosing: list[str] = []
+
+  @contextlib.contextmanager
+  def inside(self, eqn: core.JaxprEqn):
+    """While the equations nested in ``eqn`` are rewritten."""
+    self.enclosing.append(self._line(eqn))
+    try:
+      yield
+    finally:
+      self.enclosing.pop()
+
+  def _line(self, eqn: core.JaxprEqn) -> str:
+    return _line(eqn) or (self.enclosing[-1] if self.enclosing else "")
 
   def _check(self, ok, message: str, args: list[Any]) -> None:
     self.count += 1
@@ -434,7 +461,7 @@ class Checks:
     shapes = [shape for shape, _ in windows]
     message = (
       f"mpmd_map: {prefix}: {_describe(what, name, chain, shapes)} (at "
-      f"{_escape(_line(eqn))})"
+      f"{_escape(self._line(eqn))})"
     )
     self._check(functools.reduce(jnp.logical_and, oks), message, args)
 
@@ -457,7 +484,7 @@ class Checks:
       args.append(index)
       operation = _OPERATION[_pallas_ops.kind(eqn)]
       message = (
-        f"mpmd_map: {prefix}: {operation} at {_escape(_line(eqn))} names "
+        f"mpmd_map: {prefix}: {operation} at {_escape(self._line(eqn))} names "
         f"device_id {_escape(repr(axis))}={{0[{len(args) - 1}]}}, outside "
         f"the mesh (size {size})"
       )

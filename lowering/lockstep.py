@@ -146,7 +146,8 @@ def sync_rule(
       )
       return [value.astype(eqn.outvars[0].aval.dtype)]
     if kind is Sync.RUN_SCOPED:
-      return _inline_scope(eqn, invals, framed)
+      with checks.inside(eqn):
+        return _inline_scope(eqn, invals, framed)
     return None
 
   # Nested scopes (``_inline_scope``) are rewritten in frames of their own.

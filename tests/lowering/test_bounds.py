@@ -17,6 +17,7 @@ their signal, which would block forever on hardware.
 
 import contextlib
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +133,8 @@ def _assert_names_the_window(error, side: str, window: str) -> None:
     f"out of bounds of {_ref(side)}",
   ):
     assert part in message, (part, message)
+  # The DMA's line (the kernel's, or the ring helper's), not the kernel's def.
+  assert re.search(r"\(at .*/tests/.*\.py:\d+:\d+ \(\w+\);", message), message
 
 
 def _still_healthy(run_good) -> None:
@@ -469,6 +472,7 @@ def test_lockstep_remote_dma_dynamic_window_fails_at_run_time(side, start):
     "device (x=0)",
     f"a DMA's {side} window {_window(start)}",
     f"out of bounds of {_ref(side)}",
+    f"(at {rings.__file__}:",  # the line of the DMA: a helper's
   ):
     jax.block_until_ready(f(_start(start), x))
   _still_healthy(functools.partial(_lockstep_in_bounds, side))
