@@ -451,9 +451,12 @@ def _end_scope(m, p, op: interp.ScopeEnd, where: str):
 
 def _check_semaphores(m, buffers, prefix: memory.Text) -> None:
   left = [
-    f"{b.label} holds {b.data.reshape(-1).tolist()}"
-    if b.data.size > 1
-    else f"{b.label} holds {int(b.data.reshape(-1)[0])}"
+    (
+      f"{b.label} holds {b.data.reshape(-1).tolist()}"
+      if b.data.size > 1
+      else f"{b.label} holds {int(b.data.reshape(-1)[0])}"
+    )
+    + _last_count(m, b)
     for b in buffers
     if b.data.any()
   ]
@@ -462,6 +465,18 @@ def _check_semaphores(m, buffers, prefix: memory.Text) -> None:
       f"{prefix}semaphores not back to zero (a signal nobody waited for, "
       "or a DMA whose completion nobody awaited): " + "; ".join(left)
     )
+
+
+def _last_count(m, b) -> str:
+  """`` (last counted by ...)``: the latest signal or DMA landing among
+  the semaphore's elements that still count."""
+  events = [b.signals[e] for e in np.flatnonzero(b.flat)]
+  events = [e for e in events if e is not None]
+  if not events:
+    return ""
+  event = m.events[max(events)]
+  what = event.what if event.dma is None else f"{event.what}, started"
+  return f" (last counted by {what} at {event.where})"
 
 
 def _check_leftovers(m) -> None:

@@ -135,9 +135,12 @@ def test_extra_signal_is_a_leftover():
   [failure] = report.failures
   assert failure.kind == "leftover"
   assert isinstance(failure.error, mpmd.LeftoverError)
-  assert "'ready' (mesh 0 program {'consumer': 1}) holds 1" in str(
-    failure.error
-  )
+  message = str(failure.error)
+  assert "'ready' (mesh 0 program {'consumer': 1}) holds 1" in message
+  # ... and which signal counted it last: the extra one.
+  extra = "pl.semaphore_signal(ready, 1, device_id={\"consumer\": 1})"
+  assert "(last counted by signal 'ready'" in message, message
+  assert f"at {__file__}:{_line_of(extra)}:" in message, message
 
 
 def test_out_of_bounds_dma_window():
