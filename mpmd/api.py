@@ -17,6 +17,7 @@ from mpmd._arguments import (
   check_refs_passed_once,
   kernel_aval,
   output_avals,
+  short,
 )
 from mpmd._jax import (
   api_util,
@@ -445,12 +446,21 @@ def _trace_to_jaxpr(fn, mesh, reach, views: _Views, debug_info):
     )
     raise
   if returned[0] is not None:
+    leaves = tree_util.tree_leaves(returned[0])
+    types = [short(core.typeof(x)) if _is_array(x) else repr(x) for x in leaves]
     raise ValueError(
       f"mpmd_map: kernel {debug_info.func_src_info}: must return None "
       "(write to its output refs), but it returned "
-      f"{tree_util.tree_structure(returned[0])}"
+      f"{', '.join(types) or tree_util.tree_structure(returned[0])}"
     )
   return jaxpr, consts
+
+
+def _is_array(x) -> bool:
+  try:
+    return isinstance(core.typeof(x), core.ShapedArray)
+  except TypeError:
+    return False
 
 
 def _unify_consts(traced, meshes, num_in, flat_kernel_avals, reach):

@@ -237,7 +237,10 @@ BAD_INPUT = [
     id="fn_not_callable",
   ),
   pytest.param(
-    _returns_a_value, ValueError, "must return None", id="fn_returns_a_value"
+    _returns_a_value,
+    ValueError,
+    r"must return None \(write to its output refs\), but it returned f32\[",
+    id="fn_returns_a_value",
   ),
   pytest.param(
     _closes_over_an_array,
