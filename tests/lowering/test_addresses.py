@@ -9,6 +9,7 @@ analysis proves in range cost nothing at run time."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 from jax.experimental import pallas as pl
@@ -173,3 +174,32 @@ def test_proven_semaphore_indices_are_not_checked(monkeypatch):
   assert not any("semaphore window" in m for m in added), added
   _signals(lambda core, i: core + i).lower(i)
   assert any("semaphore_signal's semaphore window" in m for m in added)
+
+
+def test_a_ring_neighbour_is_proven_in_the_mesh(monkeypatch):
+  """``lax.rem(me + 1, n)``: no run-time check of the device id."""
+  added = []
+  check = bounds.Checks._check
+
+  def recorded(self, ok, message, args):
+    added.append(message)
+    check(self, ok, message, args)
+
+  monkeypatch.setattr(bounds.Checks, "_check", recorded)
+
+  def ring(x_hbm, o_hbm, buf, send, recv):
+    right = lax.rem(lax.axis_index("x") + 1, NUM)
+    copy = pltpu.make_async_remote_copy(
+      x_hbm, buf, send, recv, device_id={"x": right}
+    )
+    copy.start()
+    copy.wait()
+    pltpu.sync_copy(buf, o_hbm)
+
+  scratch = [pltpu.VMEM((ROWS, COLS), jnp.float32), DMA_SEM, DMA_SEM]
+  f, x = _on_ring(ring, scratch)
+  f.lower(x)
+  assert not any("names device_id" in m for m in added), added
+  out = np.asarray(f(x)).reshape(NUM, ROWS, COLS)
+  blocks = np.asarray(x).reshape(NUM, ROWS, COLS)
+  np.testing.assert_array_equal(out, np.roll(blocks, 1, axis=0))
