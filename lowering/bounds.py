@@ -328,6 +328,13 @@ _OPERATION = {
 _DMA = "a DMA's "
 
 
+def _operation(eqn: core.JaxprEqn) -> str:
+  kind = _pallas_ops.kind(eqn)
+  if kind is None or kind not in _OPERATION:
+    return eqn.primitive.name
+  return _OPERATION[kind]
+
+
 def _located(jaxpr: core.Jaxpr, outer: str = ""):
   """(equation, its line in the user's code) for every equation of
   ``jaxpr``, nested ones too: a nested equation without a line of its own
@@ -424,9 +431,8 @@ class Checks:
     if side is None or eqn in self.proven.addresses:
       return
     role, static_ref, ref = side
-    kind = _pallas_ops.kind(eqn)
-    self._window(eqn, f"{_OPERATION[kind]}'s {role}", static_ref, ref)
-    if devices is not None and kind is Sync.SIGNAL:
+    self._window(eqn, f"{_operation(eqn)}'s {role}", static_ref, ref)
+    if devices is not None and _pallas_ops.kind(eqn) is Sync.SIGNAL:
       device_id = _pallas_ops.SignalOperands.of(eqn, invals).device_id
       self._device(eqn, device_id, devices)
 
@@ -482,7 +488,7 @@ class Checks:
       prefix = self._prefix(args)
       index = _int32(index)
       args.append(index)
-      operation = _OPERATION[_pallas_ops.kind(eqn)]
+      operation = _operation(eqn)
       message = (
         f"mpmd_map: {prefix}: {operation} at {_escape(self._line(eqn))} names "
         f"device_id {_escape(repr(axis))}={{0[{len(args) - 1}]}}, outside "

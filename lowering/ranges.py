@@ -67,7 +67,7 @@ def semaphore_side(eqn: core.JaxprEqn, invals: Sequence[Any] | None):
       for v in (eqn.invars, invals)
     ]
     return "awaited semaphore", static, traced
-  operands = _SEMAPHORE_OPERANDS.get(kind)
+  operands = None if kind is None else _SEMAPHORE_OPERANDS.get(kind)
   if operands is None:
     return None
   static, traced = (
