@@ -107,7 +107,10 @@ class typed_errors(contextlib.ContextDecorator):  # noqa: N801 (reads as a funct
   original ``mpmd.DeadlockError``, ``mpmd.RaceError`` or
   ``mpmd.OutOfBoundsError`` instead, with a short message. Eager
   ``mpmd_map`` calls do it by themselves; under ``jax.jit`` the error
-  surfaces where the results are waited for, so wrap that.
+  surfaces where the results are waited for, so wrap that. The typed
+  error is raised as the block is left: catch it outside the block
+  (``try: with mpmd.typed_errors(): ... except mpmd.RaceError:``), or
+  use it as a decorator on the function that calls the kernel.
 
   Example (a DMA window computed at run time, past its buffer)::
 
