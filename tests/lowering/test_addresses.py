@@ -158,17 +158,23 @@ def test_fast_path_signal_past_an_array_of_semaphores():
   jax.block_until_ready(f(jnp.zeros((1,), jnp.int32)))  # and in range, runs
 
 
-def test_proven_semaphore_indices_are_not_checked(monkeypatch):
-  """A core's own semaphore (``sems.at[core]``) is proven in range: no
-  run-time check is added for it; one read from memory is checked."""
-  added = []
+@pytest.fixture
+def added(monkeypatch):
+  """The messages of the run-time checks added while a launch is lowered."""
+  messages = []
   check = bounds.Checks._check
 
   def recorded(self, ok, message, args):
-    added.append(message)
+    messages.append(message)
     check(self, ok, message, args)
 
   monkeypatch.setattr(bounds.Checks, "_check", recorded)
+  return messages
+
+
+def test_proven_semaphore_indices_are_not_checked(added):
+  """A core's own semaphore (``sems.at[core]``) is proven in range: no
+  run-time check is added for it; one read from memory is checked."""
   i = jnp.zeros((1,), jnp.int32)
   _signals(lambda core, i: core).lower(i)
   assert not any("semaphore window" in m for m in added), added
@@ -176,16 +182,8 @@ def test_proven_semaphore_indices_are_not_checked(monkeypatch):
   assert any("semaphore_signal's semaphore window" in m for m in added)
 
 
-def test_a_ring_neighbour_is_proven_in_the_mesh(monkeypatch):
+def test_a_ring_neighbour_is_proven_in_the_mesh(added):
   """``lax.rem(me + 1, n)``: no run-time check of the device id."""
-  added = []
-  check = bounds.Checks._check
-
-  def recorded(self, ok, message, args):
-    added.append(message)
-    check(self, ok, message, args)
-
-  monkeypatch.setattr(bounds.Checks, "_check", recorded)
 
   def ring(x_hbm, o_hbm, buf, send, recv):
     right = lax.rem(lax.axis_index("x") + 1, NUM)
