@@ -259,7 +259,8 @@ def test_lockstep_wait_for_too_much_names_the_semaphore_input():
   _raises_deadlock(
     _two_hops(n, waits=2),
     x,
-    match=r"(?s)lockstep path.*device \(x=0\) waits on input 2 \(dma_sem\)",
+    match=r"(?s)lockstep path.*device \(x=0\) waits on 'recv_in' \(input 2, "
+    r"dma_sem",
   )
 
 
