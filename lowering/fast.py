@@ -44,16 +44,17 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   programs, labels, num_checks, sparsecores, both_write = _fast_programs(
     len(in_nodes), params
   )
-  checked = paths.checker_covers(params["jaxprs"], params["meshes"])
-  if both_write is not None and checked is not None:
-    # A race unless they store the same bytes: the checking executor
-    # tells (in upstream's meaning: the same bytes are no race).
-    from mpmd._lowering.check import launch
+  if both_write is not None:
+    checked = paths.checker_covers(params["jaxprs"], params["meshes"])
+    if checked is not None:
+      # A race unless they store the same bytes: the checking executor
+      # tells (in upstream's meaning: the same bytes are no race).
+      from mpmd._lowering.check import launch
 
-    path = paths.Path(paths.CHECK, both_write, checked)
-    if params["debug"]:
-      print(f"mpmd_map: the checking executor runs it instead: {both_write}")
-    return launch.lower(ctx, *in_nodes, path=path, **params)
+      path = paths.Path(paths.CHECK, both_write, checked)
+      if params["debug"]:
+        print(f"mpmd_map: the checking executor runs it instead: {both_write}")
+      return launch.lower(ctx, *in_nodes, path=path, **params)
   buffers = _buffers(len(in_nodes), params, programs[0], sparsecores)
   kernel = params["jaxprs"][0]
   names = bounds.operand_names(
