@@ -24,8 +24,10 @@ printed as ours / each and fused / each (median of each round's ratio,
 the rounds interleaved; in brackets the lowest and highest round), and
 fused / ours (fused at the small shape only, unless --fused-large: on CPU
 it runs on the checking executor, which tracks every element it touches,
-several GB at the large shape). The dropless outputs are checked against
-each other first.
+several GB at the large shape), in wall time and in process CPU time, and
+the floor on fused / ours that the fused forward's CPU time sets: it
+cannot take less wall time than its CPU time over the machine's cores.
+The dropless outputs are checked against each other first.
 XLA:CPU's ``ragged_dot`` is slow (about 5x ``gmm``, see grouped_matmul's
 bench), which weighs on the padded and gathered layers.
 
@@ -225,7 +227,12 @@ def _case(shape, rounds, fused: bool):
       ratio_spread(cpu["fused"], cpu["ours"]),
       statistics.median(cpu["ours"]),
     )
-  return ratios, {ours: statistics.median(times[ours]) for ours in mine}
+  medians = {ours: statistics.median(times[ours]) for ours in mine}
+  if fused:
+    # The least wall time the fused forward's CPU time allows on this
+    # machine's cores, against the unfused forward's wall time.
+    medians["floor"] = statistics.median(cpu["fused"]) / (os.cpu_count() or 1)
+  return ratios, medians
 
 
 # TPU v5e (one TensorCore per chip), public figures, as in the collective
@@ -330,6 +337,12 @@ def main(argv=None) -> int:
       print(
         f"  {mine:<5} / {name:<8} {ratio:5.2f} [{low:.2f}-{high:.2f}] "
         f"({theirs * 1e3:.1f} ms)"
+      )
+    if fused:
+      print(
+        f"  fused / ours floor {ours['floor'] / ours['ours']:5.2f} (fused "
+        f"CPU time / {os.cpu_count()} cores: {ours['floor'] * 1e3:.1f} ms, "
+        "the least wall time it allows)"
       )
     print(tpu_estimate(shape))
     print(fused_estimate(shape))
