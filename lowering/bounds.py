@@ -297,7 +297,7 @@ def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
     kernel: ``kern at file.py:12`` (the kernel's ``func_src_info``).
   """
   refs = trace_refs(jaxpr, names)
-  for eqn, line in _located(jaxpr):
+  for eqn, line in jaxpr_util.located(jaxpr):
     if _pallas_ops.kind(eqn) is not Sync.DMA_START:
       continue
     for role, static_ref, _ in dma_sides(eqn, None):
@@ -333,22 +333,6 @@ def _operation(eqn: core.JaxprEqn) -> str:
   if kind is None or kind not in _OPERATION:
     return eqn.primitive.name
   return _OPERATION[kind]
-
-
-def _located(jaxpr: core.Jaxpr, outer: str = ""):
-  """(equation, its line in the user's code) for every equation of
-  ``jaxpr``, nested ones too: a nested equation without a line of its own
-  (a sync_copy's DMA) has its enclosing one's."""
-  for eqn in jaxpr.eqns:
-    line = _line(eqn) or outer
-    yield eqn, line
-    for sub in jaxpr_util.sub_jaxprs(eqn.params):
-      yield from _located(sub, line)
-
-
-def _line(eqn: core.JaxprEqn) -> str:
-  """``file.py:12:4 (fn)``: where the kernel's code has the operation."""
-  return _jax.source_info_util.summarize(eqn.source_info)
 
 
 def _escape(text: str) -> str:
@@ -394,7 +378,8 @@ class Checks:
       self.enclosing.pop()
 
   def _line(self, eqn: core.JaxprEqn) -> str:
-    return _line(eqn) or (self.enclosing[-1] if self.enclosing else "")
+    outer = self.enclosing[-1] if self.enclosing else ""
+    return jaxpr_util.line(eqn) or outer
 
   def _check(self, ok, message: str, args: list[Any]) -> None:
     self.count += 1

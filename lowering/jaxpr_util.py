@@ -54,6 +54,25 @@ def iter_eqns(jaxpr: core.Jaxpr) -> Iterator[core.JaxprEqn]:
     yield from iter_eqns_of(eqn)
 
 
+def line(eqn: core.JaxprEqn) -> str:
+  """``file.py:12:4 (fn)``: where the user's code has the operation ("" if
+  nowhere: an equation JAX made, like a ``sync_copy``'s DMA)."""
+  return source_info_util.summarize(eqn.source_info)
+
+
+def located(
+  jaxpr: core.Jaxpr, outer: str = ""
+) -> Iterator[tuple[core.JaxprEqn, str]]:
+  """(equation, ``line``) for every equation of ``jaxpr``, nested ones too,
+  in program order: an equation without a line of its own has the nearest
+  enclosing one's (``outer`` for the top level's)."""
+  for eqn in jaxpr.eqns:
+    where = line(eqn) or outer
+    yield eqn, where
+    for sub in sub_jaxprs(eqn.params):
+      yield from located(sub, where)
+
+
 def shaped(aval: core.AbstractValue) -> core.ShapedArray:
   """``aval`` as the array type it is: JAX types an atom's aval as an
   ``AbstractValue``, which has no shape or dtype. Raises TypeError for a

@@ -16,7 +16,6 @@ from mpmd._arguments import short
 from mpmd._jax import (
   core,
   pallas_core,
-  source_info_util,
 )
 from mpmd._lowering import addressing, bounds, errors, jaxpr_util, paths
 from mpmd._pallas_ops import Sync
@@ -437,7 +436,7 @@ def _check_sparsecore_dma(target, device_id, where: _Where, what: str):
 
 def _at(eqn: core.JaxprEqn) -> str:
   """`` (at file.py:12:4 (fn))``: where an operation is, for a message."""
-  return f" (at {source_info_util.summarize(eqn.source_info)})"
+  return f" (at {jaxpr_util.line(eqn)})"
 
 
 def _check_device_id(eqn, device_id: Any, axis_sizes, what: str) -> None:

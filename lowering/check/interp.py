@@ -20,7 +20,6 @@ from mpmd._jax import (
   lax_control_flow,
   pallas_primitives,
   pjit,
-  source_info_util,
   state,
   state_primitives,
 )
@@ -46,11 +45,6 @@ class Sync:
 
 
 Program = Generator[Sync, Any, None]
-
-
-def where(eqn: core.JaxprEqn) -> str:
-  """``file.py:12 (fn)``: the kernel source line of an equation."""
-  return source_info_util.summarize(eqn.source_info)
 
 
 class Context:
@@ -79,7 +73,8 @@ class Context:
     for n in names:
       if n not in self.axis_values:
         raise NotImplementedError(
-          f"mpmd checker: axis_index of unknown axis {n!r} at {where(eqn)}"
+          f"mpmd checker: axis_index of unknown axis {n!r} at "
+          f"{jaxpr_util.line(eqn)}"
         )
       value, size = self.axis_values[n]
       flat = flat * size + value
@@ -263,7 +258,7 @@ class _Step:
 
   def __init__(self, eqn: core.JaxprEqn, slot, memo: dict):
     self.eqn = eqn
-    self.place = where(eqn)
+    self.place = jaxpr_util.line(eqn)
     self.ins = _operands(eqn.invars, slot)
     self.outs = [
       None if isinstance(v, core.DropVar) else slot(v) for v in eqn.outvars
@@ -418,7 +413,7 @@ def _run_scoped(ctx, eqn, invals):
   if eqn.params.get("collective_axes"):
     raise NotImplementedError(
       "mpmd checker: run_scoped(collective_axes=...) (memory allocated "
-      f"across programs, at {where(eqn)})"
+      f"across programs, at {jaxpr_util.line(eqn)})"
     )
   allocations = ctx.machine.allocate_scoped(ctx, eqn, jaxpr.invars)
   ctx.scope_depth += 1

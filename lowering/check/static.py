@@ -71,7 +71,7 @@ def _walk(jaxpr, env, program, axis_values, found, outer: str = "") -> None:
   """``outer``: where the enclosing equation is in the user's code (the
   equations of a ``sync_copy``'s scope have no line of their own)."""
   for eqn in jaxpr.eqns:
-    where = interp.where(eqn) or outer
+    where = jaxpr_util.line(eqn) or outer
     ins = [_value(env, v) for v in eqn.invars]
     prim = eqn.primitive
     outs = None
