@@ -130,7 +130,10 @@ def resolve(
       f"{_core_type_name(target)} from {_core_type_name(meshes[caller])} "
       f"and specifying axes={_set_str(named)} the following axes are "
       f"missing from the mesh: {_set_str(missing)}. Name them in device_id "
-      "(only axes the two meshes share default to the caller's own index)"
+      "(only axes the two meshes share default to the caller's own index), "
+      "or, if the semaphore is meant for the caller's own programs, give it "
+      "the caller's mesh as its owner (`type @ mesh`): the target is the "
+      "semaphore's owner"
     )
   if isinstance(rest, Mapping) and not rest:
     rest = None

@@ -233,7 +233,7 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
       if kind is Sync.DMA_START:
         _check_dma(top, eqn, outer, roles, kernel)
       sem, device_id = addressing.dma_operands(eqn, eqn.invars)
-      what = f"{kernel}: a DMA ({name})"
+      what = f"{kernel}: a DMA ({name}){_at(eqn)}{_sem(top, sem, outer, roles)}"
       _check_device_id(eqn, device_id, axis_sizes, what)
       target = addressing.resolve(
         where.meshes, where.caller, sem.aval, device_id, what
@@ -247,7 +247,13 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
       _check_device_id(eqn, device_id, axis_sizes, what)
       if device_id is None:
         _check_core_index(eqn, core_index, mesh, what)
-      addressing.resolve(where.meshes, where.caller, sem.aval, device_id, what)
+      addressing.resolve(
+        where.meshes,
+        where.caller,
+        sem.aval,
+        device_id,
+        f"{what}{_at(eqn)}{_sem(top, sem, outer, roles)}",
+      )
     elif kind is Sync.RUN_SCOPED:
       _check_collective_axes(eqn.params.get("collective_axes"), mesh, kernel)
     elif name in _REF_ACCESS and not paths.is_gpu_mesh(mesh):
@@ -372,7 +378,7 @@ def _check_dma(top, eqn, outer, roles: Roles, kernel: str) -> None:
   src_ref, dst_ref = src_var.aval, dst_var.aval
   src_var, dst_var = outer.get(src_var, src_var), outer.get(dst_var, dst_var)
   raise ValueError(
-    f"{kernel}: a DMA copies from "
+    f"{kernel}: a DMA{_at(eqn)} copies from "
     f"{roles.describe(top, src_var, src_ref)} into "
     f"{roles.describe(top, dst_var, dst_ref)}: expected the same shape and "
     f"dtype on both sides, got {_type_str(*src_type)} and "
@@ -432,6 +438,14 @@ def _check_sparsecore_dma(target, device_id, where: _Where, what: str):
     f"only; pass device_id={{{axes}}} (axes shared with the caller may be "
     "left out)"
   )
+
+
+def _sem(top, sem: Any, outer, roles: Roles) -> str:
+  """`` of 'sem' (scratch_types leaf 1, ...)``: the semaphore an operation
+  counts on, as the kernel names it ("" where it is no variable)."""
+  if not isinstance(sem, core.Var):
+    return ""
+  return f" of {roles.describe(top, outer.get(sem, sem), sem.aval)}"
 
 
 def _at(eqn: core.JaxprEqn) -> str:

@@ -71,8 +71,10 @@ def mpmd_map(
   where the caller's mesh has them too (a ``VectorSubcoreMesh`` and a
   ``ScalarSubcoreMesh`` share their core axis; a remote signal naming only
   device axes lands on the caller's own core). Where upstream has no rule
-  (several TensorCore meshes), an unowned semaphore may also target the one
-  mesh whose axes ``device_id`` names.
+  (several TensorCore meshes), an unowned semaphore (one of
+  ``pl.run_scoped``: scratch semaphores of a launch of several meshes
+  need their ``@ mesh``) may also target the one mesh whose axes
+  ``device_id`` names.
 
   Args:
     meshes_and_fns: non-empty sequence of ``(mesh, fn)``; meshes are Pallas

@@ -299,7 +299,8 @@ MPMD_MAP_CASES = [
       [(tc(), copy_kernel)], jax.ShapeDtypeStruct((16, 128), jnp.float32)
     ),
     ValueError,
-    r"a DMA copies from 'x_hbm' \(input 0, .*\) into 'o_hbm' \(out_types "
+    r"a DMA \(at .*\) copies from 'x_hbm' \(input 0, .*\) into 'o_hbm' "
+    r"\(out_types "
     r"leaf 0, .*\): expected the same shape and dtype on both sides, got "
     r"f32\[8,128\] and f32\[16,128\]",
   ),
@@ -315,7 +316,7 @@ MPMD_MAP_CASES = [
     "dma_of_another_input_rank",
     lambda: launch([(tc(), copy_kernel)], args=(jnp.zeros((1024,)),)),
     ValueError,
-    r"a DMA copies from 'x_hbm' .* got f32\[1024\] and f32\[8,128\]",
+    r"a DMA \(at .*\) copies from 'x_hbm' .* got f32\[1024\] and f32\[8,128\]",
   ),
   Case(
     "dma_into_a_window_of_another_shape",

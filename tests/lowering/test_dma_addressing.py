@@ -209,7 +209,8 @@ def test_a_sparsecore_dma_to_another_mesh_needs_a_device_id():
   with mpmd.tpu_target(SC_TARGET):
     with pytest.raises(
       ValueError,
-      match=r"kernel vector_fn .*: a DMA \(dma_start\) lands on mesh 1 "
+      match=r"kernel vector_fn .*: a DMA \(dma_start\) \(at .*\) of .* "
+      r"lands on mesh 1 "
       r"\{'s_core': 2\} \(sc_scalar_subcore\) .* without a device_id: .* "
       r"pass device_id=\{'s_core': ...\}",
     ):
@@ -320,7 +321,8 @@ def test_a_dma_naming_an_axis_the_target_lacks_is_an_error():
     f = _bad_scatter({"subcore": 0}, recv_owner="scalar")
     with pytest.raises(
       ValueError,
-      match=r"kernel scalar_fn .*: a DMA \(dma_start\) names device_id axes "
+      match=r"kernel scalar_fn .*: a DMA \(dma_start\) \(at .*\) of .* "
+      r"names device_id axes "
       r"\['subcore'\] that the target mesh 1 \{'s_core': 1\} "
       r"\(sc_scalar_subcore\) does not have",
     ):
@@ -333,7 +335,8 @@ def test_a_dma_index_out_of_range_is_an_error():
     f = _bad_scatter({"subcore": SUBCORES})
     with pytest.raises(
       ValueError,
-      match=r"kernel scalar_fn .*: a DMA \(dma_start\) names device_id "
+      match=r"kernel scalar_fn .*: a DMA \(dma_start\) \(at .*\) of .* "
+      r"names device_id "
       r"\{'subcore': 2\}: expected an index in \[0, 2\) along axis "
       r"'subcore'",
     ):

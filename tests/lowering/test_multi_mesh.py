@@ -552,3 +552,36 @@ def test_fast_path_deadlock_label_counts_meshes_by_position():
     mpmd.typed_errors(),
   ):
     jax.block_until_ready(f(jnp.ones((2, *ROWS), jnp.float32)))
+
+
+def test_a_dma_semaphore_of_the_wrong_mesh_names_it_and_the_fix():
+  """The producer's own DMA counts on a semaphore the consumers own: the
+  message names the semaphore and the DMA's line, and says that the owner
+  (``@ mesh``) is the target."""
+  producer, consumer = tc("producer", 1), tc("consumer", 2)
+  x = jnp.ones(ROWS, jnp.float32)
+
+  def produce(x_hbm, o_hbm, staged, dsem, buf):
+    pltpu.sync_copy(x_hbm, buf)
+    pltpu.make_async_copy(buf, staged, dsem).start()
+
+  def consume(x_hbm, o_hbm, staged, dsem, buf):
+    pass
+
+  launch = mpmd.mpmd_map(
+    [(consumer, consume), (producer, produce)],
+    jax.ShapeDtypeStruct((2, *ROWS), jnp.float32),
+    scratch_types=[
+      pltpu.HBM(ROWS, jnp.float32),
+      pltpu.SemaphoreType.DMA(()) @ consumer,
+      pltpu.VMEM(ROWS, jnp.float32) @ producer,
+    ],
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"kernel produce at .*: a DMA \(dma_start\) \(at .*test_multi_mesh"
+    r"\.py:\d+:\d+ .*\) of 'dsem' \(scratch_types leaf 1, .*\) addresses "
+    r"mesh 0 .* the following axes are missing from the mesh: \{'consumer'\}"
+    r".* give it the caller's mesh as its owner \(`type @ mesh`\)",
+  ):
+    launch(x)

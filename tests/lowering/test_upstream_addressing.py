@@ -231,7 +231,8 @@ def test_naming_an_axis_the_target_lacks_is_an_error():
     )
     with pytest.raises(
       ValueError,
-      match=r"vector_fn .*: semaphore_signal names device_id axes "
+      match=r"vector_fn .*: semaphore_signal \(at .*\) of .* "
+      r"names device_id axes "
       r"\['subcore'\] that the target mesh 1 \{'s_core': 1\} "
       r"\(sc_scalar_subcore\) does not have",
     ):
