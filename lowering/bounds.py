@@ -457,8 +457,8 @@ class Checks:
     self._check(functools.reduce(jnp.logical_and, oks), message, args)
 
   def _device(self, eqn: core.JaxprEqn, device_id: Any, devices) -> None:
-    """Checks that each traced coordinate of ``device_id`` is within its
-    axis of ``devices`` (literal ones were checked when traced): past it,
+    """Checks that each coordinate of ``device_id`` is within its axis of
+    ``devices`` (fixed ones in range cost nothing): past it,
     a DMA or signal reaches no device (on hardware: a fault, or a wait
     that never ends)."""
     if device_id is None:
@@ -467,8 +467,9 @@ class Checks:
       device_id = {devices.axes[0]: device_id}
     for axis, size in zip(devices.axes, devices.sizes, strict=True):
       index = device_id.get(axis)
-      if index is None or _static(index, self.refs) is not None:
-        continue
+      static = None if index is None else _static(index, self.refs)
+      if index is None or (static is not None and 0 <= static < size):
+        continue  # (a fixed one past its axis fails below, when run)
       args: list[Any] = []
       prefix = self._prefix(args)
       index = _int32(index)

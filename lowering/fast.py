@@ -19,6 +19,7 @@ from mpmd._jax import (
   mlir,
   pallas_core,
   pallas_primitives,
+  sharding_impls,
   state,
   tpu,
   tree_util,
@@ -44,7 +45,7 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   programs, labels, num_checks, sparsecores, both_write = _fast_programs(
     len(in_nodes), params
   )
-  if both_write is not None:
+  if both_write is not None and _may_reroute(ctx, params):
     checked = paths.checker_covers(params["jaxprs"], params["meshes"])
     if checked is not None:
       # A race unless they store the same bytes: the checking executor
@@ -158,6 +159,21 @@ def _buffers(num_in: int, params, program, sparsecores) -> _Buffers:
     ),
     sparsecores=sparsecores,
   )
+
+
+def _may_reroute(ctx: mlir.LoweringRuleContext, params) -> bool:
+  """Whether a launch whose programs write the same elements may run on the
+  checking executor instead (which tells a race from the same bytes): not
+  where host callbacks cannot go (an export; a shard_map manual over only
+  some axes) nor where ``interpret=True`` asks for the HLO interpreter,
+  whose meaning (the last program's bytes) upstream's is."""
+  module = ctx.module_context
+  if module.lowering_parameters.for_export or params["interpret"] is True:
+    return False
+  axis_context = module.axis_context
+  if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    return bool(paths.manual_axes(axis_context))
+  return True
 
 
 def _fast_programs(num_in: int, params):

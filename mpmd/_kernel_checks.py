@@ -233,8 +233,9 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
       if kind is Sync.DMA_START:
         _check_dma(top, eqn, outer, roles, kernel)
       sem, device_id = addressing.dma_operands(eqn, eqn.invars)
-      what = f"{kernel}: a DMA ({name}){_at(eqn)}{_sem(top, sem, outer, roles)}"
+      what = f"{kernel}: a DMA ({name})"
       _check_device_id(eqn, device_id, axis_sizes, what)
+      what = f"{what}{_at(eqn)}{_sem(top, sem, outer, roles)}"
       target = addressing.resolve(
         where.meshes, where.caller, sem.aval, device_id, what
       )

@@ -201,3 +201,20 @@ def test_a_ring_neighbour_is_proven_in_the_mesh(added):
   out = np.asarray(f(x)).reshape(NUM, ROWS, COLS)
   blocks = np.asarray(x).reshape(NUM, ROWS, COLS)
   np.testing.assert_array_equal(out, np.roll(blocks, 1, axis=0))
+
+
+def test_a_fixed_flat_device_id_past_the_mesh():
+  """A plain-integer device_id (not a dict) fixed past the mesh: no
+  trace-time check knows the device count, so the run-time one reports it
+  (it used to skip every fixed index)."""
+
+  def send_past(x_hbm, o_hbm, buf, send, recv):
+    copy = pltpu.make_async_remote_copy(x_hbm, buf, send, recv, device_id=NUM)
+    copy.start()
+    copy.wait()
+    pltpu.sync_copy(buf, o_hbm)
+
+  f, x = _on_ring(
+    send_past, [pltpu.VMEM((ROWS, COLS), jnp.float32), DMA_SEM, DMA_SEM]
+  )
+  _fails(f, x, "kernel send_past at ", "names device_id 'x'=4, outside")

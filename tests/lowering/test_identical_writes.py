@@ -113,3 +113,33 @@ def test_programs_that_never_wait_race_on_writes_of_different_bytes(capsys):
 
 def test_programs_that_never_wait_may_write_the_same_bytes():
   np.testing.assert_array_equal(_copies(copy_as_is)(X), X)
+
+
+def test_where_callbacks_cannot_go_the_fast_path_keeps_the_launch():
+  """Exports, shard_maps manual over some axes only and interpret=True keep
+  the fast path's meaning (the last program's bytes): the checking
+  executor's host callbacks cannot go there, or were not asked for."""
+  exported = jax.export.export(_copies(copy_as_is), platforms=("cpu",))(X)
+  np.testing.assert_array_equal(exported.call(X), X)
+  last = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=2), copy_plus_core)],
+    jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+    scratch_types=[pltpu.VMEM((ROWS, COLS), jnp.float32)],
+    interpret=True,
+  )
+  np.testing.assert_array_equal(jax.jit(last)(X), X + 1.0)
+  mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4])
+  partial = jax.jit(
+    jax.shard_map(
+      _copies(copy_as_is),
+      mesh=mesh,
+      in_specs=jax.P("x"),
+      out_specs=jax.P("x"),
+      axis_names={"x"},
+      check_vma=False,
+    )
+  )
+  xs = jax.device_put(
+    jnp.concatenate([X, X]), jax.sharding.NamedSharding(mesh, jax.P("x"))
+  )
+  np.testing.assert_array_equal(partial(xs), xs)
