@@ -9,6 +9,7 @@ with a wrong value (rank, shape, range, divisibility).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -19,7 +20,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jax.typing import DTypeLike
 
-from mpmd import meshes, targets
+from mpmd import _jax, meshes, targets
 from mpmd.types import Mesh
 
 # A remote DMA's or signal's ``device_id``: its mesh coordinate along each
@@ -184,6 +185,20 @@ def operand_names(names: Sequence[str]):
     return kernel
 
   return name
+
+
+def traced_in_x32(body: Callable[..., Any]) -> Callable[..., Any]:
+  """A TPU kernel body traced with ``jax_enable_x64`` off. Mosaic takes
+  32-bit indices, and with x64 on every Python int the body indexes a Ref
+  with (``sem.at[0]``, ``pl.ds(i * 128, 128)``) is an int64. For bodies
+  whose Refs hold no 64-bit data."""
+
+  @functools.wraps(body)
+  def traced(*refs: Any) -> Any:
+    with _jax.config.enable_x64(False):
+      return body(*refs)
+
+  return traced
 
 
 def single_core_mesh() -> Mesh:

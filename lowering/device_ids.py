@@ -126,7 +126,9 @@ class Known:
       return out if eqn.primitive.multiple_results else [out]
 
     try:
-      outs = jax.vmap(one)(*map(jnp.asarray, inputs))
+      # Evaluated now, on this host, outside the lowering's (manual) mesh.
+      with _jax.mesh_lib.use_abstract_mesh(_jax.mesh_lib.empty_abstract_mesh):
+        outs = jax.vmap(one)(*map(jnp.asarray, inputs))
     except NotImplementedError:  # no batching rule: known at run time only
       return None
     return [np.asarray(x) for x in outs]

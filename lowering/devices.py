@@ -115,7 +115,7 @@ class Devices:
     indices, gathered); remembered for ``device_id``."""
     offsets = lax.rem(
       target_all - jnp.arange(self.count, dtype=jnp.int32) + self.count,
-      self.count,
+      jnp.int32(self.count),
     )
     # Out-of-range ids take the gathered path, where they reach nobody.
     in_range = jnp.logical_and(target_all >= 0, target_all < self.count)

@@ -289,7 +289,7 @@ def _land(devices, me, batch, n, route, shifted, arrived):
   k = route.shift
   if isinstance(k, int):  # a ring shift known when traced
     # Every device hears from the one k positions back.
-    sender = lax.rem(me - k + count, count)
+    sender = lax.rem(me - k + count, jnp.int32(count))
     moved = _pick(send.moving, moving_all, sender)
     if send.data is None:
       send.land(None, moved, moved[0], arrived)  # the sender's increment
@@ -403,7 +403,7 @@ def _land_shifted(devices: Devices, send: _Send, branch, moving_all) -> None:
       branch, [functools.partial(devices.shift, k, data) for k in range(count)]
     )
     # The sender is branch positions back.
-    sender = lax.rem(me - branch + count, count)
+    sender = lax.rem(me - branch + count, jnp.int32(count))
     send.land(value, _pick(send.moving, moving_all, sender), True)
 
   def gathered():

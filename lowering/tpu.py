@@ -87,21 +87,24 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   _check_subcore_signals(meshes, jaxprs)
   if tensorcore not in core_types:
     _check_subcore_dmas(meshes, jaxprs)
-  return tpu().registration.mpmd_map_tpu_lowering_rule(
-    ctx,
-    *in_nodes,
-    meshes=meshes,
-    jaxprs=jaxprs,
-    out_avals=params["out_avals"],
-    input_output_aliases=params["input_output_aliases"],
-    compiler_params=params["compiler_params"],
-    interpret=None,
-    debug=params["debug"],
-    cost_estimate=params["cost_estimate"],
-    metadata=params["metadata"],
-    name=params["name"],
-    external_meshes=outside,
-    num_scratch=prim.num_scratch(
-      jaxprs, len(in_nodes), len(params["out_avals"])
-    ),
-  )
+  # Mosaic has no 64-bit types: under jax_enable_x64 the Python ints that
+  # its rules lower (literals, jnp helpers traced again) stay 32-bit.
+  with _jax.config.enable_x64(False):
+    return tpu().registration.mpmd_map_tpu_lowering_rule(
+      ctx,
+      *in_nodes,
+      meshes=meshes,
+      jaxprs=jaxprs,
+      out_avals=params["out_avals"],
+      input_output_aliases=params["input_output_aliases"],
+      compiler_params=params["compiler_params"],
+      interpret=None,
+      debug=params["debug"],
+      cost_estimate=params["cost_estimate"],
+      metadata=params["metadata"],
+      name=params["name"],
+      external_meshes=outside,
+      num_scratch=prim.num_scratch(
+        jaxprs, len(in_nodes), len(params["out_avals"])
+      ),
+    )

@@ -35,7 +35,7 @@ def launch(
   transcendentals: int = 0,
 ) -> Callable[..., Any]:
   return mpmd_map(
-    [(_common.single_core_mesh(), body)],
+    [(_common.single_core_mesh(), _common.traced_in_x32(body))],
     out_types=out_types,
     scratch_types=scratch_types,
     compiler_params=pltpu.CompilerParams(

@@ -203,7 +203,7 @@ class SoftwarePipeline:
 
     def loop(carry=None):
       _, final = lax.fori_loop(
-        0, self.num_steps, step, (outputs.init_runs(), carry)
+        jnp.int32(0), self.num_steps, step, (outputs.init_runs(), carry)
       )
       return final
 

@@ -235,7 +235,7 @@ class WarpSpecializedPipeline:
       fetch(step, True)
       return carry
 
-    lax.fori_loop(first, num_steps, refill, None)
+    lax.fori_loop(i32(first), i32(num_steps), refill, None)
 
     def drain():
       # Observe the last releases so that no barrier is left mid-phase.
@@ -246,7 +246,10 @@ class WarpSpecializedPipeline:
         return carry
 
       lax.fori_loop(
-        num_steps - filled, num_steps - self.delay_release, observe, None
+        i32(num_steps) - filled,
+        i32(num_steps) - self.delay_release,
+        observe,
+        None,
       )
 
     when(quiesce, drain)
@@ -324,7 +327,7 @@ class WarpSpecializedPipeline:
 
     def loop(carry=None):
       _, final = lax.fori_loop(
-        0, self.num_steps, step_fn, (outputs.init_runs(), carry)
+        jnp.int32(0), self.num_steps, step_fn, (outputs.init_runs(), carry)
       )
       return final
 

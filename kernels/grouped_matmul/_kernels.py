@@ -304,7 +304,12 @@ def gmm_call(
     ),
   )
   call = mpmd_map(
-    [(_common.single_core_mesh(), _gmm_kernel(plan))],
+    [
+      (
+        _common.single_core_mesh(),
+        _common.traced_in_x32(_gmm_kernel(plan)),
+      )
+    ],
     out_types=_common.out_type(
       (m, n), out_dtype, _common.varying_axes(*operands)
     ),
@@ -491,7 +496,12 @@ def tgmm_call(
     ),
   )
   call = mpmd_map(
-    [(_common.single_core_mesh(), _tgmm_kernel(plan))],
+    [
+      (
+        _common.single_core_mesh(),
+        _common.traced_in_x32(_tgmm_kernel(plan)),
+      )
+    ],
     out_types=_common.out_type(
       (num_local, k, n), out_dtype, _common.varying_axes(*operands)
     ),

@@ -309,7 +309,12 @@ def gmm_windows_call(
   lhs, rhs = _as_laid_out(lhs, rhs)
   w_shape = (n, k) if cfg.transpose_rhs else (k, n)
   call = mpmd_map(
-    [(_common.single_core_mesh(), _gmm_windows_kernel(windows))],
+    [
+      (
+        _common.single_core_mesh(),
+        _common.traced_in_x32(_gmm_windows_kernel(windows)),
+      )
+    ],
     out_types=_common.out_type((m, n), out_dtype, varying),
     input_output_aliases={EXISTING_OUT_INDEX: 0},
     scratch_types=[
@@ -425,7 +430,12 @@ def tgmm_windows_call(
   operands = [meta, lhs, rhs] + ([existing_out] if has_existing else [])
   out_bytes = num_local * k * n * out_dtype.itemsize
   call = mpmd_map(
-    [(_common.single_core_mesh(), _tgmm_windows_kernel(windows))],
+    [
+      (
+        _common.single_core_mesh(),
+        _common.traced_in_x32(_tgmm_windows_kernel(windows)),
+      )
+    ],
     out_types=_common.out_type(
       (num_local, k, n), out_dtype, _common.varying_axes(*operands)
     ),

@@ -409,11 +409,11 @@ def _metadata(groups, counts: jax.Array) -> jax.Array:
   """The kernel's (_GROUP + El, D) int32 table from ``counts`` (D, D, El):
   rows device j sends local expert el of device t."""
   me = lax.axis_index(groups.axes)
-  pair = jnp.sum(counts, axis=2)  # [j, t]: rows from j to t
+  pair = jnp.sum(counts, axis=2, dtype=counts.dtype)  # [j, t]: j to t
   send = lax.dynamic_index_in_dim(pair, me, axis=0, keepdims=False)
   recv = lax.dynamic_index_in_dim(pair, me, axis=1, keepdims=False)
   mine = lax.dynamic_index_in_dim(counts, me, axis=1, keepdims=False)
-  send_off = jnp.cumsum(send) - send
+  send_off = jnp.cumsum(send, dtype=send.dtype) - send
   return jnp.concatenate([jnp.stack([send_off, send, recv]), mine.T]).astype(
     jnp.int32
   )
@@ -465,7 +465,7 @@ def expert_rows(
   send_off, send = meta[_SEND_OFF], meta[_SEND]
   r = jnp.arange(rows, dtype=jnp.int32)
   target = jnp.searchsorted(send_off + send, r, side="right").astype(jnp.int32)
-  sent = r < jnp.sum(send)
+  sent = r < jnp.sum(send, dtype=send.dtype)
   target = jnp.minimum(target, groups.size - 1)
   at = jnp.clip(
     target * p.slot + r - send_off[target], 0, returned.shape[0] - 1

@@ -211,8 +211,9 @@ def launch(
   """An ``mpmd_map`` launch of one exchange on each device: ``body`` on a
   single TensorCore (or ``meshes``, ``[(mesh, fn), ...]``, with ``body``
   None), with the barrier semaphore of :func:`handshake`."""
+  meshes = meshes or [(_common.single_core_mesh(), body)]
   return mpmd_map(
-    meshes or [(_common.single_core_mesh(), body)],
+    [(mesh, _common.traced_in_x32(fn)) for mesh, fn in meshes],
     out_types=out_types,
     scratch_types=scratch_types,
     compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID),

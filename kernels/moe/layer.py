@@ -176,7 +176,7 @@ def _check_tile_rows(tile_rows, fused: bool) -> int | None:
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
-  return jnp.cumsum(x, axis=axis) - x
+  return jnp.cumsum(x, axis=axis, dtype=x.dtype) - x
 
 
 def moe(
@@ -461,13 +461,13 @@ def _unfused_rows(static: _Static, routing: Routing, rows_sorted, w_in, w_out):
   # arrivals by source device (source-major).
   counts = routing.counts
   me = lax.axis_index(groups.axes)
-  pair = jnp.sum(counts, axis=2)  # [j, t]: rows from j to t
+  pair = jnp.sum(counts, axis=2, dtype=counts.dtype)  # [j, t]: j to t
   send_sizes = lax.dynamic_index_in_dim(pair, me, axis=0, keepdims=False)
   recv_sizes = lax.dynamic_index_in_dim(pair, me, axis=1, keepdims=False)
   sender_offsets = _exclusive_cumsum(pair, axis=1)  # [j, t], in j's rows
   landing = _exclusive_cumsum(pair, axis=0)  # [j, t], in t's buffer
   mine = lax.dynamic_index_in_dim(counts, me, axis=1, keepdims=False)
-  group_sizes = jnp.sum(mine, axis=0)  # (experts_local,)
+  group_sizes = jnp.sum(mine, axis=0, dtype=mine.dtype)  # (experts_local,)
   by_expert, by_source = _regroupings(mine, routing.capacity)
   dispatched = ragged.checked_call(
     groups,

@@ -172,6 +172,16 @@ def test_capacity_drops(rng, devices, capacity_factor, routing):
     assert_close(g, w, jnp.float32)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_eager_shard_map(rng, fused):
+  # Not under jit: each launch is lowered inside the shard_map's own
+  # (manual) mesh context.
+  p = Problem(rng, devices=2, tokens=5, hidden=8, ffn=16, experts_local=2)
+  got = p.layer(top_k=2, fused=fused)(*p.placed())
+  want = dense_reference(*p.args, top_k=2, activation=jax.nn.silu)
+  assert_close(got, want, jnp.float32)
+
+
 @pytest.mark.slow
 def test_vmap_over_token_sets(rng):
   p = Problem(rng, devices=2, tokens=5, hidden=8, ffn=12, experts_local=2)

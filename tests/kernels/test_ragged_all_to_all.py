@@ -117,6 +117,14 @@ class RaggedAllToAllTest:
     mesh = stacked_mesh((4,), ("x",))
     assert_equal(run_stacked(self.fn(), mesh, *r.args), r.expected())
 
+  def test_eager_shard_map(self, rng):
+    # Not under jit: the kernel is lowered inside the shard_map's own
+    # (manual) mesh context.
+    r = random_routing(rng, devices=2, k=2, rows=8)
+    mesh = stacked_mesh((2,), ("x",))
+    got = stacked(self.fn(), mesh)(*place(mesh, *r.args))
+    assert_equal(got, r.expected())
+
   def test_unwritten_rows_keep_their_values(self, rng):
     r = random_routing(rng, devices=2, k=2, rows=8)
     mesh = stacked_mesh((2,), ("x",))
