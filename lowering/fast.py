@@ -11,14 +11,13 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
-from mpmd import _jax
+from mpmd import _jax, _pallas_ops
 from mpmd._jax import (
   callback,
   core,
   hlo_interpreter,
   mlir,
   pallas_core,
-  pallas_primitives,
   sharding_impls,
   state,
   tpu,
@@ -257,7 +256,7 @@ def _fast_programs(num_in: int, params):
 
 
 def _uninitialized(aval):
-  return pallas_primitives.uninitialized_value(aval.shape, aval.dtype)
+  return _pallas_ops.uninitialized(aval.shape, aval.dtype)
 
 
 class _Report(NamedTuple):

@@ -41,7 +41,6 @@ from mpmd._jax import (
   core,
   hlo_interpreter,
   mlir,
-  pallas_primitives,
   state_primitives,
   state_types,
   tree_util,
@@ -224,7 +223,7 @@ def _inline_scope(eqn, invals, rule) -> list[Any]:
   initial = [
     jnp.zeros(a.shape, jnp.int32)
     if is_count(a)
-    else pallas_primitives.uninitialized_value(a.shape, a.dtype)
+    else _pallas_ops.uninitialized(a.shape, a.dtype)
     for a in allocated
   ]
   outs = core.eval_jaxpr(pure, consts, *invals, *initial)
@@ -347,7 +346,7 @@ def _run(
   def fresh(k):
     if k in semaphores:
       return jnp.zeros(avals[k].shape, avals[k].dtype)
-    return pallas_primitives.uninitialized_value(avals[k].shape, avals[k].dtype)
+    return _pallas_ops.uninitialized(avals[k].shape, avals[k].dtype)
 
   def launch(*operands):
     # The discharged program returns the final value of each Ref operand.

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
+from jax import dtypes, lax
 from jax.typing import DTypeLike
 
 
@@ -32,7 +32,8 @@ class Gathered:
     moving = [i for i, x in enumerate(leaves) if traced(x)]
     if not moving:
       return
-    arrays = {i: jnp.asarray(leaves[i]) for i in moving}
+    self._dtypes = {i: jnp.asarray(leaves[i]).dtype for i in moving}
+    arrays = {i: wire(jnp.asarray(leaves[i])) for i in moving}
     # Packed in words of the widest payload's width: a bitcast between
     # types of one width is free, between widths it is not (XLA shifts and
     # adds every byte), so only the small leaves change width.
@@ -59,7 +60,9 @@ class Gathered:
     """Leaf ``i`` of every device, stacked (None if static)."""
     if i not in self._where:
       return None
-    return _from_words(self._slice(i), self._arrays[i])
+    return _unwire(
+      _from_words(self._slice(i), self._arrays[i]), self._dtypes[i]
+    )
 
   def row(self, i: int, j: jax.Array) -> Any:
     """Leaf ``i`` of device ``j`` (traced): picked while still in words,
@@ -68,11 +71,33 @@ class Gathered:
     if i not in self._where:
       return self._leaves[i]
     rows = lax.dynamic_slice_in_dim(self._slice(i), j, 1)
-    return _from_words(rows, self._arrays[i])[0]
+    return _unwire(_from_words(rows, self._arrays[i])[0], self._dtypes[i])
 
 
 # Unsigned words of each width: collectives move them bit-exactly.
 WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def wire(x: jax.Array) -> jax.Array:
+  """``x`` in a dtype that bitcasts to unsigned words: complex numbers as
+  (real, imaginary) pairs along a new last axis, types narrower than a
+  byte (int4, float4) widened to one that holds their values exactly."""
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+  if dtypes.itemsize_bits(x.dtype) < 8:
+    if jnp.issubdtype(x.dtype, jnp.signedinteger):
+      return x.astype(jnp.int8)
+    if jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+      return x.astype(jnp.uint8)
+    return x.astype(jnp.float32)
+  return x
+
+
+def _unwire(x: jax.Array, dtype: DTypeLike) -> jax.Array:
+  """The inverse of :func:`wire`, back to ``dtype``."""
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return lax.complex(x[..., 0], x[..., 1])
+  return x if x.dtype == dtype else x.astype(dtype)
 
 
 def byte_width(dtype: DTypeLike) -> int:

@@ -43,7 +43,7 @@ def arrival(value: jax.Array) -> jax.Array | None:
   run (None for an empty ``value``)."""
   if value.size == 0:
     return None
-  first = jnp.ravel(value)[:1]
+  first = jnp.ravel(packing.wire(jnp.ravel(value)[:1]))[:1]
   if first.dtype == jnp.bool_:
     first = first.astype(jnp.uint8)
   word = packing.WORDS[packing.byte_width(first.dtype)]

@@ -95,6 +95,15 @@ def kind(eqn_or_primitive: core.JaxprEqn | core.Primitive) -> Sync | None:
   return found
 
 
+def uninitialized(shape: tuple[int, ...], dtype: Any) -> Any:
+  """Memory as Pallas leaves it before a kernel writes it (NaN floats, the
+  smallest ints), complex numbers included (NaN + NaN j), which Pallas'
+  own helper refuses."""
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return jnp.full(shape, complex(float("nan"), float("nan")), dtype)
+  return pallas_primitives.uninitialized_value(shape, dtype)
+
+
 def is_dma(eqn: core.JaxprEqn) -> bool:
   """A ``dma_start`` or ``dma_wait`` equation."""
   return kind(eqn) in (Sync.DMA_START, Sync.DMA_WAIT)

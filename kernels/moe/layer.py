@@ -154,6 +154,8 @@ def _check_capacity_factor(capacity_factor) -> float | None:
       f"{capacity_factor!r}"
     )
   capacity_factor = float(capacity_factor)
+  if capacity_factor == math.inf:
+    return None  # no expert's capacity is ever reached: dropless
   if not capacity_factor > 0:
     raise ValueError(
       f"{_FN}: expected 'capacity_factor' > 0, got {capacity_factor}"
@@ -245,7 +247,8 @@ def moe(
       uniform routing), first come first served in the order (device,
       token, choice); a dropped (token, expert) pair adds nothing to the
       token's sum (the other weights are not renormalized). Receive
-      buffers shrink to ``experts_local`` capacities.
+      buffers shrink to ``experts_local`` capacities. ``math.inf``: as
+      None.
     return_dropped: also return which (token, choice) pairs were dropped.
     tile_rows: with ``fused=True``, rows per tile moved and multiplied at
       once (a multiple of 8; default 128 on TPU, 512 on the CPU fallback,
@@ -307,7 +310,11 @@ def moe(
   static = _Static(
     groups, top_k, activation, capacity_factor, tile_rows, interpret
   )
-  if fused:
+  if not x.shape[0]:  # an empty batch: nothing to route
+    varying = _common.varying_axes(x, router_logits, w_in, w_out)
+    y = _common.vary(jnp.zeros(x.shape, x.dtype), varying)
+    dropped = _common.vary(jnp.zeros((0, top_k), jnp.bool_), varying)
+  elif fused:
     y, dropped = _fused_layer(static, x, router_logits, w_in, w_out)
   else:
     y, dropped = _layer(static, False, x, router_logits, w_in, w_out)

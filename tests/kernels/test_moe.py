@@ -10,6 +10,7 @@ devices receive nothing), ties. Gradients in ``x``, ``router_logits``,
 """
 
 import functools
+import math
 import re
 
 import jax
@@ -170,6 +171,32 @@ def test_capacity_drops(rng, devices, capacity_factor, routing):
   want = jax.grad(loss(reference), argnums=(0, 2))(*p.args)
   for g, w in zip(got, want, strict=True):
     assert_close(g, w, jnp.float32)
+
+
+def test_infinite_capacity_is_dropless(rng):
+  p = Problem(rng, devices=2, tokens=5, hidden=8, ffn=16, experts_local=2)
+  layer = p.layer(top_k=2, capacity_factor=math.inf, return_dropped=True)
+  got, dropped = jax.jit(layer)(*p.placed())
+  assert not np.asarray(dropped).any()
+  np.testing.assert_array_equal(got, jax.jit(p.layer(top_k=2))(*p.placed()))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_empty_batch(rng, fused):
+  p = Problem(rng, devices=2, tokens=0, hidden=8, ffn=16, experts_local=2)
+  layer = p.layer(top_k=2, fused=fused, return_dropped=True)
+  y, dropped = jax.jit(layer)(*p.placed())
+  assert y.shape == (0, 8) and y.dtype == jnp.float32
+  assert dropped.shape == (0, 2) and dropped.dtype == jnp.bool_
+
+  def loss(*args):
+    return jnp.sum(layer(*args)[0])
+
+  with jax.set_mesh(p.mesh):  # jit places the empty cotangents on it
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*p.placed())
+  assert [g.shape for g in grads] == [a.shape for a in p.args]
+  # No token reaches an expert: the experts' weights get no gradient.
+  assert not np.asarray(grads[2]).any() and not np.asarray(grads[3]).any()
 
 
 @pytest.mark.parametrize("fused", [False, True])

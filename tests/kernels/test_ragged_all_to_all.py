@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -74,9 +75,9 @@ def forced(implementation, interpret=None, axis_name="x"):
 
 def assert_equal(got, want):
   # Rows move bit for bit: no tolerance.
-  np.testing.assert_array_equal(
-    np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
-  )
+  if not jnp.issubdtype(got.dtype, jnp.complexfloating):
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 class RaggedAllToAllTest:
@@ -116,6 +117,22 @@ class RaggedAllToAllTest:
     assert not np.asarray(r.recv_sizes[:, 4:6]).any()
     mesh = stacked_mesh((4,), ("x",))
     assert_equal(run_stacked(self.fn(), mesh, *r.args), r.expected())
+
+  @pytest.mark.parametrize(
+    "dtype", [jnp.complex64, jnp.int4, jnp.bool_, jnp.float8_e4m3fn]
+  )
+  def test_any_dtype(self, rng, dtype):
+    # Moved bit for bit: complex pairs and sub-byte types included.
+    r = random_routing(rng, devices=2, k=2, rows=8, trailing=(3,))
+    if dtype == jnp.complex64:
+      operand = lax.complex(r.operand, r.operand[:, ::-1])
+    else:
+      operand = r.operand
+    r = r._replace(operand=operand.astype(dtype), output=r.output.astype(dtype))
+    mesh = stacked_mesh((2,), ("x",))
+    got = run_stacked(self.fn(), mesh, *r.args)
+    assert got.dtype == dtype
+    assert_equal(got, r.expected())
 
   def test_eager_shard_map(self, rng):
     # Not under jit: the kernel is lowered inside the shard_map's own
