@@ -223,7 +223,10 @@ def moe(
   128 rows there, so that XLA:CPU rounds a row the same whatever rows
   surround it: ``kernels/_common.py``, ``rows_dot``). Its gradient is
   the unfused layer's (a custom VJP that recomputes the layer unfused: the
-  fused kernel keeps no intermediates). Its layout is the platform's where
+  fused kernel keeps no intermediates), computed inside another XLA graph:
+  the router logits' gradient may differ from the unfused call's in its
+  last bit (XLA:CPU sums the weights' cotangents in another order there).
+  Its layout is the platform's where
   it is traced: on TPU, or inside ``mpmd.tpu_target()`` to cross-lower
   from a CPU host, 128-row tiles and the exchange's staging buffers as
   kernel outputs; on the CPU fallback larger tiles and the staging

@@ -446,6 +446,12 @@ def ragged_all_to_all(
   of ``operand`` are assumed not to overlap, as in JAX's rule), the
   ``output`` cotangent is the incoming one with the written rows zeroed.
 
+  Slices that overlap in a receiver's ``output``: JAX leaves the result
+  undefined. ``"window"`` writes the later slice (in sender, then slot
+  order) over the earlier ones; ``"conditional"``'s DMAs race, which the
+  CPU fallback reports as an ``mpmd.RaceError``. The gradients assume
+  slices that do not overlap.
+
   Args:
     operand: (N, ...) array: the rows to send, of any dtype.
     output: (M, ...) array of ``operand``'s dtype and trailing dimensions:
@@ -463,8 +469,9 @@ def ragged_all_to_all(
       axis once), as in JAX.
     implementation: how slices of run-time sizes move (see the module
       docstring); both lower for TPU and run on the CPU fallback, with the
-      same result. ``"conditional"``: each slice as binary chunks sent only
-      when they carry rows, straight into ``output``: what a TPU runs.
+      same result where slices do not overlap. ``"conditional"``: each
+      slice as binary chunks sent only when they carry rows, straight into
+      ``output``: what a TPU runs.
       ``"window"``: each slice as one window of ``min(N, M)`` rows into a
       staging slot, every device's DMAs the same and unconditional, so the
       CPU fallback runs them as a few XLA collectives (a remote DMA under
@@ -547,7 +554,7 @@ def checked_call(
   )
   meta = jnp.stack(
     [
-      jnp.asarray(x).astype(jnp.int32)
+      _as_int32(jnp.asarray(x))
       for x in (input_offsets, send_sizes, output_offsets, recv_sizes)
     ]
   )
@@ -562,3 +569,12 @@ def checked_call(
     )
   static = _Static(config, operand.shape[0])
   return _ragged(static, operand, output, meta)
+
+
+def _as_int32(x: jax.Array) -> jax.Array:
+  """Offsets or sizes as int32, where values past int32 (no buffer has
+  that many rows) become -1, out of bounds, rather than wrap into range."""
+  if jnp.iinfo(x.dtype).max <= jnp.iinfo(jnp.int32).max:
+    return x.astype(jnp.int32)
+  too_big = x > jnp.iinfo(jnp.int32).max
+  return jnp.where(too_big, -1, x.astype(jnp.int32))

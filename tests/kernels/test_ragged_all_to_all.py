@@ -362,6 +362,42 @@ class TestConditional(RaggedAllToAllTest):
   implementation = "conditional"
 
 
+def _overlapping():
+  """Two senders whose slices overlap at row 1 of every receiver's
+  output: sender 0's rows land at [0, 2), sender 1's at [1, 3)."""
+  operand = jnp.arange(2 * 4 * 2, dtype=jnp.float32).reshape(2, 4, 2)
+  output = -jnp.ones((2, 5, 2), jnp.float32)
+  input_offsets = jnp.asarray([[0, 2], [0, 2]], jnp.int32)
+  sizes = jnp.full((2, 2), 2, jnp.int32)
+  output_offsets = jnp.asarray([[0, 0], [1, 1]], jnp.int32)
+  return operand, output, input_offsets, sizes, output_offsets, sizes
+
+
+def test_overlapping_slices_window_later_wins():
+  mesh = stacked_mesh((2,), ("x",))
+  got = run_stacked(
+    ragged_fn("x", implementation="window"), mesh, *_overlapping()
+  )
+  operand = np.asarray(_overlapping()[0])
+  # Receiver 0: sender 0's rows 0-1 at [0, 2), then sender 1's rows 0-1
+  # over [1, 3).
+  want = np.concatenate([operand[0, :1], operand[1, :2], -np.ones((2, 2))])
+  np.testing.assert_array_equal(np.asarray(got)[0], want)
+
+
+def test_overlapping_slices_conditional_race():
+  mesh = stacked_mesh((2,), ("x",))
+  with (
+    pytest.raises(mpmd.RaceError, match=r"data race on 'output'"),
+    mpmd.typed_errors(),
+  ):
+    jax.block_until_ready(
+      run_stacked(
+        ragged_fn("x", implementation="conditional"), mesh, *_overlapping()
+      )
+    )
+
+
 class TestTpuSimulator:
   """Both implementations, no race; conditional chunks are sent only when
   they carry rows."""

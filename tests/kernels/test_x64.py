@@ -174,3 +174,18 @@ def test_gpu_matmul(warp_specialized):
   np.testing.assert_allclose(got.astype(F32), want, rtol=2e-3, atol=2e-2)
   lowered = jax.jit(fn).trace(a, b).lower(lowering_platforms=("cuda",))
   assert "custom_call @mosaic_gpu" in lowered.as_text()
+
+
+def test_an_int64_offset_past_int32_is_out_of_bounds():
+  # 2**32 + 1 would wrap to 1, a valid offset, if cast as is.
+  r = random_routing(np.random.default_rng(5), devices=2, k=1, rows=8)
+  metadata = [m.astype(jnp.int64) for m in r.metadata]
+  metadata[0] = metadata[0].at[0, 1].set(2**32 + 1)
+  fn = functools.partial(mpmd.kernels.ragged_all_to_all, axis_name="x")
+  with (
+    pytest.raises(mpmd.OutOfBoundsError, match="source window"),
+    mpmd.typed_errors(),
+  ):
+    jax.block_until_ready(
+      run_stacked(fn, stacked_mesh((2,), ("x",)), *r.args[:2], *metadata)
+    )
