@@ -289,7 +289,9 @@ def _describe(what: str, name: str, chain: str, shapes: list[str]) -> str:
 
 def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
   """Raises ``StaticOutOfBoundsError`` (an ``mpmd.OutOfBoundsError`` and a
-  ``ValueError``) for a DMA whose literal indices leave its buffer.
+  ``ValueError``) for a DMA whose literal indices leave its buffer, or a
+  semaphore operation (a DMA wait, a signal, a wait, a read) whose literal
+  index leaves its array of semaphores.
 
   Args:
     jaxpr: a traced kernel, before any rewrite (its literals are the user's).
@@ -298,9 +300,13 @@ def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
   """
   refs = trace_refs(jaxpr, names)
   for eqn, line in jaxpr_util.located(jaxpr):
-    if _pallas_ops.kind(eqn) is not Sync.DMA_START:
+    if _pallas_ops.kind(eqn) is Sync.DMA_START:
+      sides = [(_DMA + role, ref) for role, ref, _ in dma_sides(eqn, None)]
+    elif (side := semaphore_side(eqn, None)) is not None:
+      sides = [(f"{_operation(eqn)}'s {side[0]}", side[1])]
+    else:
       continue
-    for role, static_ref, _ in dma_sides(eqn, None):
+    for what, static_ref in sides:
       root, windows = _windows(static_ref, None, refs)
       dims = [d for _, ds in windows for d in ds if d.static]
       if all(d.in_bounds() for d in dims):
@@ -312,7 +318,7 @@ def check_static(jaxpr: core.Jaxpr, names: Sequence[str], kernel: str):
       name = refs.names.get(root, "a Ref")
       raise errors.StaticOutOfBoundsError(
         f"mpmd_map: kernel {kernel}: "
-        f"{_describe(_DMA + role, name, chain, shapes)} (at {line}; "
+        f"{_describe(what, name, chain, shapes)} (at {line}; "
         "hardware would fault)"
       )
 

@@ -158,6 +158,34 @@ def test_fast_path_signal_past_an_array_of_semaphores():
   jax.block_until_ready(f(jnp.zeros((1,), jnp.int32)))  # and in range, runs
 
 
+@pytest.mark.parametrize("operation", ["signal", "wait", "read"])
+def test_a_literal_semaphore_index_past_its_array_fails_when_traced(operation):
+  # Hardware would fault; found before anything runs or lowers.
+  def kernel(x_hbm, o_hbm, sems):
+    if operation == "signal":
+      pl.semaphore_signal(sems.at[2], 1)
+    elif operation == "wait":
+      pl.semaphore_wait(sems.at[2], 1)
+    else:
+      pl.semaphore_read(sems.at[2])
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  f = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
+    jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR((2,))],
+  )
+  x = jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32)
+  with pytest.raises(
+    mpmd.OutOfBoundsError,  # and a ValueError: raised when traced
+    match=rf"a semaphore_{operation}'s semaphore window \.at\[2\] is out "
+    r"of bounds of 'sems' \(scratch 0, semaphore\[2\]\) \(at .*; "
+    r"hardware would fault\)",
+  ) as info:
+    jax.jit(f).trace(x)
+  assert isinstance(info.value, ValueError)
+
+
 @pytest.fixture
 def added(monkeypatch):
   """The messages of the run-time checks added while a launch is lowered."""
