@@ -41,7 +41,7 @@ from mpmd._primitives import mpmd_map as prim
 
 
 def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
-  programs, labels, num_checks, sparsecores, both_write = _fast_programs(
+  programs, report, num_checks, sparsecores, both_write = _fast_programs(
     len(in_nodes), params
   )
   if both_write is not None and _may_reroute(ctx, params):
@@ -56,23 +56,12 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
         print(f"mpmd_map: the checking executor runs it instead: {both_write}")
       return launch.lower(ctx, *in_nodes, path=path, **params)
   buffers = _buffers(len(in_nodes), params, programs[0], sparsecores)
-  kernel = params["jaxprs"][0]
-  names = bounds.operand_names(
-    kernel,
-    len(in_nodes),
-    len(params["out_avals"]),
-    params["input_output_aliases"],
-  )
   run = functools.partial(
     _run_unrolled,
     programs=programs,
     num_checks=num_checks,
     buffers=buffers,
-    report=_Report(
-      kernel.debug_info.func_src_info,
-      tuple(labels),
-      tuple(names[k] for k in buffers.semaphores),
-    ),
+    report=report,
   )
   # Kernels are traced without varying-axes types: under a
   # shard_map(check_vma=True) their index arithmetic mixes varying and
@@ -191,7 +180,8 @@ def _fast_programs(num_in: int, params):
   num_out = len(params["out_avals"])
   programs, labels, num_checks, sparsecores = [], [], 0, []
   found: list[list[static.Access]] = []  # per program: statically known
-  names: list[str] = []  # the operands' (every kernel has the same)
+  names: list[list[str]] = []  # per program: its kernel's operand names
+  kernel_of: list[str] = []  # per program: its kernel (``kern at f.py:3``)
   # Meshes by position, never `meshes.index(mesh)`: upstream meshes compare
   # with `==`, which is elementwise (and ambiguous) for a multi-core
   # TensorCoreMesh on jax 0.10.2, and a mesh may appear twice.
@@ -206,8 +196,8 @@ def _fast_programs(num_in: int, params):
         raise NotImplementedError("mpmd_map: kernel captured constants")
       jaxpr = jaxpr_util.map_avals(jaxpr, lockstep.widen)
       once = counts.once_by_eqn(jaxpr, flags)
-    names = bounds.operand_names(traced, num_in, num_out, aliases)
-    refs = bounds.trace_refs(jaxpr, names)
+    kernel_names = bounds.operand_names(traced, num_in, num_out, aliases)
+    refs = bounds.trace_refs(jaxpr, kernel_names)
     proven = ranges.prove(jaxpr, sizes, once)
     sparsecore_axis = merge.sparsecore_axis(mesh)
     for program in range(math.prod(sizes.values())):
@@ -235,6 +225,8 @@ def _fast_programs(num_in: int, params):
         unrolled = jaxpr_util.rewrite(jaxpr, rule)
         programs.append(_jax.discharge_state(_jax.closed_jaxpr(unrolled)))
       labels.append(label)
+      names.append(kernel_names)
+      kernel_of.append(traced.debug_info.func_src_info)
       num_checks += checks.count
   kernel = params["jaxprs"][0]
   operands = num_in + num_out
@@ -252,7 +244,8 @@ def _fast_programs(num_in: int, params):
     return None
 
   both_write = static.find_race(found, shared, labels, names)
-  return programs, labels, num_checks, tuple(sparsecores), both_write
+  report = _Report(tuple(kernel_of), tuple(labels), tuple(map(tuple, names)))
+  return programs, report, num_checks, tuple(sparsecores), both_write
 
 
 def _uninitialized(aval):
@@ -260,19 +253,19 @@ def _uninitialized(aval):
 
 
 class _Report(NamedTuple):
-  """How a failed launch's message names its kernel, its programs and its
-  semaphores (``bounds.operand_names``)."""
+  """How a failed launch's message names, per program, its kernel, the
+  program itself and its operands (``bounds.operand_names``)."""
 
-  kernel: str
+  kernels: tuple[str, ...]
   labels: tuple[str, ...]
-  semaphores: tuple[str, ...]
+  names: tuple[tuple[str, ...], ...]
 
 
 def _run_unrolled(*args, programs, num_checks, buffers: _Buffers, report):
   launch = functools.partial(_launch, programs=programs, buffers=buffers)
   error, (outs, stuck) = bounds.checked(launch, num_checks)(*args)
   if buffers.semaphores or error is not None:
-    _raise_if_failed(error, stuck, report)
+    _raise_if_failed(error, stuck, report, buffers.semaphores)
   return outs
 
 
@@ -339,7 +332,9 @@ def _run_program(program, p: int, args, outs, shared, b: _Buffers):
   )
 
 
-def _raise_if_failed(error, stuck, report: _Report) -> None:
+def _raise_if_failed(
+  error, stuck, report: _Report, semaphores: tuple[int, ...]
+) -> None:
   """Raises, when the launch has run, the first failed check, or else a
   deadlock naming the stuck programs."""
   failed = jnp.any(stuck[0]) | jnp.any(stuck[1])
@@ -347,7 +342,7 @@ def _raise_if_failed(error, stuck, report: _Report) -> None:
     failed = jnp.logical_or(failed, bounds.failed(error))
   leaves, treedef = tree_util.tree_flatten(error)
   raise_error = functools.partial(
-    _raise_for, report, treedef if leaves else None
+    _raise_for, report, semaphores, treedef if leaves else None
   )
   # Python runs only to raise: a callback per launch costs milliseconds.
   lax.cond(
@@ -363,28 +358,37 @@ _SEMAPHORE_FAILURES = (
   (
     watchdog.DeadlockError,
     "mpmd_map deadlock: on the CPU fast path (programs run one after "
-    "another), in kernel {}, these programs waited on a semaphore more "
-    "than it was signalled, so on hardware they would wait forever:\n",
+    "another), in {}, these programs waited on a semaphore more than it "
+    "was signalled, so on hardware they would wait forever:\n",
   ),
   (
     errors.LeftoverError,
-    "mpmd_map: on the CPU fast path, kernel {} ended with scratch "
-    "semaphores not back to zero (a signal nobody waited for, or a DMA "
-    "whose completion nobody awaited):\n",
+    "mpmd_map: on the CPU fast path, {} ended with scratch semaphores not "
+    "back to zero (a signal nobody waited for, or a DMA whose completion "
+    "nobody awaited):\n",
   ),
 )
 
 
-def _raise_for(report: _Report, treedef, stuck, *leaves) -> None:
+def _raise_for(
+  report: _Report, semaphores: tuple[int, ...], treedef, stuck, *leaves
+) -> None:
   failure = bounds.first_failure(treedef, leaves)
   if failure is not None:
     raise failure
   for (error, message), flags in zip(_SEMAPHORE_FAILURES, stuck, strict=True):
-    lines = []
-    for label, per_semaphore in zip(report.labels, flags, strict=True):
-      named = zip(report.semaphores, per_semaphore, strict=True)
-      found = [name for name, flagged in named if flagged]
+    lines, kernels = [], []
+    for p, per_semaphore in enumerate(flags):
+      found = [
+        report.names[p][k]
+        for k, flagged in zip(semaphores, per_semaphore, strict=True)
+        if flagged
+      ]
       if found:
-        lines.append(f"  {label}: {', '.join(found)}")
+        lines.append(f"  {report.labels[p]}: {', '.join(found)}")
+        if report.kernels[p] not in kernels:
+          kernels.append(report.kernels[p])
     if lines:
-      raise error(message.format(report.kernel) + "\n".join(lines))
+      plural = "s" if len(kernels) > 1 else ""
+      where = f"kernel{plural} {' and '.join(kernels)}"
+      raise error(message.format(where) + "\n".join(lines))

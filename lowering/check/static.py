@@ -178,7 +178,8 @@ def find_race(per_program, shared, labels, names) -> str | None:
     shared: ``(program, operand) -> key``: equal keys are one buffer (None:
       the program's own).
     labels: per program, how messages name it.
-    names: per operand, how messages name it.
+    names: per program, how messages name each operand (its kernel's
+      parameter names).
   """
   by_buffer: dict[Any, list[Access]] = {}
   for found in per_program:
@@ -203,15 +204,19 @@ def find_race(per_program, shared, labels, names) -> str | None:
         common = np.intersect1d(a.ids, b.ids)
         if not common.size:
           continue
+        name = names[a.program][a.operand]
+        if names[b.program][b.operand] != name:
+          name += f" ({names[b.program][b.operand]} in {labels[b.program]})"
         if a.write and b.write:
           if both_write is None:
             both_write = (
-              f"{labels[a.program]} and {labels[b.program]} write "
-              f"{common.size} elements of {names[a.operand]} in common"
+              f"{labels[a.program]} at {a.where} and {labels[b.program]} "
+              f"at {b.where} write {common.size} elements of {name} in "
+              "common"
             )
           continue
         raise errors.RaceError(
-          f"data race on {names[a.operand]}: {labels[a.program]} "
+          f"data race on {name}: {labels[a.program]} "
           f"{'writes' if a.write else 'reads'} it at {a.where} and "
           f"{labels[b.program]} {'writes' if b.write else 'reads'} it "
           f"at {b.where} ({common.size} elements in common), and no "

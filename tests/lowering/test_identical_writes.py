@@ -105,9 +105,13 @@ def test_programs_that_never_wait_race_on_writes_of_different_bytes(capsys):
   with pytest.raises(mpmd.RaceError, match="data race on 'o_hbm'"):
     with mpmd.typed_errors():
       jax.block_until_ready(_copies(copy_plus_core, debug=True)(X))
+  # Both write at the kernel's last line, named in the message.
+  line = copy_plus_core.__code__.co_firstlineno + 3
+  write = f"{__file__}:{line}:2 (copy_plus_core)"
   assert (
-    "the checking executor runs it instead: mesh 0 program 0 (core=0) and "
-    "mesh 0 program 1 (core=1) write 1024 elements of 'o_hbm'"
+    f"the checking executor runs it instead: mesh 0 program 0 (core=0) at "
+    f"{write} and mesh 0 program 1 (core=1) at {write} write 1024 elements "
+    "of 'o_hbm'"
   ) in capsys.readouterr().out
 
 

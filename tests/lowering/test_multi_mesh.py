@@ -554,6 +554,55 @@ def test_fast_path_deadlock_label_counts_meshes_by_position():
     jax.block_until_ready(f(jnp.ones((2, *ROWS), jnp.float32)))
 
 
+def test_fast_path_deadlock_names_the_stuck_kernel_and_its_names():
+  """Kernels name their operands as they like: the message uses the stuck
+  program's kernel and its names, not the first kernel's."""
+  a, b = tc("a", 1), tc("b", 1)
+
+  def first(x_hbm, o_hbm, unused_sem):
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  def second(x_hbm, o_hbm, waited_on):
+    pl.semaphore_wait(waited_on, 1)  # nothing signals it
+
+  f = mpmd.mpmd_map(
+    [(a, first), (b, second)],
+    jax.ShapeDtypeStruct(ROWS, jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR @ b],
+  )
+  with (
+    pytest.raises(
+      mpmd.DeadlockError,
+      match=rf"in kernel second at {__file__}:\d+, these programs .*\n"
+      r"  mesh 1 program 0 \(b=0\): 'waited_on' \(scratch 0",
+    ),
+    mpmd.typed_errors(),
+  ):
+    jax.block_until_ready(f(jnp.ones(ROWS, jnp.float32)))
+
+
+def test_fast_path_race_names_the_buffer_as_each_kernel_does():
+  a, b = tc("a", 1), tc("b", 1)
+
+  def writer(x_hbm, o_hbm, staged):
+    pltpu.sync_copy(x_hbm, staged)
+
+  def reader(x_hbm, o_hbm, incoming):
+    pltpu.sync_copy(incoming, o_hbm)  # nothing orders it after the write
+
+  f = mpmd.mpmd_map(
+    [(a, writer), (b, reader)],
+    jax.ShapeDtypeStruct(ROWS, jnp.float32),
+    scratch_types=[pltpu.HBM(ROWS, jnp.float32)],
+  )
+  with pytest.raises(
+    mpmd.RaceError,
+    match=r"data race on 'staged' \(scratch 0, .*\) \('incoming' "
+    r"\(scratch 0, .*\) in mesh 1 program 0 \(b=0\)\): mesh 0 program 0",
+  ):
+    jax.block_until_ready(f(jnp.ones(ROWS, jnp.float32)))
+
+
 def test_a_dma_semaphore_of_the_wrong_mesh_names_it_and_the_fix():
   """The producer's own DMA counts on a semaphore the consumers own: the
   message names the semaphore and the DMA's line, and says that the owner
