@@ -184,10 +184,17 @@ def _call(session, f, args, kwargs, text, keep=None):
       return None, typed
     raise
   if not session.runs:
+    name = getattr(f, "__name__", f)
+    if session.elsewhere:
+      raise ValueError(
+        f"mpmd: {name!r} ran no mpmd_map launch on the checking executor, "
+        "so no schedule of one could be checked: its launches run in the "
+        f"simulator their interpret= names ({', '.join(session.elsewhere)}"
+        "); give them interpret=None to check them"
+      )
     raise ValueError(
-      f"mpmd: {getattr(f, '__name__', f)!r} ran no mpmd_map launch, so "
-      "no schedule of one could be checked (under jit, a launch whose "
-      "outputs are unused is dropped)"
+      f"mpmd: {name!r} ran no mpmd_map launch, so no schedule of one could "
+      "be checked (under jit, a launch whose outputs are unused is dropped)"
     )
   if keep is not None:
     keep.append(out)

@@ -80,6 +80,8 @@ class Session:
     self.text = "default"
     self.spec = schedule_lib.parse("default")
     self.runs: list[tuple[Any, BaseException | None]] = []
+    # Launches lowered for a simulator their interpret= names instead.
+    self.elsewhere: list[str] = []
 
   def start(self, text: str) -> None:
     with self.lock:

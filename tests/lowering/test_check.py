@@ -249,6 +249,21 @@ def test_a_function_without_launches_has_nothing_to_check():
       check()
 
 
+def test_a_launch_for_pallas_simulator_is_not_explored():
+  f = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), _copy_kernel)],
+    jax.ShapeDtypeStruct(X.shape, X.dtype),
+    interpret=pltpu.InterpretParams(),
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"ran no mpmd_map launch on the checking executor, .*: its "
+    r"launches run in the simulator their interpret= names "
+    r"\(InterpretParams\); give them interpret=None to check them",
+  ):
+    mpmd.explore(f, X, schedules=2)
+
+
 def test_check_params_rejects_bad_values():
   with pytest.raises(TypeError, match="'schedule'"):
     mpmd.CheckParams(schedule=1.5)
@@ -533,3 +548,7 @@ def _line_of(text: str) -> int:
   """The line of this file that holds ``text``."""
   with open(__file__) as source:
     return next(n for n, line in enumerate(source, 1) if text in line)
+
+
+def _copy_kernel(x_hbm, o_hbm):
+  pltpu.sync_copy(x_hbm, o_hbm)
