@@ -484,7 +484,7 @@ class Checks:
       message = (
         f"mpmd_map: {prefix}: {operation} at {_escape(self._line(eqn))} names "
         f"device_id {_escape(repr(axis))}={{0[{len(args) - 1}]}}, outside "
-        f"the mesh (size {size})"
+        f"the mesh (its axis {_escape(repr(axis))} has size {size})"
       )
       self._check((index >= 0) & (index < size), message, args)
 

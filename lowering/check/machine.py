@@ -445,7 +445,7 @@ class Machine:
           if not 0 <= flat < math.prod(sizes):
             raise errors.OutOfBoundsError(
               f"{describe}: device_id {axis!r}={flat} is outside the mesh "
-              f"(size {math.prod(sizes)})"
+              f"(its axes {axis!r} have {math.prod(sizes)} devices)"
             )
           for a, c in zip(names, np.unravel_index(flat, sizes), strict=True):
             coords[a] = int(c)
@@ -467,7 +467,7 @@ class Machine:
       if not 0 <= coords[a] < s:
         raise errors.OutOfBoundsError(
           f"{describe}: device_id names {a!r}={coords[a]}, outside the "
-          f"mesh (size {s})"
+          f"mesh (its axis {a!r} has size {s})"
         )
     if not 0 <= program < plan.num_programs:
       raise errors.OutOfBoundsError(

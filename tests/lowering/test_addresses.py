@@ -77,7 +77,7 @@ def test_a_remote_dma_past_the_mesh():
     "kernel shift at ",
     "device (x=3)",
     f"a DMA at {__file__}:{_line_of('copy.start()')}",
-    "names device_id 'x'=4, outside the mesh (size 4)",
+    "names device_id 'x'=4, outside the mesh (its axis 'x' has size 4)",
   )
 
 
@@ -94,7 +94,7 @@ def test_a_remote_signal_past_the_mesh():
     x,
     "device (x=0)",
     f"a semaphore_signal at {__file__}:{_line_of('me - 1})  # 0 -> -1')}",
-    "names device_id 'x'=-1, outside the mesh (size 4)",
+    "names device_id 'x'=-1, outside the mesh (its axis 'x' has size 4)",
   )
 
 
