@@ -293,7 +293,10 @@ def lower(
   kernel_avals = [v.aval for v in traced.invars] + barrier_avals
   semaphores = [k for k, a in enumerate(kernel_avals) if paths.is_semaphore(a)]
   names = [
-    operand_names[k] if k < len(traced.invars) else "the barrier semaphore"
+    (
+      operand_names[k] if k < len(traced.invars) else "the barrier semaphore",
+      tuple(kernel_avals[k].shape),
+    )
     for k in semaphores
   ]
   run = functools.partial(
@@ -378,21 +381,16 @@ def _report_verdicts(
   a semaphore wait that came up short or scratch left counting
   (``semaphores``: their positions in ``final``, the launch's final Ref
   values), or a failed bounds check (``error``)."""
-  # Per semaphore: 1 when a wait came up short (it would hang), 2 when
-  # scratch still counts at the end (a signal or DMA nobody waited for;
-  # operands carry their counts to the next launch).
-  flags = [
-    jnp.where(
-      jnp.any(final[k] < 0),
-      SHORT,
-      jnp.where((k >= num_operands) & jnp.any(final[k] > 0), LEFTOVER, 0),
-    )
-    for k in semaphores
-  ]
+  # Per semaphore (verdict, flat index, count there): SHORT where a wait
+  # came up short (it would hang), LEFTOVER where scratch still counts at
+  # the end (a signal or DMA nobody waited for; operands carry their
+  # counts to the next launch), at the first such element of an array.
+  verdicts = [_verdict(final[k], k >= num_operands) for k in semaphores]
   if error is not None:
-    flags.append(bounds.failed(error))
+    failed = bounds.failed(error).astype(jnp.int32)
+    verdicts.append(jnp.stack([failed, jnp.int32(0), jnp.int32(0)]))
   coords = jnp.stack([lax.axis_index(a) for a in devices.all_axes])
-  short = jnp.stack([f.astype(jnp.int32) for f in flags])
+  short = jnp.stack(verdicts)
   leaves, treedef = tree_util.tree_flatten(error)
   # The verdicts of every device this one runs in step with (those along
   # the axes it exchanges over; a launch under a condition on another
@@ -423,7 +421,7 @@ def _report_verdicts(
     ),
   )
   lax.cond(
-    jnp.any(stacked[1] != 0),
+    jnp.any(stacked[1][..., 0] != 0),
     lambda: callback.io_callback(report, None, *stacked),
     lambda: None,
   )
@@ -431,6 +429,18 @@ def _report_verdicts(
 
 # Per-semaphore verdicts of a device's end-of-launch report.
 SHORT, LEFTOVER = 1, 2
+
+
+def _verdict(count: jax.Array, scratch: bool) -> jax.Array:
+  """(verdict, flat index, count there) of a semaphore (array)'s final
+  count: SHORT, LEFTOVER (``scratch`` only) or 0."""
+  flat = jnp.ravel(count).astype(jnp.int32)
+  short, left = flat < 0, (flat > 0) & scratch
+  verdict = jnp.where(
+    jnp.any(short), SHORT, jnp.where(jnp.any(left), LEFTOVER, 0)
+  )
+  where = jnp.argmax(jnp.where(jnp.any(short), short, left)).astype(jnp.int32)
+  return jnp.stack([verdict.astype(jnp.int32), where, flat[where]])
 
 
 def _report(raise_error, coords, short, *leaves) -> None:
@@ -455,24 +465,37 @@ def _raise_for_reports(kernel, names, axes, treedef, reports) -> None:
     kernel,
     names,
     axes,
-    np.asarray(
-      [[*coords, *short[: len(names)]] for coords, short, *_ in reports]
-    ),
+    [(coords, short[: len(names)]) for coords, short, *_ in reports],
   )
 
 
+def _said(name: tuple[str, tuple[int, ...]], verdict) -> str:
+  """A semaphore named with the element a verdict is about, and its count
+  where it is left counting (``'sems' (scratch 2, semaphore[2]) .at[1]
+  (count 1)``)."""
+  text, shape = name
+  kind, index, count = (int(x) for x in verdict)
+  if shape:
+    at = ", ".join(str(int(i)) for i in np.unravel_index(index, shape))
+    text += f" .at[{at}]"
+  # A wait that came up short leaves a sentinel there, not a count.
+  return text if kind == SHORT else f"{text} (count {count})"
+
+
 def _raise_if_short(kernel: str, names, axes, reports) -> None:
-  reports = np.asarray(reports)
-  coords, short = reports[:, : len(axes)], reports[:, len(axes) :]
+  """``names``: per semaphore, its name and shape; ``reports``: per
+  device, its coordinates along ``axes`` and its semaphores' verdicts
+  (``_verdict``)."""
   lines, left = [], []
-  for row, device in zip(short, coords, strict=True):
+  for device, row in reports:
     where = ", ".join(
       f"{a}={int(c)}" for a, c in zip(axes, device, strict=True)
     )
-    waited = [name for name, s in zip(names, row, strict=True) if s == SHORT]
+    said = [_said(name, v) for name, v in zip(names, row, strict=True)]
+    waited = [text for text, v in zip(said, row, strict=True) if v[0] == SHORT]
     if waited:
       lines.append(f"  device ({where}) waits on {', '.join(waited)}")
-    counting = [n for n, s in zip(names, row, strict=True) if s == LEFTOVER]
+    counting = [t for t, v in zip(said, row, strict=True) if v[0] == LEFTOVER]
     if counting:
       left.append(f"  device ({where}): {', '.join(counting)}")
   if not lines:

@@ -387,6 +387,31 @@ def test_a_deadlock_on_one_device_names_it_alone():
   )
 
 
+def test_a_leftover_names_the_element_and_its_count():
+  n = 2
+
+  def kernel(x_hbm, o_hbm, sems):
+    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
+    pl.semaphore_signal(sems.at[1], 2, device_id={"x": right})  # unawaited
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+  f = _sharded(
+    mesh,
+    P("x"),
+    lambda x: _launch(kernel, ROWS, [pltpu.SemaphoreType.REGULAR((3,))])(x),
+  )
+  with (
+    pytest.raises(
+      mpmd.LeftoverError,
+      match=r"lockstep path(.|\n)*\n  device \(x=0\): 'sems' \(scratch 0, "
+      r"semaphore\[3\]\) \.at\[1\] \(count 2\)\n  device \(x=1\)",
+    ),
+    mpmd.typed_errors(),
+  ):
+    jax.block_until_ready(f(_rows(mesh, P("x"))))
+
+
 def test_a_failed_launch_leaves_no_device_in_a_collective(exchange):
   """Every device waits for its DMA twice, its device id known when
   traced (the data lands with no exchange of targets): every device is
