@@ -191,7 +191,7 @@ def traced_in_x32(body: Callable[..., Any]) -> Callable[..., Any]:
   """A TPU kernel body traced with ``jax_enable_x64`` off. Mosaic takes
   32-bit indices, and with x64 on every Python int the body indexes a Ref
   with (``sem.at[0]``, ``pl.ds(i * 128, 128)``) is an int64. For bodies
-  whose Refs hold no 64-bit data."""
+  that compute nothing in 64 bits (they may move 64-bit data by DMA)."""
 
   @functools.wraps(body)
   def traced(*refs: Any) -> Any:

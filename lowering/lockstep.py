@@ -28,7 +28,7 @@ short, fails the launch too (``mpmd._lowering.bounds``).
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -293,9 +293,10 @@ def lower(
   kernel_avals = [v.aval for v in traced.invars] + barrier_avals
   semaphores = [k for k, a in enumerate(kernel_avals) if paths.is_semaphore(a)]
   names = [
-    (
+    _Semaphore(
       operand_names[k] if k < len(traced.invars) else "the barrier semaphore",
       tuple(kernel_avals[k].shape),
+      not _pallas_ops.signalled_once(kernel_avals[k]),
     )
     for k in semaphores
   ]
@@ -433,7 +434,10 @@ SHORT, LEFTOVER = 1, 2
 
 def _verdict(count: jax.Array, scratch: bool) -> jax.Array:
   """(verdict, flat index, count there) of a semaphore (array)'s final
-  count: SHORT, LEFTOVER (``scratch`` only) or 0."""
+  count: SHORT, LEFTOVER (``scratch`` only) or 0, about its first such
+  element. An array gathered in one collective with the others."""
+  if not count.size:
+    return jnp.zeros((3,), jnp.int32)
   flat = jnp.ravel(count).astype(jnp.int32)
   short, left = flat < 0, (flat > 0) & scratch
   verdict = jnp.where(
@@ -469,21 +473,32 @@ def _raise_for_reports(kernel, names, axes, treedef, reports) -> None:
   )
 
 
-def _said(name: tuple[str, tuple[int, ...]], verdict) -> str:
-  """A semaphore named with the element a verdict is about, and its count
-  where it is left counting (``'sems' (scratch 2, semaphore[2]) .at[1]
-  (count 1)``)."""
-  text, shape = name
+class _Semaphore(NamedTuple):
+  """How a report names a semaphore operand."""
+
+  name: str  # ``'sems' (scratch 2, semaphore[2])``
+  shape: tuple[int, ...]
+  counts_bytes: bool  # a DMA semaphore: DMAs add their bytes
+
+
+def _said(sem: _Semaphore, verdict) -> str:
+  """A semaphore named with the (first) element a verdict is about, and
+  what is left there (``'sems' (scratch 2, semaphore[2]) .at[1] (count
+  1)``)."""
   kind, index, count = (int(x) for x in verdict)
-  if shape:
-    at = ", ".join(str(int(i)) for i in np.unravel_index(index, shape))
+  text = sem.name
+  if sem.shape:
+    at = ", ".join(str(int(i)) for i in np.unravel_index(index, sem.shape))
     text += f" .at[{at}]"
-  # A wait that came up short leaves a sentinel there, not a count.
-  return text if kind == SHORT else f"{text} (count {count})"
+  if kind == SHORT:  # the wait left a sentinel there, not a count
+    return text
+  if sem.counts_bytes:
+    return f"{text} ({count} bytes of DMAs not awaited)"
+  return f"{text} (count {count})"
 
 
 def _raise_if_short(kernel: str, names, axes, reports) -> None:
-  """``names``: per semaphore, its name and shape; ``reports``: per
+  """``names``: per semaphore, a ``_Semaphore``; ``reports``: per
   device, its coordinates along ``axes`` and its semaphores' verdicts
   (``_verdict``)."""
   lines, left = [], []
@@ -491,11 +506,11 @@ def _raise_if_short(kernel: str, names, axes, reports) -> None:
     where = ", ".join(
       f"{a}={int(c)}" for a, c in zip(axes, device, strict=True)
     )
-    said = [_said(name, v) for name, v in zip(names, row, strict=True)]
-    waited = [text for text, v in zip(said, row, strict=True) if v[0] == SHORT]
+    verdicts = list(zip(names, row, strict=True))
+    waited = [_said(sem, v) for sem, v in verdicts if v[0] == SHORT]
     if waited:
       lines.append(f"  device ({where}) waits on {', '.join(waited)}")
-    counting = [t for t, v in zip(said, row, strict=True) if v[0] == LEFTOVER]
+    counting = [_said(sem, v) for sem, v in verdicts if v[0] == LEFTOVER]
     if counting:
       left.append(f"  device ({where}): {', '.join(counting)}")
   if not lines:

@@ -257,7 +257,7 @@ def choose(
     if not isinstance(interpret, (tpu_params, gpu_params)):
       return Path(CHECK, "the mpmd_check config state asks for it", forced)
     if isinstance(forced, check_params.Session):
-      forced.elsewhere.append(type(interpret).__name__)
+      forced.ran_elsewhere(type(interpret).__name__)
   if isinstance(interpret, tpu_params):
     _check_simulator_counts(jaxprs)
     return Path(TPU_SIMULATOR, "interpret= gave TPU InterpretParams", interpret)

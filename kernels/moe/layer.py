@@ -154,8 +154,6 @@ def _check_capacity_factor(capacity_factor) -> float | None:
       f"{capacity_factor!r}"
     )
   capacity_factor = float(capacity_factor)
-  if capacity_factor == math.inf:
-    return None  # no expert's capacity is ever reached: dropless
   if not capacity_factor > 0:
     raise ValueError(
       f"{_FN}: expected 'capacity_factor' > 0, got {capacity_factor}"
@@ -250,8 +248,8 @@ def moe(
       uniform routing), first come first served in the order (device,
       token, choice); a dropped (token, expert) pair adds nothing to the
       token's sum (the other weights are not renormalized). Receive
-      buffers shrink to ``experts_local`` capacities. ``math.inf``: as
-      None.
+      buffers shrink to ``experts_local`` capacities. A factor of at least
+      the expert count (``math.inf`` included) drops nothing: as None.
     return_dropped: also return which (token, choice) pairs were dropped.
     tile_rows: with ``fused=True``, rows per tile moved and multiplied at
       once (a multiple of 8; default 128 on TPU, 512 on the CPU fallback,
@@ -308,6 +306,9 @@ def moe(
     capacity_factor,
     return_dropped,
   )
+  if capacity_factor is not None and capacity_factor >= router_logits.shape[1]:
+    # Each expert could take every row of every device: nothing drops.
+    capacity_factor = None
   tile_rows = _check_tile_rows(tile_rows, fused)
   groups = ragged.check_groups(_FN, axis_name, None)
   static = _Static(

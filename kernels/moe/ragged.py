@@ -572,9 +572,12 @@ def checked_call(
 
 
 def _as_int32(x: jax.Array) -> jax.Array:
-  """Offsets or sizes as int32, where values past int32 (no buffer has
+  """Offsets or sizes as int32, where values outside int32 (no buffer has
   that many rows) become -1, out of bounds, rather than wrap into range."""
-  if jnp.iinfo(x.dtype).max <= jnp.iinfo(jnp.int32).max:
+  info, i32 = jnp.iinfo(x.dtype), jnp.iinfo(jnp.int32)
+  if info.min >= i32.min and info.max <= i32.max:
     return x.astype(jnp.int32)
-  too_big = x > jnp.iinfo(jnp.int32).max
-  return jnp.where(too_big, -1, x.astype(jnp.int32))
+  outside = x > i32.max
+  if info.min < i32.min:
+    outside |= x < i32.min
+  return jnp.where(outside, -1, x.astype(jnp.int32))

@@ -89,6 +89,12 @@ class Session:
       self.text = text
       self.runs = []
 
+  def ran_elsewhere(self, simulator: str) -> None:
+    """A launch lowered for the simulator its interpret= names."""
+    with self.lock:
+      if simulator not in self.elsewhere:
+        self.elsewhere.append(simulator)
+
   def owner(self) -> "Session":
     return self
 

@@ -173,9 +173,11 @@ def test_capacity_drops(rng, devices, capacity_factor, routing):
     assert_close(g, w, jnp.float32)
 
 
-def test_infinite_capacity_is_dropless(rng):
+@pytest.mark.parametrize("capacity_factor", [math.inf, 1e308, 1e9, 4.0])
+def test_a_capacity_no_expert_can_fill_is_dropless(rng, capacity_factor):
+  # 4 experts: a factor of 4 lets each take every row of every device.
   p = Problem(rng, devices=2, tokens=5, hidden=8, ffn=16, experts_local=2)
-  layer = p.layer(top_k=2, capacity_factor=math.inf, return_dropped=True)
+  layer = p.layer(top_k=2, capacity_factor=capacity_factor, return_dropped=True)
   got, dropped = jax.jit(layer)(*p.placed())
   assert not np.asarray(dropped).any()
   np.testing.assert_array_equal(got, jax.jit(p.layer(top_k=2))(*p.placed()))

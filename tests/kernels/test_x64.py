@@ -1,5 +1,7 @@
 """Every shipped kernel under ``jax_enable_x64``: it runs on the CPU fallback
-against its reference and lowers for its hardware.
+against its reference, and the TPU and GPU ones lower for their hardware
+(collective matmul and tiled gmm, the conditional ragged all-to-all, the
+GPU matmuls; the MoE layer runs, forward and gradients).
 
 With x64 on, a Python int meets an int32 index as an int64 in ``lax``
 operations (``lax.rem``, ``lax.select``), ``jnp.sum`` / ``jnp.cumsum`` of
@@ -21,7 +23,13 @@ from grouped_matmul_util import ragged_dot_ref
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from moe_util import Problem, dense_reference
-from ragged_all_to_all_util import random_routing, run_stacked, stacked_mesh
+from ragged_all_to_all_util import (
+  place,
+  random_routing,
+  run_stacked,
+  stacked,
+  stacked_mesh,
+)
 
 import mpmd
 import mpmd.kernels
@@ -82,8 +90,7 @@ def test_collective_matmul(kernel, implementation):
   got = jax.jit(fn)(*args)
   assert got.dtype == F32
   np.testing.assert_allclose(got, want, rtol=3e-5, atol=3e-5)
-  if implementation == "ring":
-    assert "tpu_custom_call" in _tpu_lowering(fn, *args)
+  assert "tpu_custom_call" in _tpu_lowering(fn, *args)
 
 
 # -- grouped matmul ------------------------------------------------------------
@@ -125,10 +132,14 @@ def test_ragged_all_to_all(implementation, offsets_dtype):
     axis_name="x",
     implementation=implementation,
   )
-  got = run_stacked(fn, stacked_mesh((2,), ("x",)), *args)
+  mesh = stacked_mesh((2,), ("x",))
+  got = run_stacked(fn, mesh, *args)
   with jax.numpy_dtype_promotion("standard"):  # the reference's arange
     want = r.expected()
   np.testing.assert_array_equal(got, want)
+  if implementation == "conditional":  # what a TPU runs
+    lowered = _tpu_lowering(stacked(fn, mesh), *place(mesh, *args))
+    assert "tpu_custom_call" in lowered
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -176,11 +187,12 @@ def test_gpu_matmul(warp_specialized):
   assert "custom_call @mosaic_gpu" in lowered.as_text()
 
 
-def test_an_int64_offset_past_int32_is_out_of_bounds():
-  # 2**32 + 1 would wrap to 1, a valid offset, if cast as is.
+@pytest.mark.parametrize("offset", [2**32 + 1, -(2**32) + 1])
+def test_an_int64_offset_outside_int32_is_out_of_bounds(offset):
+  # Either would wrap to 1, a valid offset, if cast as is.
   r = random_routing(np.random.default_rng(5), devices=2, k=1, rows=8)
   metadata = [m.astype(jnp.int64) for m in r.metadata]
-  metadata[0] = metadata[0].at[0, 1].set(2**32 + 1)
+  metadata[0] = metadata[0].at[0, 1].set(offset)
   fn = functools.partial(mpmd.kernels.ragged_all_to_all, axis_name="x")
   with (
     pytest.raises(mpmd.OutOfBoundsError, match="source window"),
