@@ -140,10 +140,12 @@ class Failure:
 @dataclasses.dataclass
 class Report:
   """What ``explore`` found: ``schedules_run`` and ``failures`` (one per
-  distinct failure, in the order found)."""
+  distinct failure, in the order found); ``unchecked``: the simulators in
+  which launches ran instead, unexplored (their ``interpret=`` names one)."""
 
   schedules_run: int
   failures: list[Failure]
+  unchecked: tuple[str, ...] = ()
 
   @property
   def ok(self) -> bool:
@@ -151,6 +153,11 @@ class Report:
 
   def __str__(self):
     lines = [f"{self.schedules_run} schedules, {len(self.failures)} failures"]
+    if self.unchecked:
+      lines.append(
+        "  (not explored: launches run in "
+        f"{', '.join(self.unchecked)}, as their interpret= asks)"
+      )
     lines += [f"  {f}" for f in self.failures]
     return "\n".join(lines)
 
@@ -325,7 +332,7 @@ def explore(
       schedule).
 
   Returns:
-    A :class:`Report`: ``schedules_run`` and ``failures``.
+    A :class:`Report`: ``schedules_run``, ``failures`` and ``unchecked``.
 
   Example: program 0 stages ``x`` in shared HBM, program 1 copies it out;
   unsynchronised, program 1 may read before program 0 has written:
@@ -389,7 +396,7 @@ def explore(
     )
     if max_failures is not None and len(found) >= max_failures:
       break
-  return Report(run + 1, list(found.values()))
+  return Report(run + 1, list(found.values()), tuple(session.elsewhere))
 
 
 def _check_count(name: str, value: Any) -> None:

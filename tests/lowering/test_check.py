@@ -138,7 +138,7 @@ def test_extra_signal_is_a_leftover():
   message = str(failure.error)
   assert "'ready' (mesh 0 program {'consumer': 1}) holds 1" in message
   # ... and which signal counted it last: the extra one.
-  extra = "pl.semaphore_signal(ready, 1, device_id={\"consumer\": 1})"
+  extra = 'pl.semaphore_signal(ready, 1, device_id={"consumer": 1})'
   assert "(last counted by signal 'ready'" in message, message
   assert f"at {__file__}:{_line_of(extra)}:" in message, message
 
@@ -262,6 +262,22 @@ def test_a_launch_for_pallas_simulator_is_not_explored():
     r"\(InterpretParams\); give them interpret=None to check them",
   ):
     mpmd.explore(f, X, schedules=2)
+
+
+def test_explore_says_which_launches_it_did_not_explore():
+  simulated = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), _copy_kernel)],
+    jax.ShapeDtypeStruct(X.shape, X.dtype),
+    interpret=pltpu.InterpretParams(),
+  )
+  checked = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), _copy_kernel)],
+    jax.ShapeDtypeStruct(X.shape, X.dtype),
+  )
+  report = mpmd.explore(lambda x: checked(simulated(x)), X, schedules=2)
+  assert report.ok and report.unchecked == ("InterpretParams",)
+  assert "not explored: launches run in InterpretParams" in str(report)
+  assert mpmd.explore(checked, X, schedules=2).unchecked == ()
 
 
 def test_check_params_rejects_bad_values():
