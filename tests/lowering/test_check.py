@@ -250,11 +250,7 @@ def test_a_function_without_launches_has_nothing_to_check():
 
 
 def test_a_launch_for_pallas_simulator_is_not_explored():
-  f = mpmd.mpmd_map(
-    [(mpmd.tensorcore_mesh("core", num_cores=1), _copy_kernel)],
-    jax.ShapeDtypeStruct(X.shape, X.dtype),
-    interpret=pltpu.InterpretParams(),
-  )
+  f = _copy(interpret=pltpu.InterpretParams())
   with pytest.raises(
     ValueError,
     match=r"ran no mpmd_map launch on the checking executor, .*: its "
@@ -265,15 +261,7 @@ def test_a_launch_for_pallas_simulator_is_not_explored():
 
 
 def test_explore_says_which_launches_it_did_not_explore():
-  simulated = mpmd.mpmd_map(
-    [(mpmd.tensorcore_mesh("core", num_cores=1), _copy_kernel)],
-    jax.ShapeDtypeStruct(X.shape, X.dtype),
-    interpret=pltpu.InterpretParams(),
-  )
-  checked = mpmd.mpmd_map(
-    [(mpmd.tensorcore_mesh("core", num_cores=1), _copy_kernel)],
-    jax.ShapeDtypeStruct(X.shape, X.dtype),
-  )
+  simulated, checked = _copy(interpret=pltpu.InterpretParams()), _copy()
   report = mpmd.explore(lambda x: checked(simulated(x)), X, schedules=2)
   assert report.ok and report.unchecked == ("InterpretParams",)
   assert "not explored: launches run in InterpretParams" in str(report)
@@ -566,5 +554,14 @@ def _line_of(text: str) -> int:
     return next(n for n, line in enumerate(source, 1) if text in line)
 
 
-def _copy_kernel(x_hbm, o_hbm):
-  pltpu.sync_copy(x_hbm, o_hbm)
+def _copy(interpret=None):
+  """A one-program launch that copies its input."""
+
+  def kernel(x_hbm, o_hbm):
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  return mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
+    jax.ShapeDtypeStruct(X.shape, X.dtype),
+    interpret=interpret,
+  )

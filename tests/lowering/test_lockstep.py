@@ -387,81 +387,63 @@ def test_a_deadlock_on_one_device_names_it_alone():
   )
 
 
-def test_a_leftover_names_the_element_and_its_count():
-  n = 2
+def _fails_on_a_pair(kernel, scratch, error, match):
+  """``kernel`` on two devices in lockstep fails with ``error``."""
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  f = _sharded(mesh, P("x"), lambda x: _launch(kernel, ROWS, scratch)(x))
+  with pytest.raises(error, match=match), mpmd.typed_errors():
+    jax.block_until_ready(f(_rows(mesh, P("x"))))
 
+
+def _right():
+  return {"x": jax.lax.rem(jax.lax.axis_index("x") + 1, 2)}
+
+
+def test_a_leftover_names_the_element_and_its_count():
   def kernel(x_hbm, o_hbm, sems):
-    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
-    pl.semaphore_signal(sems.at[1], 2, device_id={"x": right})  # unawaited
+    pl.semaphore_signal(sems.at[1], 2, device_id=_right())  # unawaited
     pltpu.sync_copy(x_hbm, o_hbm)
 
-  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
-  f = _sharded(
-    mesh,
-    P("x"),
-    lambda x: _launch(kernel, ROWS, [pltpu.SemaphoreType.REGULAR((3,))])(x),
+  _fails_on_a_pair(
+    kernel,
+    [pltpu.SemaphoreType.REGULAR((3,))],
+    mpmd.LeftoverError,
+    r"lockstep path(.|\n)*\n  device \(x=0\): 'sems' \(scratch 0, "
+    r"semaphore\[3\]\) \.at\[1\] \(count 2\)\n  device \(x=1\)",
   )
-  with (
-    pytest.raises(
-      mpmd.LeftoverError,
-      match=r"lockstep path(.|\n)*\n  device \(x=0\): 'sems' \(scratch 0, "
-      r"semaphore\[3\]\) \.at\[1\] \(count 2\)\n  device \(x=1\)",
-    ),
-    mpmd.typed_errors(),
-  ):
-    jax.block_until_ready(f(_rows(mesh, P("x"))))
 
 
 def test_a_deadlock_names_the_element_waited_on():
-  n = 2
-
   def kernel(x_hbm, o_hbm, empty, sems):
     del empty  # an empty array of semaphores: nothing to report on it
-    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
-    pl.semaphore_signal(sems.at[1], 1, device_id={"x": right})
+    pl.semaphore_signal(sems.at[1], 1, device_id=_right())
     pl.semaphore_wait(sems.at[2], 1)  # nobody signals .at[2]
     pltpu.sync_copy(x_hbm, o_hbm)
 
-  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
-  scratch = [
-    pltpu.SemaphoreType.REGULAR((0,)),
-    pltpu.SemaphoreType.REGULAR((3,)),
-  ]
-  f = _sharded(mesh, P("x"), lambda x: _launch(kernel, ROWS, scratch)(x))
-  with (
-    pytest.raises(
-      mpmd.DeadlockError,
-      match=r"lockstep path(.|\n)*\n  device \(x=0\) waits on 'sems' "
-      r"\(scratch 1, semaphore\[3\]\) \.at\[2\]\n",
-    ),
-    mpmd.typed_errors(),
-  ):
-    jax.block_until_ready(f(_rows(mesh, P("x"))))
+  _fails_on_a_pair(
+    kernel,
+    [pltpu.SemaphoreType.REGULAR((0,)), pltpu.SemaphoreType.REGULAR((3,))],
+    mpmd.DeadlockError,
+    r"lockstep path(.|\n)*\n  device \(x=0\) waits on 'sems' "
+    r"\(scratch 1, semaphore\[3\]\) \.at\[2\]\n",
+  )
 
 
 def test_a_dma_left_unawaited_is_reported_in_bytes():
-  n = 2
-
   def kernel(x_hbm, o_hbm, send, recv):
-    right = jax.lax.rem(jax.lax.axis_index("x") + 1, n)
     copy = pltpu.make_async_remote_copy(
-      x_hbm, o_hbm, send, recv, device_id={"x": right}
+      x_hbm, o_hbm, send, recv, device_id=_right()
     )
     copy.start()
     copy.wait_send()  # the receive side is never awaited
 
-  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
-  scratch = [pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA]
-  f = _sharded(mesh, P("x"), lambda x: _launch(kernel, ROWS, scratch)(x))
-  with (
-    pytest.raises(
-      mpmd.LeftoverError,
-      match=r"device \(x=0\): 'recv' \(scratch 1, dma_sem\[\]\) "
-      rf"\({ROWS[0] * ROWS[1] * 4} bytes of DMAs not awaited\)",
-    ),
-    mpmd.typed_errors(),
-  ):
-    jax.block_until_ready(f(_rows(mesh, P("x"))))
+  _fails_on_a_pair(
+    kernel,
+    [pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA],
+    mpmd.LeftoverError,
+    r"device \(x=0\): 'recv' \(scratch 1, dma_sem\[\]\) "
+    rf"\({ROWS[0] * ROWS[1] * 4} bytes of DMAs not awaited\)",
+  )
 
 
 def test_a_failed_launch_leaves_no_device_in_a_collective(exchange):
