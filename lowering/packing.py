@@ -32,8 +32,9 @@ class Gathered:
     moving = [i for i, x in enumerate(leaves) if traced(x)]
     if not moving:
       return
-    self._dtypes = {i: jnp.asarray(leaves[i]).dtype for i in moving}
-    arrays = {i: wire(jnp.asarray(leaves[i])) for i in moving}
+    given = {i: jnp.asarray(leaves[i]) for i in moving}
+    self._dtypes = {i: x.dtype for i, x in given.items()}
+    arrays = {i: wire(x) for i, x in given.items()}
     # Packed in words of the widest payload's width: a bitcast between
     # types of one width is free, between widths it is not (XLA shifts and
     # adds every byte), so only the small leaves change width.

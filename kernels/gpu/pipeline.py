@@ -202,6 +202,8 @@ class SoftwarePipeline:
     step = functools.partial(self._step, inputs, outputs)
 
     def loop(carry=None):
+      # int32 steps: from a Python-int bound they are int64 under
+      # jax_enable_x64.
       _, final = lax.fori_loop(
         jnp.int32(0), self.num_steps, step, (outputs.init_runs(), carry)
       )

@@ -235,6 +235,8 @@ class WarpSpecializedPipeline:
       fetch(step, True)
       return carry
 
+    # int32 steps (here and below): from Python-int bounds they are int64
+    # under jax_enable_x64.
     lax.fori_loop(i32(first), i32(num_steps), refill, None)
 
     def drain():

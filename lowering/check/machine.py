@@ -445,7 +445,9 @@ class Machine:
           if not 0 <= flat < math.prod(sizes):
             raise errors.OutOfBoundsError(
               f"{describe}: device_id {axis!r}={flat} is outside the mesh "
-              f"(its axes {axis!r} have {math.prod(sizes)} devices)"
+              f"(its {'axes' if len(names) > 1 else 'axis'} {axis!r} "
+              f"{'have' if len(names) > 1 else 'has'} {math.prod(sizes)} "
+              "devices)"
             )
           for a, c in zip(names, np.unravel_index(flat, sizes), strict=True):
             coords[a] = int(c)
