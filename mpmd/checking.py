@@ -49,6 +49,11 @@ class CheckParams:
       program means what it means on upstream's simulator. (False keeps
       the later of two such writes only: a third write ordered after it
       but not after the earlier one is not reported.)
+    unwritten_outputs: whether an output element that no program wrote
+      (one the launch would return uninitialised: garbage on hardware) is
+      an ``mpmd.UninitializedError`` when the launch ends (False, the
+      default: a kernel may leave parts of an output it never reads).
+      Outputs aliased to inputs start written.
 
   Example (a program that waits for a signal nobody sends: on the checker
   a ``DeadlockError`` at once, naming the wait and its count)::
@@ -70,6 +75,7 @@ class CheckParams:
   per_call: bool = False
   trace: str | None = None
   identical_writes_race: bool = True
+  unwritten_outputs: bool = False
 
   def __post_init__(self):
     if isinstance(self.schedule, bool) or not isinstance(
@@ -79,11 +85,12 @@ class CheckParams:
         "mpmd.CheckParams: expected 'schedule' to be a schedule string or "
         f"an int seed, got {self.schedule!r}"
       )
-    if not isinstance(self.identical_writes_race, bool):
-      raise TypeError(
-        "mpmd.CheckParams: expected 'identical_writes_race' to be a bool, "
-        f"got {self.identical_writes_race!r}"
-      )
+    for name in ("identical_writes_race", "unwritten_outputs"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(
+          f"mpmd.CheckParams: expected {name!r} to be a bool, "
+          f"got {getattr(self, name)!r}"
+        )
     schedule = self.schedule
     if isinstance(schedule, int):
       schedule = f"random:{schedule}"

@@ -111,7 +111,6 @@ def _advance(m, p: _Program) -> None:
 
 def run(m: gpu_machine.GpuMachine, inputs) -> list[list[np.ndarray]]:
   """Runs the launch to its end; the outputs per device."""
-  plan = m.plan
   m._operand_buffers(inputs)  # noqa: SLF001
   programs = _programs(m, inputs)
   current = None
@@ -132,13 +131,7 @@ def run(m: gpu_machine.GpuMachine, inputs) -> list[list[np.ndarray]]:
   waiting = [p for p in programs if not p.done]
   if waiting:
     raise errors.DeadlockError(_deadlock_report(m, waiting))
-  return [
-    [
-      m.memory[(d, 0)][("operand", plan.num_in + k)].data
-      for k in range(len(plan.out_avals))
-    ]
-    for d in range(plan.num_devices)
-  ]
+  return m.outputs()
 
 
 def _deadlock_report(m, waiting) -> str:

@@ -274,6 +274,7 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, path, **params):
   asked = path.params  # CheckParams, or an explore / replay session
   if isinstance(asked, checking.CheckParams):
     plan.identical_writes_race = asked.identical_writes_race
+    plan.unwritten_outputs = asked.unwritten_outputs
   launch = Launch(plan, path.params.owner(), jax.process_index())
   # Other processes' devices deposit their inputs in their own process.
   gather = jax.process_count() > 1

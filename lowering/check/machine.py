@@ -46,6 +46,8 @@ class Plan:
   memo: dict = dataclasses.field(default_factory=dict)
   # Whether unordered writes of the same bytes race (CheckParams).
   identical_writes_race: bool = True
+  # Whether output elements that nothing wrote are an error (CheckParams).
+  unwritten_outputs: bool = False
 
   @property
   def num_devices(self) -> int:
@@ -163,6 +165,22 @@ class Machine:
       for b in mine.values():
         if b.data is not None:  # (not done already: buffers are shared)
           b.recycle(output=id(b) in kept)
+
+  def outputs(self) -> list[list[np.ndarray]]:
+    """The launch's outputs per device, once every program has ended;
+    with ``Plan.unwritten_outputs``, an ``UninitializedError`` where an
+    output (not aliased to an input) has elements that nothing wrote."""
+    plan = self.plan
+    keys = [("operand", plan.num_in + k) for k in range(len(plan.out_avals))]
+    if plan.unwritten_outputs:
+      for d in range(plan.num_devices):
+        for k, key in enumerate(keys):
+          if k not in plan.aliases:
+            _check_written(plan, self.memory[(d, 0)][key])
+    return [
+      [self.memory[(d, 0)][key].data for key in keys]
+      for d in range(plan.num_devices)
+    ]
 
   def pick(self, options, default, stuck: str = "") -> schedule.Option:
     """The strategy's pick among ``options`` for the next step (one other
@@ -533,6 +551,22 @@ class Describe(memory.Deferred):
   def __str__(self):
     who = self.plan.name(self.device, self.program)
     return f"{who}: {self.op} at {self.where}"
+
+
+def _check_written(plan: Plan, b: memory.Buffer) -> None:
+  missing = ~b.init
+  count = int(np.count_nonzero(missing))
+  if not count:
+    return
+  first = np.unravel_index(int(np.argmax(missing)), b.data.shape)
+  element = tuple(int(i) for i in first)
+  more = f" and {count - 1} more" if count > 1 else ""
+  raise errors.UninitializedError(
+    f"kernel {plan.kernel}: no program wrote output {b.label} at element "
+    f"{element}{more} of its {b.data.size}: the launch would return "
+    "uninitialised memory there (NaN or the most negative integer on the "
+    "CPU fallback, garbage on hardware)"
+  )
 
 
 def _private(aval) -> bool:

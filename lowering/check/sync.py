@@ -117,13 +117,7 @@ def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
   if waiting:
     raise errors.DeadlockError(_deadlock_report(m, waiting))
   _check_leftovers(m)
-  return [
-    [
-      m.memory[(d, 0)][("operand", plan.num_in + k)].data
-      for k in range(len(plan.out_avals))
-    ]
-    for d in range(plan.num_devices)
-  ]
+  return m.outputs()
 
 
 def _options(m, programs: list[_Program], current: int | None):
