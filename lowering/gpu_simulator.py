@@ -37,13 +37,43 @@ def _watched(barrier, device, program, logging_info):
   ):
     try:
       yield
-    except Exception:
+    except Exception as e:
       # The watchdog ended the wait (the barrier raises for its waiters):
       # the launch's deadlock is this wait's error.
       deadlock = watchdog.running_deadlock()
-      if deadlock is None:
+      if deadlock is not None:
+        raise deadlock from None
+      passed = _PHASE_PASSED.search(str(e))
+      if passed is None:
         raise
-      raise deadlock from None
+      who = f"device {device} {watchdog.describe_program(program)}"
+      raise _PhasePassed(who, where, int(passed.group(1))) from None
+
+
+# The simulators' words (jax 0.10.2 and 0.12) for a wait on a barrier that
+# has completed phases its waiter did not wait for.
+_PHASE_PASSED = re.compile(r"barrier is already at phase (\d+)")
+
+
+class _PhasePassed(Exception):
+  """A barrier wait two or more phases behind its barrier (more arrivals
+  than its ``num_arrivals``, or a wait skipped): raised by the wait, worded
+  for the user by the launch's ``describe``, which knows the kernel."""
+
+  def __init__(self, who: str, where: str, phase: int):
+    super().__init__(who, where, phase)
+    self.who, self.where, self.phase = who, where, phase
+
+  def describe(self, kernel: str) -> errors.DeadlockError:
+    return errors.DeadlockError(
+      f"mpmd_map: kernel {kernel}: {self.who} waits on a barrier at "
+      f"{self.where or 'an unknown line'} for a phase that the barrier has "
+      f"already completed (it is at phase {self.phase}): more warpgroups "
+      "arrive on it than its num_arrivals counts, or this one skipped a "
+      "wait. On hardware a wait on its parity then blocks for good (or "
+      "passes a phase early). interpret=mpmd.CheckParams() names the "
+      "barrier."
+    )
 
 
 def _watch_wait(barrier, device, program, logging_info):
@@ -169,6 +199,8 @@ def _out_of_bounds_in_user_terms(params, num_in: int, invars, kept):
   kernel = common.kernel_name(params)
 
   def describe(error):
+    if isinstance(error, _PhasePassed):
+      return error.describe(kernel)
     found = _out_of_bounds(error)
     if found is None:
       return None

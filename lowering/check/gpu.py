@@ -247,8 +247,19 @@ class BarrierWait(GpuOp):
       f"barrier_wait on {self.barrier.buffer.label} for its phase {k} "
       f"({k % 2} parity); {b.completed} phases completed, the current one "
       f"has {b.arrived} of {b.num_arrivals} arrivals and waits for "
-      f"{b.pending_bytes} bytes"
+      f"{b.pending_bytes} bytes{_behind(b.completed - k)}"
     )
+
+
+def _behind(phases: int) -> str:
+  """Why a waiter blocks on a barrier that is two or more phases ahead of
+  it: its parity wait now needs a phase that comes later."""
+  if phases < 2:
+    return ""
+  return (
+    f": it is {phases} phases behind, so more warpgroups arrive on the "
+    "barrier than its num_arrivals counts, or this warpgroup skipped a wait"
+  )
 
 
 def _check_fenced(m, p, view: View, what, where, write=False) -> None:

@@ -60,6 +60,49 @@ def test_gpu_barrier_deadlock_names_the_warpgroup():
         jax.block_until_ready(f(jnp.ones((128, 128), jnp.float32)))
 
 
+def _arrivals_past_the_count(interpret):
+  """Two warpgroups arrive on a barrier of ``num_arrivals=1``: it completes
+  two phases, and each warpgroup's wait for the first is behind it."""
+  mesh = plgpu.Mesh(num_threads=2, thread_name="wg")
+
+  def kernel(x_ref, o_ref, bar):
+    plgpu.barrier_arrive(bar)
+    plgpu.barrier_wait(bar)
+    o_ref[...] = x_ref[...]
+
+  f = mpmd.mpmd_map(
+    [(mesh, kernel)],
+    jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    scratch_types=[plgpu.Barrier(num_arrivals=1)],
+    interpret=interpret,
+  )
+  return lambda: jax.block_until_ready(f(jnp.ones((8, 128), jnp.float32)))
+
+
+def test_gpu_barrier_arrivals_past_its_count_are_a_named_deadlock():
+  """Pallas' simulator words it in its own terms (they differ between JAX
+  versions); the report names the kernel, the waiter and the line, and
+  says why; the checking executor names the barrier too."""
+  run = _arrivals_past_the_count(None)
+  line = r"\S*test_multi_mesh_gpu.py:\d+"
+  for _ in range(2):  # the failure leaves nothing behind
+    with pytest.raises(
+      mpmd.DeadlockError,
+      match=rf"kernel kernel at {line}: device 0 mesh 0 program \d \(wg=\d\) "
+      rf"waits on a barrier at {line}:\d+ \(\S*kernel\) for a phase that the "
+      r"barrier has already completed \(it is at phase 2\): more "
+      r"warpgroups arrive on it than its num_arrivals counts",
+    ):
+      run()
+  with pytest.raises(
+    mpmd.DeadlockError,
+    match=r"barrier_wait on 'bar' .* 2 phases completed, .*: it is 2 phases "
+    r"behind, so more warpgroups arrive on the barrier than its "
+    r"num_arrivals counts",
+  ):
+    _arrivals_past_the_count(mpmd.CheckParams())()
+
+
 def test_gpu_swizzled_smem_scratch_shared_by_two_meshes(rng):
   memory = plgpu.Mesh(num_threads=1, thread_name="memory")
   compute = plgpu.Mesh(num_threads=1, thread_name="compute")
