@@ -416,7 +416,9 @@ def canonical_owner(aval: Any) -> Any:
   return aval
 
 
-def check_scratch_owners(scratch_avals, meshes) -> None:
+def check_scratch_owners(
+  scratch_avals, meshes, names: Sequence[str] = ()
+) -> None:
   """With several TPU meshes, scratch says whose memory holds it (``type @
   mesh``) unless its memory space says so: HBM (and ANY) is the device's,
   shared by all programs; VMEM_SHARED is a SparseCore's, shared by its
@@ -430,16 +432,18 @@ def check_scratch_owners(scratch_avals, meshes) -> None:
   tpu_launch = not any(paths.is_gpu_mesh(m) for m in meshes)
   unowned = []
   for i, aval in enumerate(scratch_avals):
+    leaf = f"{i} ({names[i]})" if i < len(names) and names[i] else f"{i}"
     space = getattr(aval, "memory_space", None)
     if isinstance(space, pallas_core.CoreMemorySpace):
       if not any(addressing.same_mesh(space.mesh, m) for m in meshes):
         raise ValueError(
-          f"mpmd_map: scratch_types leaf {i} is owned (`@ mesh`) by a mesh "
-          f"of core type {space.mesh.core_type} that is not in this launch"
+          f"mpmd_map: scratch_types leaf {leaf} is owned (`@ mesh`) by a "
+          f"mesh of core type {space.mesh.core_type} that is not in this "
+          "launch"
         )
       continue
     if len(meshes) > 1 and tpu_launch and space not in shared:
-      unowned.append(f"{i} in {space}")
+      unowned.append(f"{leaf} in {space}")
   if unowned:
     axes = " or ".join(str(list(m.shape)) for m in meshes)
     raise NotImplementedError(

@@ -10,7 +10,8 @@ the operands or on the context of a call (input types, output avals under
 """
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mpmd._arguments import (
@@ -97,7 +98,9 @@ def check_launch(
   meshes, fns = check_meshes_and_fns(meshes_and_fns)
   gpu = paths.is_gpu_mesh(meshes[0])
   flat_out_types, out_tree = _checked_out_types(out_types)
-  scratch_avals, scratch_tree = _checked_scratch(scratch_types, meshes, gpu)
+  scratch_avals, scratch_tree = _checked_scratch(
+    scratch_types, meshes, fns, gpu
+  )
   check_options(
     name=name,
     compiler_params=compiler_params,
@@ -135,14 +138,53 @@ def _checked_out_types(out_types) -> tuple[tuple[Any, ...], Any]:
   return tuple(as_out_type(t, i) for i, t in enumerate(flat)), tree
 
 
-def _checked_scratch(scratch_types, meshes, gpu: bool):
+def _checked_scratch(scratch_types, meshes, fns, gpu: bool):
   """The scratch types as avals (owned where they must be), checked against
   the meshes and the platform's memory spaces; their tree."""
   flat, tree = tree_util.tree_flatten(scratch_types)
   avals = [canonical_owner(scratch_aval(t, i)) for i, t in enumerate(flat)]
-  check_scratch_owners(avals, meshes)
+  check_scratch_owners(avals, meshes, _scratch_names(fns, tree))
   check_scratch_spaces(avals, gpu)
   return tuple(avals), tree
+
+
+def _scratch_names(fns, tree: tree_util.PyTreeDef) -> tuple[str, ...]:
+  """Per scratch leaf, what the kernels call the parameter that holds it
+  (``"'sem'"``; ``"'a' / 'b'"`` where kernels differ; ``""`` where no
+  signature says), for messages: kernels take their scratch last, one
+  parameter per element of a sequence, or by keyword for a mapping."""
+  n = tree.num_leaves
+  top = tree.unflatten(range(n))
+  names: list[set[str]] = [set() for _ in range(n)]
+  if isinstance(top, Mapping):
+    for key, sub in top.items():
+      for leaf in tree_util.tree_leaves(sub):
+        names[leaf].add(str(key))
+  elif isinstance(top, Sequence):
+    for fn in fns:
+      params = _positional_names(fn)
+      if params is None or len(params) < len(top):
+        continue
+      for name, sub in zip(params[len(params) - len(top) :], top, strict=True):
+        for leaf in tree_util.tree_leaves(sub):
+          names[leaf].add(name)
+  return tuple(" / ".join(map(repr, sorted(s))) for s in names)
+
+
+def _positional_names(fn) -> list[str] | None:
+  """``fn``'s positional parameters, None if it has ``*args`` or no
+  signature."""
+  try:
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return None
+  if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+    return None
+  positional = (
+    inspect.Parameter.POSITIONAL_ONLY,
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+  )
+  return [p.name for p in params if p.kind in positional]
 
 
 def _checked_interpret(interpret: Any, meshes) -> Interpret:

@@ -305,6 +305,41 @@ def test_error_unowned_vmem_with_several_meshes():
     )
 
 
+def test_error_unowned_scratch_names_the_kernels_parameters():
+  def first(x_ref, o_ref, buf, sem):
+    del x_ref, o_ref, buf, sem
+
+  def second(x_ref, o_ref, stage, sem):
+    del x_ref, o_ref, stage, sem
+
+  types = [pltpu.VMEM(ROWS, jnp.float32), pltpu.SemaphoreType.DMA]
+  with pytest.raises(
+    NotImplementedError,
+    match=r"scratch_types leaf 0 \('buf' / 'stage'\) in vmem, leaf 1 "
+    r"\('sem'\) in semaphore_mem without an owner",
+  ):
+    mpmd.mpmd_map(
+      [(tc("a", 1), first), (tc("b", 1), second)], (), scratch_types=types
+    )
+  # Scratch by keyword: the keys.
+  with pytest.raises(
+    NotImplementedError, match=r"leaf 0 \('buf'\) in vmem, leaf 1 \('sem'\)"
+  ):
+    mpmd.mpmd_map(
+      [(tc("a", 1), _noop), (tc("b", 1), _noop)],
+      (),
+      scratch_types={"buf": types[0], "sem": types[1]},
+    )
+  with pytest.raises(
+    ValueError, match=r"scratch_types leaf 1 \('sem'\) is owned"
+  ):
+    mpmd.mpmd_map(
+      [(tc("a", 1), first)],
+      (),
+      scratch_types=[types[0], pltpu.SemaphoreType.REGULAR @ tc("z", 3)],
+    )
+
+
 def test_error_scratch_owned_by_a_foreign_mesh():
   with pytest.raises(ValueError, match="scratch_types leaf 0 is owned"):
     mpmd.mpmd_map(
