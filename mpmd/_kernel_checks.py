@@ -205,6 +205,9 @@ class _Where(NamedTuple):
   axis_sizes: dict[Any, int]
   roles: Roles
   kernel: str
+  # Where the enclosing operation is in the user's code: the line of an
+  # operation JAX made (a ``sync_copy``'s DMA, inside its ``run_scoped``).
+  line: str = ""
 
 
 def check_static_windows(jaxprs, meshes, num_in: int, num_out: int) -> None:
@@ -229,13 +232,14 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
   axis_sizes, roles, kernel = where.axis_sizes, where.roles, where.kernel
   for eqn in jaxpr.eqns:
     name, kind = eqn.primitive.name, _pallas_ops.kind(eqn)
+    at = _at(jaxpr_util.line(eqn) or where.line)
     if kind in (Sync.DMA_START, Sync.DMA_WAIT):
       if kind is Sync.DMA_START:
-        _check_dma(top, eqn, outer, roles, kernel)
+        _check_dma(top, eqn, outer, roles, kernel, at)
       sem, device_id = addressing.dma_operands(eqn, eqn.invars)
       what = f"{kernel}: a DMA ({name})"
-      _check_device_id(eqn, device_id, axis_sizes, what)
-      what = f"{what}{_at(eqn)}{_sem(top, sem, outer, roles)}"
+      _check_device_id(device_id, axis_sizes, what, at)
+      what = f"{what}{at}{_sem(top, sem, outer, roles)}"
       target = addressing.resolve(
         where.meshes, where.caller, sem.aval, device_id, what
       )
@@ -245,20 +249,20 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
       sem, device_id = signal.sem, signal.device_id
       core_index = signal.core_index
       what = f"{kernel}: semaphore_signal"
-      _check_device_id(eqn, device_id, axis_sizes, what)
+      _check_device_id(device_id, axis_sizes, what, at)
       if device_id is None:
-        _check_core_index(eqn, core_index, mesh, what)
+        _check_core_index(core_index, mesh, what, at)
       addressing.resolve(
         where.meshes,
         where.caller,
         sem.aval,
         device_id,
-        f"{what}{_at(eqn)}{_sem(top, sem, outer, roles)}",
+        f"{what}{at}{_sem(top, sem, outer, roles)}",
       )
     elif kind is Sync.RUN_SCOPED:
       _check_collective_axes(eqn.params.get("collective_axes"), mesh, kernel)
     elif name in _REF_ACCESS and not paths.is_gpu_mesh(mesh):
-      _check_direct_access(top, eqn, outer, mesh, roles, kernel)
+      _check_direct_access(top, eqn, outer, mesh, roles, kernel, at)
     for sub in jaxpr_util.sub_jaxprs(eqn.params):
       inner = dict(outer)
       for v, x in _operands_of(eqn, sub):
@@ -267,7 +271,9 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
       if kind is Sync.RUN_SCOPED:
         for k, v in enumerate(sub.invars):
           inner[v] = f"pl.run_scoped allocation {k}"
-      _check_eqns(top, sub, inner, where)
+      _check_eqns(
+        top, sub, inner, where._replace(line=jaxpr_util.line(eqn) or where.line)
+      )
 
 
 # Primitives that read or write a Ref's elements in place (``x_ref[...]``,
@@ -292,7 +298,9 @@ def _tpu_memory_space(aval, mesh) -> Any:
   return mesh.default_memory_space if space is None else space
 
 
-def _check_direct_access(top, eqn, outer, mesh, roles, kernel: str) -> None:
+def _check_direct_access(
+  top, eqn, outer, mesh, roles, kernel: str, at: str
+) -> None:
   """Mosaic TPU reads and writes only VMEM and SMEM Refs in place; data in
   HBM (or ANY, or shared VMEM) moves by DMA. The CPU fallback would run
   such a kernel, so it is rejected here, the same on every path."""
@@ -309,7 +317,7 @@ def _check_direct_access(top, eqn, outer, mesh, roles, kernel: str) -> None:
   ref = outer.get(ref, ref)
   raise ValueError(
     f"{kernel}: {_REF_ACCESS[eqn.primitive.name]} "
-    f"{roles.describe(top, ref, aval)} in place, but it is in "
+    f"{roles.describe(top, ref, aval)} in place{at}, but it is in "
     f"{getattr(space, 'name', space)} memory: on TPU only VMEM and SMEM "
     "Refs can be read or written directly; copy the data to or from VMEM "
     "scratch with pltpu.sync_copy / pltpu.async_copy"
@@ -362,7 +370,7 @@ def _operands_of(eqn, sub: core.Jaxpr):
   )
 
 
-def _check_dma(top, eqn, outer, roles: Roles, kernel: str) -> None:
+def _check_dma(top, eqn, outer, roles: Roles, kernel: str, at: str) -> None:
   by_avals = _pallas_ops.DmaOperands.of(eqn, [v.aval for v in eqn.invars])
   if _pallas_ops.kind(eqn) is Sync.DMA_START:
     _check_dma_semaphores(by_avals, kernel)
@@ -379,7 +387,7 @@ def _check_dma(top, eqn, outer, roles: Roles, kernel: str) -> None:
   src_ref, dst_ref = src_var.aval, dst_var.aval
   src_var, dst_var = outer.get(src_var, src_var), outer.get(dst_var, dst_var)
   raise ValueError(
-    f"{kernel}: a DMA{_at(eqn)} copies from "
+    f"{kernel}: a DMA{at} copies from "
     f"{roles.describe(top, src_var, src_ref)} into "
     f"{roles.describe(top, dst_var, dst_ref)}: expected the same shape and "
     f"dtype on both sides, got {_type_str(*src_type)} and "
@@ -449,12 +457,13 @@ def _sem(top, sem: Any, outer, roles: Roles) -> str:
   return f" of {roles.describe(top, outer.get(sem, sem), sem.aval)}"
 
 
-def _at(eqn: core.JaxprEqn) -> str:
-  """`` (at file.py:12:4 (fn))``: where an operation is, for a message."""
-  return f" (at {jaxpr_util.line(eqn)})"
+def _at(line: str) -> str:
+  """`` (at file.py:12:4 (fn))``: where an operation is, for a message
+  ("" where the user's code has no line for it)."""
+  return f" (at {line})" if line else ""
 
 
-def _check_device_id(eqn, device_id: Any, axis_sizes, what: str) -> None:
+def _check_device_id(device_id: Any, axis_sizes, what: str, at: str) -> None:
   """Axes a ``device_id`` dict names exist; literal indices are in range
   (else a ``StaticOutOfBoundsError``: on hardware, a DMA or signal to a
   device that is not there)."""
@@ -475,11 +484,11 @@ def _check_device_id(eqn, device_id: Any, axis_sizes, what: str) -> None:
       if not 0 <= value < size:
         raise errors.StaticOutOfBoundsError(
           f"{what} names device_id {{{axis!r}: {value}}}: expected an "
-          f"index in [0, {size}) along axis {axis!r}{_at(eqn)}"
+          f"index in [0, {size}) along axis {axis!r}{at}"
         )
 
 
-def _check_core_index(eqn, core_index: Any, mesh, what: str) -> None:
+def _check_core_index(core_index: Any, mesh, what: str, at: str) -> None:
   """A literal ``core_index`` names one of the caller's mesh's programs."""
   if not isinstance(core_index, core.Literal) or paths.is_gpu_mesh(mesh):
     return
@@ -487,5 +496,5 @@ def _check_core_index(eqn, core_index: Any, mesh, what: str) -> None:
   if not 0 <= value < size:
     raise errors.StaticOutOfBoundsError(
       f"{what} names core_index={value}: expected an index in [0, {size}) "
-      f"(the programs of its mesh {dict(mesh.shape)}){_at(eqn)}"
+      f"(the programs of its mesh {dict(mesh.shape)}){at}"
     )

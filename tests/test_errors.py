@@ -29,6 +29,8 @@ from mpmd.kernels import gpu
 ROWS = (8, 128)
 OUT = jax.ShapeDtypeStruct(ROWS, jnp.float32)
 X = jnp.zeros(ROWS, jnp.float32)
+# Where an operation is: this file's line, as trace-time checks give it.
+AT = r"\(at .*test_errors.py:\d+:\d+ .*\)"
 
 
 def tc(name="core", num_cores=1):
@@ -299,7 +301,7 @@ MPMD_MAP_CASES = [
       [(tc(), copy_kernel)], jax.ShapeDtypeStruct((16, 128), jnp.float32)
     ),
     ValueError,
-    r"a DMA \(at .*\) copies from 'x_hbm' \(input 0, .*\) into 'o_hbm' "
+    r"a DMA " + AT + r" copies from 'x_hbm' \(input 0, .*\) into 'o_hbm' "
     r"\(out_types "
     r"leaf 0, .*\): expected the same shape and dtype on both sides, got "
     r"f32\[8,128\] and f32\[16,128\]",
@@ -316,7 +318,9 @@ MPMD_MAP_CASES = [
     "dma_of_another_input_rank",
     lambda: launch([(tc(), copy_kernel)], args=(jnp.zeros((1024,)),)),
     ValueError,
-    r"a DMA \(at .*\) copies from 'x_hbm' .* got f32\[1024\] and f32\[8,128\]",
+    r"a DMA "
+    + AT
+    + r" copies from 'x_hbm' .* got f32\[1024\] and f32\[8,128\]",
   ),
   Case(
     "dma_into_a_window_of_another_shape",
@@ -337,7 +341,9 @@ MPMD_MAP_CASES = [
     "load_from_an_any_input",
     lambda: launch([(tc(), load_input)]),
     ValueError,
-    r"kernel load_input at .*: reads 'x_hbm' \(input 0, .*\) in place, but "
+    r"kernel load_input at .*: reads 'x_hbm' \(input 0, .*\) in place "
+    + AT
+    + r", but "
     r"it is in ANY memory: on TPU only VMEM and SMEM Refs can be read or "
     r"written directly; copy .* pltpu.sync_copy",
   ),
@@ -347,13 +353,17 @@ MPMD_MAP_CASES = [
       [(tc(), load_scalar)], scratch_types=[pltpu.SMEM((1,), jnp.float32)]
     ),
     ValueError,
-    r"reads 'x_hbm' \(input 0, .*\) in place, but it is in ANY memory",
+    r"reads 'x_hbm' \(input 0, .*\) in place "
+    + AT
+    + r", but it is in ANY memory",
   ),
   Case(
     "store_into_an_any_output",
     lambda: launch([(tc(), store_output)], scratch_types=VMEM),
     ValueError,
-    r"writes 'o_hbm' \(out_types leaf 0, .*\) in place, but it is in ANY "
+    r"writes 'o_hbm' \(out_types leaf 0, .*\) in place "
+    + AT
+    + r", but it is in ANY "
     r"memory",
   ),
   Case(
@@ -362,7 +372,9 @@ MPMD_MAP_CASES = [
       [(tc(), load_in_loop)], scratch_types=[pltpu.HBM(ROWS, jnp.float32)]
     ),
     ValueError,
-    r"reads 'scratch' \(scratch_types leaf 0, .*\) in place, but it is in "
+    r"reads 'scratch' \(scratch_types leaf 0, .*\) in place "
+    + AT
+    + r", but it is in "
     r"HBM memory",
   ),
   Case(
@@ -370,26 +382,32 @@ MPMD_MAP_CASES = [
     lambda: launch([(tc(), load_scoped_hbm)]),
     ValueError,
     r"kernel load_scoped_hbm at .*: reads pl.run_scoped allocation 0 "
-    r"\(Ref<hbm>\{f32\[8,128\]\}\) in place, but it is "
+    r"\(Ref<hbm>\{f32\[8,128\]\}\) in place " + AT + r", but it is "
     r"in HBM memory",
   ),
   Case(
     "load_from_a_passed_ref",
     lambda: jax.jit(pass_ref).trace(X),
     ValueError,
-    r"reads 'x_hbm' \(input 0, .*\) in place, but it is in ANY memory",
+    r"reads 'x_hbm' \(input 0, .*\) in place "
+    + AT
+    + r", but it is in ANY memory",
   ),
   Case(
     "load_from_a_closed_over_ref",
     lambda: jax.jit(close_over_ref).trace(X),
     ValueError,
-    r"reads a closed-over Ref \(.*\) in place, but it is in ANY memory",
+    r"reads a closed-over Ref \(.*\) in place "
+    + AT
+    + r", but it is in ANY memory",
   ),
   Case(
     "load_from_any_on_the_simulator_path",
     lambda: launch([(tc(), load_input)], interpret=pltpu.InterpretParams()),
     ValueError,
-    r"reads 'x_hbm' \(input 0, .*\) in place, but it is in ANY memory",
+    r"reads 'x_hbm' \(input 0, .*\) in place "
+    + AT
+    + r", but it is in ANY memory",
   ),
   Case(
     "gpu_collective_scratch_over_an_unknown_axis",
