@@ -33,7 +33,7 @@ from jax.experimental import checkify
 
 from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, state_types, tree_util
-from mpmd._lowering import errors, jaxpr_util, watchdog
+from mpmd._lowering import debug_checks, errors, jaxpr_util, watchdog
 from mpmd._lowering.ranges import (
   CALLS,
   Proven,
@@ -44,7 +44,8 @@ from mpmd._lowering.ranges import (
 )
 from mpmd._pallas_ops import Sync
 
-# Checks whose message starts so report a DeadlockError, the others an
+# Checks whose message starts so report a DeadlockError (DEADLOCK) or a
+# DebugCheckError (debug_checks.DEBUG_CHECK), the others an
 # OutOfBoundsError.
 DEADLOCK = "mpmd_map deadlock"
 
@@ -397,6 +398,27 @@ class Checks:
     else:
       checkify.debug_check(ok, message)
 
+  def user_check(self, eqn: core.JaxprEqn, invals: Sequence[Any]) -> None:
+    """A kernel's own ``pl.debug_check``, where ``pl.enable_debug_checks``
+    is on (Mosaic asserts it there): a failure is a ``DebugCheckError``
+    naming the kernel, the program and the line, then the user's
+    message."""
+    failed, fmt, values, named = _pallas_ops.CheckOperands.of(eqn, invals)
+    args: list[Any] = []
+    prefix = f"{debug_checks.DEBUG_CHECK} in {self._prefix(args)}"
+    # pl.debug_check's message is plain text (Mosaic prints it as is); a
+    # checkify.debug_check's formats its values.
+    text = (
+      debug_checks.shift_fields(fmt, 1) if values or named else _escape(fmt)
+    )
+    message = f"{prefix} at {_escape(self._line(eqn))}: {text}"
+    self.count += 1
+    where = jnp.stack(
+      [lax.convert_element_type(a, jnp.int32) for a in args] or [jnp.int32(0)]
+    )
+    ok = jnp.logical_not(failed)
+    checkify.debug_check(ok, message, where, *values, **named)
+
   def _prefix(self, args: list[Any]) -> str:
     return f"kernel {_escape(self.kernel)}{self.where(args)}"
 
@@ -514,7 +536,7 @@ def checked(fn: Callable[..., Any], count: int) -> Callable[..., Any]:
 
 def failed(error: checkify.Error) -> jax.Array:
   """Whether any check of ``error`` (from ``checked``) failed, traced."""
-  # checkify offers no traced predicate: its Error keeps one per kind.
+  # checkify offers no traced "any failed": its Error keeps one per kind.
   return functools.reduce(
     jnp.logical_or, _jax.checkify_predicates(error), jnp.bool_(False)
   )
@@ -531,7 +553,11 @@ def first_failure(
   failure = error.get_exception()
   if failure is None:
     return None
-  message = failure.fmt_string.format(*failure.args, **failure.kwargs)
+  message = debug_checks.formatted(
+    failure.fmt_string, failure.args, failure.kwargs
+  )
   if message.startswith(DEADLOCK):
     return watchdog.DeadlockError(message)
+  if message.startswith(debug_checks.DEBUG_CHECK):
+    return errors.DebugCheckError(message)
   return watchdog.OutOfBoundsError(message)

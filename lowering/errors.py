@@ -26,6 +26,9 @@ from mpmd.errors import (
   DeadlockError as DeadlockError,
 )
 from mpmd.errors import (
+  DebugCheckError as DebugCheckError,
+)
+from mpmd.errors import (
   LaunchError as LaunchError,
 )
 from mpmd.errors import (

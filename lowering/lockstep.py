@@ -104,6 +104,11 @@ def sync_rule(
       outs = first(eqn, invals)
       if outs is not None:
         return outs
+    if eqn.primitive is _pallas_ops.CHECK_P:
+      # A kernel's pl.debug_check: checked where Mosaic would assert it.
+      if _jax.pallas_core.debug_checks_enabled():
+        checks.user_check(eqn, invals)
+      return []
     kind = _pallas_ops.kind(eqn)
     # A wait touches only its semaphore, and may wait for the exchange
     # (``Exchanges.wait``) rather than force it.

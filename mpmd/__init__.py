@@ -21,6 +21,7 @@ from mpmd.checking import explore as explore
 from mpmd.checking import replay as replay
 from mpmd.checking import timeline as timeline
 from mpmd.errors import DeadlockError as DeadlockError
+from mpmd.errors import DebugCheckError as DebugCheckError
 from mpmd.errors import LaunchError as LaunchError
 from mpmd.errors import LeftoverError as LeftoverError
 from mpmd.errors import NondeterminismError as NondeterminismError
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
   "CheckParams",
   "DeadlockError",
+  "DebugCheckError",
   "Failure",
   "GPUInterpretParams",
   "LaunchError",

@@ -21,35 +21,32 @@ check_version("jax", jax.__version__)
 check_version("jaxlib", jaxlib.__version__)
 JAX_VERSION = version_tuple(jax.__version__)
 
-# Before jaxlib 0.11, XLA copies a buffer that a multi-way conditional
-# (lax.switch) updates in place, whole, each time it runs; two-way
-# conditionals update in place. Kernels that switch over branches writing a
-# large buffer chain pl.when there instead (measured: gmm's window switch).
+# Before jaxlib 0.11, XLA copies a buffer that a lax.switch updates in
+# place, whole, each time it runs (not a two-way cond): kernels that switch
+# over branches writing a large buffer chain pl.when there (gmm's windows).
 SWITCH_COPIES_UPDATED_BUFFERS = JAX_VERSION < (0, 11)
 
 # jaxlib 0.10.2's XLA:CPU runs a dynamic update or slice of a 16-bit float
-# buffer in f32: it converts the whole buffer there and back for each one
-# (later ones update and slice in place). As unsigned integers of the same
-# width it does not.
+# buffer in f32, converting the whole buffer there and back each time (not
+# later ones, nor as unsigned integers of the same width).
 FLOAT16_DYNAMIC_OPS_CONVERT = JAX_VERSION < (0, 11)
 
 # Upstream's mpmd_map gives an output declared in a kernel memory space
-# (pltpu.SMEM(...), pltpu.VMEM(...) @ tc_mesh) the type of a device array
-# from 0.11 on (JAX outside a kernel then rejects Pallas memory spaces); on
-# 0.10 it keeps the memory space, which Mosaic then reads as the buffer's
-# colour where a later launch takes the array back as a Ref.
+# (pltpu.SMEM(...), pltpu.VMEM(...) @ tc_mesh) a device array's type from
+# 0.11 on (JAX outside a kernel rejects Pallas memory spaces); 0.10 keeps
+# it, which Mosaic reads as the buffer's colour in a later launch's Ref.
 OUTPUTS_LEAVE_AS_DEVICE_ARRAYS = JAX_VERSION >= (0, 11)
 
 # A simulator launch runs each device's simulation as a computation of its
-# own, called from one host callback per device (lowering/watchdog.py). On
-# 0.10 that computation waits for a thread of XLA:CPU's pool, which the
-# callers' device computations hold (8 devices, 256 KiB buffers hung), so
-# there the simulation stays in the caller's computation (drop with 0.10).
+# own, from one host callback per device (lowering/watchdog.py). On 0.10 it
+# would wait for a thread of XLA:CPU's pool that the callers hold (8
+# devices, 256 KiB buffers hung): it stays in the caller's (drop with 0.10).
 SIMULATE_DEVICES_AS_COMPUTATIONS = JAX_VERSION >= (0, 11)
 
 # ruff: noqa: E402, F401, I001
 from jax._src import api_util
 from jax._src import callback
+from jax._src import checkify as checkify_internal
 from jax._src import config
 from jax._src import core
 from jax._src import custom_derivatives
@@ -389,11 +386,9 @@ def lower_mosaic_gpu(ctx, *in_nodes, mesh, jaxpr, grid_mapping, **params):
 
 def gpu_barrier_waiter(args, kwargs) -> tuple[int, int, object]:
   """``(device id, program in the block, logging info)`` of a call
-  ``Barrier.wait(*args, **kwargs)`` in the Mosaic GPU simulator.
-
-  0.10 passes the ids (``device_id, local_thread_id, logging_info``); 0.11
-  passes the waiting warpgroup (or warp) object (``thread, logging_info``).
-  """
+  ``Barrier.wait(*args, **kwargs)`` in the Mosaic GPU simulator. 0.10
+  passes the ids (``device_id, local_thread_id, logging_info``); 0.11 the
+  waiting warpgroup (or warp) object (``thread, logging_info``)."""
   if JAX_VERSION >= (0, 11):
     thread, *rest = args or (kwargs["thread"],)
     device, program = thread.device_id, thread.warpgroup_id
@@ -405,11 +400,9 @@ def gpu_barrier_waiter(args, kwargs) -> tuple[int, int, object]:
 
 def abort_gpu_barrier(barrier) -> None:
   """Ends every wait on a Mosaic GPU simulator ``barrier``: each waiter
-  raises (the launch has failed; its barriers are not used again).
-
-  0.11 aborts a barrier (``Barrier.abort``); 0.10's waiters raise once the
-  barrier's phase is past the one they await (drop with jax 0.10).
-  """
+  raises (the launch has failed; its barriers are not used again). 0.11
+  aborts a barrier (``Barrier.abort``); 0.10's waiters raise once the
+  barrier's phase is past the one they await (drop with jax 0.10)."""
   if JAX_VERSION >= (0, 11):
     barrier.abort()
     return
@@ -422,10 +415,8 @@ def abort_gpu_barrier(barrier) -> None:
 
 
 def fail_tpu_simulation(memory, error: Exception, device: int, core: int):
-  """Fails a TPU simulation from inside one program's thread.
-
-  0.11 names the failed thread instead of its device and core.
-  """
+  """Fails a TPU simulation from inside one program's thread (0.11 names
+  the failed thread instead of its device and core)."""
   if JAX_VERSION >= (0, 11):
     memory.set_failed(
       error, failed_thread=f"device {device} core {core}", top_level=False
@@ -489,6 +480,14 @@ def checkify_predicates(error) -> list:
   """The traced predicates of a checkify ``Error``, one per check kind
   (checkify offers no traced "any failed")."""
   return list(error._pred.values())
+
+
+def checkify_check(error) -> tuple[Any, Any, list]:
+  """(predicate, ``FailedCheckError`` tree, its leaves) of a checkify
+  ``Error`` of one check (``check_p``'s operands)."""
+  p, m, d = error._pred, error._metadata, error._payload
+  [check] = zip(p.values(), m.values(), d.values(), strict=True)
+  return check
 
 
 def tpu_simulator_memory():

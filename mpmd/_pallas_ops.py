@@ -267,6 +267,30 @@ class SemaphoreReadOperands(NamedTuple):
     return cls(sem, transforms)
 
 
+CHECK_P = _jax.checkify_internal.check_p  # what pl.debug_check binds
+
+
+class CheckOperands(NamedTuple):
+  """What a ``check_p`` equation (a ``pl.debug_check``) asks: whether the
+  check fails (the equation carries the negated condition), its message
+  format, and the format's positional and keyword values."""
+
+  failed: Any
+  fmt: str
+  args: tuple[Any, ...]
+  kwargs: dict[str, Any]
+
+  @classmethod
+  def of(cls, eqn: core.JaxprEqn, values: Any = None) -> "CheckOperands":
+    values = eqn.invars if values is None else values
+    error = tree_util.tree_unflatten(eqn.params["err_tree"], values)
+    failed, tree, payload = _jax.checkify_check(error)
+    exception = tree_util.tree_unflatten(tree, payload)
+    return cls(
+      failed, exception.fmt_string, tuple(exception.args), exception.kwargs
+    )
+
+
 def remote_target(eqn: core.JaxprEqn) -> Any:
   """The ``device_id`` (variables) of a ``dma_start`` or a
   ``semaphore_signal``: None for any other equation and a local one."""

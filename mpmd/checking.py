@@ -108,6 +108,7 @@ KINDS = {
   errors.LeftoverError: "leftover",
   errors.OutOfBoundsError: "out_of_bounds",
   errors.NondeterminismError: "nondeterministic",
+  errors.DebugCheckError: "debug_check",
 }
 
 # How many reruns shrinking a failing schedule may take.
@@ -127,7 +128,8 @@ class Failure:
 
   Attributes:
     kind: ``"deadlock"``, ``"race"``, ``"uninitialized"``, ``"leftover"``,
-      ``"out_of_bounds"`` or ``"nondeterministic"``.
+      ``"out_of_bounds"``, ``"nondeterministic"`` or ``"debug_check"`` (a
+      kernel's ``pl.debug_check``, with ``pl.enable_debug_checks`` on).
     schedule: the schedule that fails, shrunk to few preemptions: pass it
       to ``mpmd.replay`` (or paste it into a test).
     error: the typed error (an ``mpmd.LaunchError``) that schedule raises.

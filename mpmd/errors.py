@@ -47,6 +47,12 @@ class UninitializedError(LaunchError):
   output, or the window of a DMA that has not landed yet)."""
 
 
+class DebugCheckError(LaunchError):
+  """A kernel's ``pl.debug_check`` failed while ``pl.enable_debug_checks``
+  was on (Mosaic lowers such a check to an assertion on hardware; with the
+  setting off it is no check at all, on every path)."""
+
+
 class LeftoverError(LaunchError):
   """A launch (or a ``run_scoped`` scope) ended with work outstanding: a
   semaphore not back to zero, or a DMA nobody waited for."""

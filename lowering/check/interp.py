@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from mpmd import _jax
+from mpmd import _jax, _pallas_ops
 from mpmd._jax import (
   core,
   lax_control_flow,
@@ -23,7 +23,7 @@ from mpmd._jax import (
   state,
   state_primitives,
 )
-from mpmd._lowering import jaxpr_util
+from mpmd._lowering import debug_checks, errors, jaxpr_util
 from mpmd._lowering.check import (
   records,
   refs,
@@ -404,6 +404,23 @@ _masked_swap = _plain(refs.masked_swap)
 
 
 @_plain
+def _debug_check(ctx, eqn, invals):
+  """A kernel's ``pl.debug_check``: checked where Mosaic asserts it (with
+  ``pl.enable_debug_checks`` on when the launch was lowered)."""
+  m = ctx.machine
+  if not m.plan.debug_checks:
+    return []
+  failed, fmt, args, kwargs = _pallas_ops.CheckOperands.of(eqn, invals)
+  if np.asarray(failed):
+    raise errors.DebugCheckError(
+      f"{debug_checks.DEBUG_CHECK} in kernel {m.plan.kernel}, "
+      f"{m.name(ctx.device, ctx.program)} at {ctx.where}: "
+      f"{debug_checks.user_message(fmt, args, kwargs)}"
+    )
+  return []
+
+
+@_plain
 def _barrier_semaphore(ctx, eqn, invals):
   return [ctx.machine.barrier_semaphore(ctx)]
 
@@ -559,6 +576,7 @@ def _rules() -> dict[Any, Any]:
       pallas_primitives.swap_p: _masked_swap,
       pallas_primitives.run_scoped_p: _run_scoped,
       pallas_primitives.delay_p: _nothing,
+      _pallas_ops.CHECK_P: _debug_check,
       tpu.get_barrier_semaphore_p: _barrier_semaphore,
       lax_control_flow.cond_p: _control,
       lax_control_flow.while_p: _control,

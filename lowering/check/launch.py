@@ -271,6 +271,8 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, path, **params):
   )
   from mpmd import checking  # (mpmd.checking imports this package)
 
+  plan.debug_checks = _jax.pallas_core.debug_checks_enabled()
+
   asked = path.params  # CheckParams, or an explore / replay session
   if isinstance(asked, checking.CheckParams):
     plan.identical_writes_race = asked.identical_writes_race

@@ -48,6 +48,9 @@ class Plan:
   identical_writes_race: bool = True
   # Whether output elements that nothing wrote are an error (CheckParams).
   unwritten_outputs: bool = False
+  # Whether kernels' pl.debug_check run (pl.enable_debug_checks, read when
+  # the launch is lowered, as Mosaic reads it).
+  debug_checks: bool = False
 
   @property
   def num_devices(self) -> int:
