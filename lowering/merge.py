@@ -96,12 +96,20 @@ def _program_of(layout: Layout, i: int, target: addressing.Target):
   axes = layout.local_axes[target.mesh]
   sizes = list(axes.values())
   flat = jax.numpy.int32(layout.offsets[target.mesh])
+  inside = []
   for k, axis in enumerate(axes):
     coord = target.coords[axis]
     if coord is None:
       coord = _local_index(layout, i, axis)
+    elif isinstance(coord, jax.core.Tracer):
+      # Known at run time only: past its axis it names no program (-1,
+      # which every path reports), not a program of another mesh.
+      coord = jax.numpy.asarray(coord, np.int32)
+      inside.append((coord >= 0) & (coord < np.int32(sizes[k])))
     stride = np.int32(math.prod(sizes[k + 1 :]))
     flat = flat + jax.numpy.asarray(coord, np.int32) * stride
+  if inside:
+    flat = jax.numpy.where(jax.numpy.all(jax.numpy.stack(inside)), flat, -1)
   return flat
 
 

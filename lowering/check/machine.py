@@ -492,7 +492,12 @@ class Machine:
           f"{describe}: device_id names {a!r}={coords[a]}, outside the "
           f"mesh (its axis {a!r} has size {s})"
         )
-    if not 0 <= program < plan.num_programs:
+    if program < 0:  # (merge._program_of: a coordinate past its axis)
+      raise errors.OutOfBoundsError(
+        f"{describe}: device_id names a program outside its target mesh "
+        "(a coordinate past the mesh's axis)"
+      )
+    if program >= plan.num_programs:
       raise errors.OutOfBoundsError(
         f"{describe}: names program {program}, outside the launch's "
         f"{plan.num_programs} programs"

@@ -669,3 +669,33 @@ def test_a_dma_semaphore_of_the_wrong_mesh_names_it_and_the_fix():
     r".* give it the caller's mesh as its owner \(`type @ mesh`\)",
   ):
     launch(x)
+
+
+@pytest.mark.parametrize(
+  "interpret", [None, mpmd.CheckParams()], ids=["default", "checker"]
+)
+def test_a_run_time_device_id_past_the_target_mesh_is_out_of_bounds(
+  interpret,
+):
+  """Consumer 2 of a 2-program mesh, known at run time: on hardware no such
+  program; merged, its flat index would be the producer's own."""
+  producer, consumers = tc("producer", 1), tc("consumer", 2)
+
+  def produce(x_hbm, o_hbm, ready):
+    c = jnp.int32(2) + 0 * jax.lax.axis_index("producer")
+    pl.semaphore_signal(ready, 1, device_id={"consumer": c})
+    pl.semaphore_wait(ready, 1)
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  f = mpmd.mpmd_map(
+    [(consumers, _noop), (producer, produce)],
+    jax.ShapeDtypeStruct(ROWS, jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR @ consumers],
+    interpret=interpret,
+  )
+  with pytest.raises(
+    mpmd.OutOfBoundsError,
+    match=r"semaphore_signal at .*test_multi_mesh.py:\d+:\d+ \(\S*produce\): "
+    r"device_id names a program outside its target mesh",
+  ):
+    f(jnp.ones(ROWS, jnp.float32))
