@@ -464,6 +464,17 @@ def _check_no_batched_scalar(jaxprs, dims) -> None:
 
 
 def _mpmd_map_batching(axis_data, args, dims, **params):
+  """``vmap`` of a launch (``_batched``). Run eagerly, it is waited for, so
+  that a failed launch raises its own error type here, as an eager call
+  does (``_mpmd_map_impl``)."""
+  with errors.typed_errors():
+    outs, out_dims = _batched(axis_data, args, dims, **params)
+    if not any(isinstance(o, core.Tracer) for o in outs):
+      jax.block_until_ready(outs)
+  return outs, out_dims
+
+
+def _batched(axis_data, args, dims, **params):
   """``vmap`` of a launch: one launch per batch element, results stacked.
 
   A kernel addresses its refs arbitrarily (DMAs, dynamic slices), so a batch

@@ -151,6 +151,24 @@ def test_an_eager_launch_raises_typed_on_every_call():
       jax.block_until_ready(f(PAST_THE_END, X))
 
 
+def test_an_eager_vmap_raises_typed():
+  """An eager vmap of a launch (one launch per batch element, in a
+  lax.map) raises the launch's own error, as an eager call does."""
+  f = jax.vmap(
+    mpmd.mpmd_map(
+      [(mpmd.tensorcore_mesh("core", num_cores=1), _window)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[pltpu.SMEM((1,), jnp.int32)],
+    ),
+    in_axes=(0, None),
+  )
+  starts = jnp.stack([GOOD, GOOD])
+  np.testing.assert_array_equal(f(starts, X), jnp.stack([X[ROWS:]] * 2))
+  for _ in range(2):
+    with pytest.raises(mpmd.OutOfBoundsError, match="out of bounds of 'x_hbm'"):
+      f(jnp.stack([GOOD, PAST_THE_END]), X)
+
+
 def _simulated(body, out_shape, mesh, **kwargs):
   return mpmd.mpmd_map([(mesh, body)], out_shape, **kwargs)
 
