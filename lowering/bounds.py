@@ -37,6 +37,7 @@ from mpmd._lowering import debug_checks, errors, jaxpr_util, watchdog
 from mpmd._lowering.ranges import (
   CALLS,
   Proven,
+  access_side,
   dma_sides,
   parts,
   ref_indexers,
@@ -44,10 +45,11 @@ from mpmd._lowering.ranges import (
 )
 from mpmd._pallas_ops import Sync
 
-# Checks whose message starts so report a DeadlockError (DEADLOCK) or a
-# DebugCheckError (debug_checks.DEBUG_CHECK), the others an
-# OutOfBoundsError.
+# Checks whose message starts so report a DeadlockError (DEADLOCK), a
+# LeftoverError (LEFTOVER) or a DebugCheckError (debug_checks.DEBUG_CHECK),
+# the others an OutOfBoundsError.
 DEADLOCK = "mpmd_map deadlock"
+LEFTOVER = "mpmd_map leftover"
 
 
 def operand_names(
@@ -437,6 +439,16 @@ class Checks:
       device_id = _pallas_ops.DmaOperands.of(eqn, invals).device_id
       self._device(eqn, device_id, devices)
 
+  def access(self, eqn: core.JaxprEqn, invals: Sequence[Any]) -> None:
+    """Checks the window of a read or write of a Ref in place whose
+    indices may leave it (JAX would clamp them; hardware faults or touches
+    another buffer)."""
+    side = access_side(eqn, invals)
+    if side is None or eqn in self.proven.checks:
+      return
+    role, static_ref, ref = side
+    self._window(eqn, f"a {role}'s", static_ref, ref)
+
   def address(self, eqn: core.JaxprEqn, invals: Sequence[Any], devices=None):
     """Checks the semaphore a wait, a signal or a read indexes, and (with
     ``devices``) the device a signal targets."""
@@ -510,6 +522,23 @@ class Checks:
       )
       self._check((index >= 0) & (index < size), message, args)
 
+  def scope_leftover(self, eqn: core.JaxprEqn, k: int, count: Any) -> None:
+    """Reports a ``pl.run_scoped`` semaphore (allocation ``k`` of ``eqn``)
+    that ends its scope counting: a DMA or signal nobody waited for (the
+    memory is reused after the scope, a DMA into it may still land)."""
+    if (eqn, k) in self.proven.settled:
+      return
+    args: list[Any] = []
+    prefix = self._prefix(args)
+    args.append(jnp.max(jnp.abs(count)))
+    message = (
+      f"{LEFTOVER}: on the CPU {self.path}, {prefix}: pl.run_scoped "
+      f"allocation {k} (at {_escape(self._line(eqn))}), a semaphore, ends "
+      f"its scope at {{0[{len(args) - 1}]}} (in bytes for a DMA semaphore): "
+      "a DMA or signal on it that nobody waited for"
+    )
+    self._check(jnp.all(count == 0), message, args)
+
   def wait(self, eqn: core.JaxprEqn, sem: Any, ok: Any) -> None:
     """Reports a wait on a ``pl.run_scoped`` semaphore that found it short
     (``sem``: the semaphore operand of the waiting equation)."""
@@ -558,6 +587,8 @@ def first_failure(
   )
   if message.startswith(DEADLOCK):
     return watchdog.DeadlockError(message)
+  if message.startswith(LEFTOVER):
+    return errors.LeftoverError(message)
   if message.startswith(debug_checks.DEBUG_CHECK):
     return errors.DebugCheckError(message)
   return watchdog.OutOfBoundsError(message)

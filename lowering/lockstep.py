@@ -109,6 +109,7 @@ def sync_rule(
       if _jax.pallas_core.debug_checks_enabled():
         checks.user_check(eqn, invals)
       return []
+    checks.access(eqn, invals)
     kind = _pallas_ops.kind(eqn)
     # A wait touches only its semaphore, and may wait for the exchange
     # (``Exchanges.wait``) rather than force it.
@@ -151,7 +152,7 @@ def sync_rule(
       return [value.astype(eqn.outvars[0].aval.dtype)]
     if kind is Sync.RUN_SCOPED:
       with checks.inside(eqn):
-        return _inline_scope(eqn, invals, framed)
+        return _inline_scope(eqn, invals, framed, checks)
     return None
 
   # Nested scopes (``_inline_scope``) are rewritten in frames of their own.
@@ -201,7 +202,7 @@ def _signal(eqn, invals, exchanges: Exchanges | None) -> None:
   remote_signal(exchanges, op, shift)
 
 
-def _inline_scope(eqn, invals, rule) -> list[Any]:
+def _inline_scope(eqn, invals, rule, checks: bounds.Checks) -> list[Any]:
   """A ``pl.run_scoped`` rewritten with ``rule`` and run in place, its
   allocations discharged to values.
 
@@ -232,6 +233,11 @@ def _inline_scope(eqn, invals, rule) -> list[Any]:
     for a in allocated
   ]
   outs = core.eval_jaxpr(pure, consts, *invals, *initial)
+  # What the scope's allocations hold at its end: semaphores, zero.
+  finals = outs[len(body.outvars) :]
+  for k, (a, final) in enumerate(zip(allocated, finals, strict=True)):
+    if is_count(a):
+      checks.scope_leftover(eqn, k, final)
   return outs[: len(body.outvars)]
 
 

@@ -11,7 +11,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mpmd import _jax, _pallas_ops
-from mpmd._jax import core, state_indexing, state_types
+from mpmd._jax import (
+  core,
+  state_indexing,
+  state_primitives,
+  state_types,
+  tree_util,
+)
 from mpmd._lowering import jaxpr_util
 from mpmd._pallas_ops import Sync
 
@@ -75,6 +81,37 @@ def semaphore_side(eqn: core.JaxprEqn, invals: Sequence[Any] | None):
     for v in (eqn.invars, invals)
   )
   return "semaphore", static, traced
+
+
+# Where the index operands of a Ref read or write (``x[i]``, ``x[i] = v``,
+# ``x[i] += v``) begin, after the Ref (and the value stored).
+_ACCESS_INDICES = {
+  state_primitives.get_p: 1,
+  state_primitives.swap_p: 2,
+  state_primitives.addupdate_p: 2,
+}
+
+
+def access_side(eqn: core.JaxprEqn, invals: Sequence[Any] | None):
+  """(role, the Ref seen through its indexers, its traced value or None)
+  of a read or write of a Ref in place (``x_ref[i]``, ``x_ref[i] = v``);
+  None for any other equation. (Pallas' masked loads and stores are not
+  among them: a mask may keep lanes past the end from being touched.)"""
+  first = _ACCESS_INDICES.get(eqn.primitive)
+  if first is None:
+    return None
+  static, traced = (
+    None if v is None else _indexed(eqn, v, first) for v in (eqn.invars, invals)
+  )
+  role = "load" if eqn.primitive is state_primitives.get_p else "store"
+  return role, static, traced
+
+
+def _indexed(eqn: core.JaxprEqn, values: Sequence[Any], first: int) -> Any:
+  transforms = tree_util.tree_unflatten(eqn.params["tree"], values[first:])
+  if not transforms:
+    return values[0]
+  return state_types.TransformedRef(values[0], tuple(transforms))
 
 
 def _transformed(op) -> Any:
@@ -170,12 +207,16 @@ class _Prover:
     # The same for the semaphore operations' addresses (``Proven``).
     self.addressed: set[core.JaxprEqn] = set()
     self.misaddressed: set[core.JaxprEqn] = set()
+    # The same for run_scoped semaphores back at zero at their scope's end.
+    self.settled: set[tuple[core.JaxprEqn, int]] = set()
+    self.unsettled: set[tuple[core.JaxprEqn, int]] = set()
 
   @property
   def proven(self) -> "Proven":
     return Proven(
       frozenset(self.held - self.failed),
       frozenset(self.addressed - self.misaddressed),
+      frozenset(self.settled - self.unsettled),
     )
 
   def verdict(self, eqn: core.JaxprEqn, holds: bool) -> None:
@@ -252,7 +293,7 @@ class _Prover:
       [scope] = jaxpr_util.sub_jaxprs(params)
       self.bind(scope.constvars, eqn.invars)
       self.walk(scope)
-      self.scoped_waits(scope)
+      self.scoped_waits(eqn, scope)
     elif _pallas_ops.kind(eqn) is Sync.DMA_START:
       sides = dma_sides(eqn, None)
       device_id = _pallas_ops.DmaOperands.of(eqn).device_id
@@ -261,6 +302,8 @@ class _Prover:
         all(self.window_in_bounds(r) for _, r, _ in sides)
         and self.device_in_range(device_id),
       )
+    elif (side := access_side(eqn, None)) is not None:
+      self.verdict(eqn, self.window_in_bounds(side[1]))
     elif (side := semaphore_side(eqn, None)) is not None:
       device_id = None
       if _pallas_ops.kind(eqn) is Sync.SIGNAL:
@@ -376,9 +419,10 @@ class _Prover:
           return False
     return True
 
-  def scoped_waits(self, scope: core.Jaxpr) -> None:
+  def scoped_waits(self, scope_eqn: core.JaxprEqn, scope: core.Jaxpr) -> None:
     """Proves the waits on the scope's own semaphores that its straight-line
-    code signals (or DMAs into) enough before (a ``sync_copy``)."""
+    code signals (or DMAs into) enough before (a ``sync_copy``), and the
+    semaphores that it brings back to zero by its end."""
     counts: dict[core.Var, int] = {v: 0 for v in scope.invars}
     for eqn in scope.eqns:
       op = _semaphore_op(eqn, self.range, self.once)
@@ -402,6 +446,9 @@ class _Prover:
       else:
         self.verdict(eqn, False)
         del counts[sem]
+    for k, v in enumerate(scope.invars):
+      settled = counts.get(v) == 0
+      (self.settled if settled else self.unsettled).add((scope_eqn, k))
 
 
 def _semaphore_op(
@@ -485,6 +532,8 @@ class Proven(NamedTuple):
   # Signals, waits and reads of semaphores: the semaphore's index in
   # bounds, a signal's device id in the mesh.
   addresses: frozenset[core.JaxprEqn]
+  # (run_scoped, allocation): a semaphore back at zero at the scope's end.
+  settled: frozenset[tuple[core.JaxprEqn, int]] = frozenset()
 
 
 def prove(

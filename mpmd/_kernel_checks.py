@@ -78,6 +78,12 @@ def _fixed_dims(indices: tuple[Any, ...], shape) -> list[_Fixed] | None:
   for index, size in zip(indices, shape, strict=True):
     if isinstance(index, slice):  # JAX clamps Python slices into the shape
       start, stop, _ = index.indices(size)
+      written = _fixed(index.start) if index.start is not None else 0
+      if written is not None and not -size <= written < size and size:
+        # ... but refuses one that starts past it (``x.at[8:16]`` of 8).
+        stop = "" if index.stop is None else index.stop
+        dims.append(_Fixed(f"{written}:{stop}", False))
+        continue
       dims.append(_Fixed(f"{start}:{stop}", True))
     elif isinstance(index, pl.Slice):
       start, length = _fixed(index.start), _fixed(index.size)
@@ -129,10 +135,23 @@ def raise_if_fixed_window_leaves(
     if root is not view:
       name += f", in its view of shape {shape}"
     window = f".at[{', '.join(d.text for d in dims)}]"
+    at = _indexing_line(error.__traceback__)
     raise errors.StaticOutOfBoundsError(
       f"mpmd_map: kernel {debug_info.func_src_info}: the window {window} "
-      f"is out of bounds of {name} (hardware would fault; JAX: {error})"
+      f"is out of bounds of {name} ({at}hardware would fault; JAX: {error})"
     ) from None
+
+
+def _indexing_line(traceback) -> str:
+  """``at file.py:12; ``: the line whose ``.at[...]`` JAX refused (the
+  frame that called ``RefIndexer.__getitem__``), "" if none did."""
+  getitem = _jax.state_types.RefIndexer.__getitem__.__code__
+  caller = None
+  while traceback is not None:
+    if traceback.tb_frame.f_code is getitem and caller is not None:
+      return f"at {caller.tb_frame.f_code.co_filename}:{caller.tb_lineno}; "
+    caller, traceback = traceback, traceback.tb_next
+  return ""
 
 
 def _operand(k: int | None, debug_info, num_in: int, num_out: int, ref):

@@ -191,6 +191,7 @@ JAX_REJECTS = {
   "past the end": (lambda x: x.at[pl.ds(ROWS, 1)], "16:17, 0:128", "start=16"),
   "columns": (lambda x: x.at[:, pl.ds(64, COLS)], "0:16, 64:192", "size=128"),
   "ellipsis": (lambda x: x.at[..., pl.ds(COLS, 8)], "0:16, 128:136", "=128"),
+  "python slice": (lambda x: x.at[ROWS : ROWS + 8], "16:24, 0:128", "=16"),
 }
 
 
@@ -218,6 +219,8 @@ def test_windows_jax_rejects_name_the_kernel_and_ref(case):
     jax_words,
   ):
     assert part in message, (part, message)
+  # The line that wrote the window, not only the kernel's def.
+  assert re.search(r"\(at .*test_bounds.py:\d+; hardware would fault", message)
 
 
 def test_a_view_out_of_bounds_names_its_ref_and_the_view():
@@ -414,6 +417,77 @@ def test_a_loop_one_step_too_long_fails_at_run_time(loop):
     f"a DMA's source window .at[16:20, 0:{COLS}]",
   ):
     jax.block_until_ready(_tiled(3, loop)(_rows()))
+
+
+# A Ref read or written in place at an index known at run time only: JAX's
+# dynamic_slice / dynamic_update_slice would clamp it onto the last rows.
+ACCESSES = {
+  "smem store": (
+    lambda s, v, i: s.__setitem__(i, 99),
+    "a store's window .at[4]",
+  ),
+  "smem load": (
+    lambda s, v, i: s.__setitem__(0, s[i]),
+    "a load's window .at[4]",
+  ),
+  "vmem rows": (
+    lambda s, v, i: v.__setitem__(
+      (pl.ds(i * 8, 8), slice(None)), jnp.ones((8, COLS), jnp.float32)
+    ),
+    "a store's window .at[32:40, 0:128]",
+  ),
+}
+
+
+@pytest.mark.parametrize("case", list(ACCESSES))
+def test_fast_path_in_place_access_past_a_ref_fails_at_run_time(case):
+  access, window = ACCESSES[case]
+
+  def kernel(i_hbm, o_hbm, i_smem, s, v):
+    pltpu.sync_copy(i_hbm, i_smem)
+    s[...] = jnp.zeros((4,), jnp.int32)
+    v[...] = jnp.zeros((32, COLS), jnp.float32)
+    access(s, v, i_smem[0])
+    pltpu.sync_copy(s, o_hbm)
+
+  f = jax.jit(
+    mpmd.mpmd_map(
+      [(CORE, kernel)],
+      jax.ShapeDtypeStruct((4,), jnp.int32),
+      scratch_types=[
+        pltpu.SMEM((1,), jnp.int32),
+        pltpu.SMEM((4,), jnp.int32),
+        pltpu.VMEM((32, COLS), jnp.float32),
+      ],
+    )
+  )
+  ref = "'s' (scratch 1, i32[4])" if "smem" in case else "'v' (scratch 2"
+  with _fails_at_run_time(window, f"out of bounds of {ref}", "test_bounds.py"):
+    jax.block_until_ready(f(jnp.array([4], jnp.int32)))
+  # In bounds, the same launch runs.
+  assert f(jnp.array([3], jnp.int32)).shape == (4,)
+
+
+def test_in_place_accesses_proven_in_bounds_cost_no_callback():
+  def kernel(x_hbm, o_hbm, v):
+    pltpu.sync_copy(x_hbm, v)
+
+    @pl.loop(0, ROWS // 8)
+    def _(t):
+      rows = pl.ds(t * 8, 8)
+      v[rows, :] = v[rows, :] + 1.0
+
+    pltpu.sync_copy(v, o_hbm)
+
+  f = jax.jit(
+    mpmd.mpmd_map(
+      [(CORE, kernel)],
+      jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+      scratch_types=[pltpu.VMEM((ROWS, COLS), jnp.float32)],
+    )
+  )
+  assert "callback" not in f.lower(_rows()).as_text()
+  np.testing.assert_array_equal(f(_rows()), _rows() + 1.0)
 
 
 # -- the lockstep path --------------------------------------------------------
@@ -715,3 +789,40 @@ def test_lockstep_scoped_wait_before_its_signal_is_a_deadlock(capsys):
     f, _sharded_rows(mesh), capsys, "lockstep path", "device (x=0)"
   )
   _still_healthy(functools.partial(_lockstep_in_bounds, "source"))
+
+
+@pytest.mark.parametrize("kind", ["dma", "regular"])
+def test_fast_path_scoped_semaphore_left_counting_is_a_leftover(kind):
+  """A pl.run_scoped semaphore that ends its scope counting (a DMA nobody
+  waited for, a signal nobody took): on hardware a DMA may land in memory
+  the next scope reuses."""
+
+  def kernel(x_hbm, o_hbm):
+    def scoped(buf, sem):
+      if kind == "dma":
+        pltpu.make_async_copy(x_hbm, buf, sem).start()  # never waited
+      else:
+        pl.semaphore_signal(sem, 2)  # never taken
+
+    semaphore = (
+      pltpu.SemaphoreType.DMA if kind == "dma" else pltpu.SemaphoreType.REGULAR
+    )
+    pl.run_scoped(scoped, pltpu.VMEM((ROWS, COLS), jnp.float32), semaphore)
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  f = jax.jit(
+    mpmd.mpmd_map(
+      [(CORE, kernel)], jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32)
+    )
+  )
+  count = ROWS * COLS * 4 if kind == "dma" else 2
+  with (
+    pytest.raises(
+      mpmd.LeftoverError,
+      match=r"mpmd_map leftover: on the CPU fast path .* pl.run_scoped "
+      r"allocation 1 \(at .*test_bounds.py:\d+:\d+ \(\S*kernel\)\), a "
+      rf"semaphore, ends its scope at {count} ",
+    ),
+    mpmd.typed_errors(),
+  ):
+    jax.block_until_ready(f(_rows()))
