@@ -438,8 +438,9 @@ def check_scratch_owners(
       if not any(addressing.same_mesh(space.mesh, m) for m in meshes):
         raise ValueError(
           f"mpmd_map: scratch_types leaf {leaf} is owned (`@ mesh`) by a "
-          f"mesh of core type {space.mesh.core_type} that is not in this "
-          "launch"
+          f"mesh {dict(space.mesh.shape)} of core type "
+          f"{space.mesh.core_type} that is not in this launch (its meshes: "
+          f"{', '.join(str(dict(m.shape)) for m in meshes)})"
         )
       continue
     if len(meshes) > 1 and tpu_launch and space not in shared:

@@ -495,7 +495,7 @@ def _check_device_id(device_id: Any, axis_sizes, what: str, at: str) -> None:
         size = jax.lax.axis_size(axis)
       except NameError:
         raise ValueError(
-          f"{what} names device_id axis {axis!r}, which is not an axis of "
+          f"{what}{at} names device_id axis {axis!r}, which is not an axis of "
           f"the kernel meshes or of an enclosing shard_map {axis_sizes}"
         ) from None
     if isinstance(index, core.Literal):

@@ -167,7 +167,9 @@ MPMD_MAP_CASES = [
     "device_id_of_an_unknown_axis",
     lambda: launch([(tc(), signal({"nope": 0}))], scratch_types=SEM),
     ValueError,
-    r"semaphore_signal names device_id axis 'nope', which is not an axis "
+    r"semaphore_signal "
+    + AT
+    + r" names device_id axis 'nope', which is not an axis "
     r"of the kernel meshes or of an enclosing shard_map \{'core': 1\}",
   ),
   Case(

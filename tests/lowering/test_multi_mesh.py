@@ -341,7 +341,11 @@ def test_error_unowned_scratch_names_the_kernels_parameters():
 
 
 def test_error_scratch_owned_by_a_foreign_mesh():
-  with pytest.raises(ValueError, match="scratch_types leaf 0 is owned"):
+  with pytest.raises(
+    ValueError,
+    match=r"scratch_types leaf 0 is owned \(`@ mesh`\) by a mesh \{'z': 3\} "
+    r"of core type tc that is not in this launch \(its meshes: \{'a': 1\}\)",
+  ):
     mpmd.mpmd_map(
       [(tc("a", 1), _noop)],
       (),
