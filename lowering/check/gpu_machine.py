@@ -50,21 +50,27 @@ class GpuPlan(machine.Plan):
     return program // self.num_warpgroups
 
 
+def block_name(grid, block: int) -> str:
+  """``block {'m': 0}``: a block by its grid coordinates."""
+  sizes = [s for _, s in grid]
+  coords = np.unravel_index(block, sizes) if sizes else ()
+  where = {a: int(c) for (a, _), c in zip(grid, coords, strict=True)}
+  return f"block {where}"
+
+
 def program_names(meshes, grid, layout) -> tuple[str, ...]:
   """``block {'m': 0} mesh 1 warpgroup {'compute': 1}`` per program."""
   names = []
-  sizes = [s for _, s in grid]
-  for block in range(math.prod(sizes)):
-    coords = np.unravel_index(block, sizes) if sizes else ()
-    where = {a: int(c) for (a, _), c in zip(grid, coords, strict=True)}
+  for block in range(math.prod(s for _, s in grid)):
+    where = block_name(grid, block)
     if layout is None:
-      names.append(f"block {where} mesh 0")
+      names.append(f"{where} mesh 0")
       continue
     for r in layout.ranges():
       for k in range(r.size):
         coords = np.unravel_index(k, list(r.shape.values()))
         wgs = {a: int(c) for a, c in zip(r.shape, coords, strict=True)}
-        names.append(f"block {where} mesh {r.index} warpgroup {wgs}")
+        names.append(f"{where} mesh {r.index} warpgroup {wgs}")
   return tuple(names)
 
 
@@ -196,11 +202,13 @@ class GpuMachine(machine.Machine):
         block = plan.block_of(g)
         if block not in blocks:
           blocks[block] = dict(shared)
+          # The block's own (SMEM, barriers): named by the block, which
+          # all its warpgroups share.
+          where = f"{plan.device_name(d)}{block_name(plan.grid, block)}"
           for k in range(num_operands, len(avals)):
             key = ("operand", k)
-            blocks[block][key] = self.buffer(
-              self._label(k, d, g), key, avals[k]
-            )
+            label = f"{plan.labels[k]!r} ({where})"
+            blocks[block][key] = self.buffer(label, key, avals[k])
         self.memory[(d, g)] = blocks[block]
 
   def allocate_scoped(self, ctx, eqn, avals_vars, collective=False):
