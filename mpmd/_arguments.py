@@ -417,7 +417,7 @@ def canonical_owner(aval: Any) -> Any:
 
 
 def check_scratch_owners(
-  scratch_avals, meshes, names: Sequence[str] = ()
+  scratch_avals, meshes, names: Callable[[], Sequence[str]] = tuple
 ) -> None:
   """With several TPU meshes, scratch says whose memory holds it (``type @
   mesh``) unless its memory space says so: HBM (and ANY) is the device's,
@@ -432,10 +432,10 @@ def check_scratch_owners(
   tpu_launch = not any(paths.is_gpu_mesh(m) for m in meshes)
   unowned = []
   for i, aval in enumerate(scratch_avals):
-    leaf = f"{i} ({names[i]})" if i < len(names) and names[i] else f"{i}"
     space = getattr(aval, "memory_space", None)
     if isinstance(space, pallas_core.CoreMemorySpace):
       if not any(addressing.same_mesh(space.mesh, m) for m in meshes):
+        leaf = _leaf(i, names())
         raise ValueError(
           f"mpmd_map: scratch_types leaf {leaf} is owned (`@ mesh`) by a "
           f"mesh {dict(space.mesh.shape)} of core type "
@@ -444,11 +444,13 @@ def check_scratch_owners(
         )
       continue
     if len(meshes) > 1 and tpu_launch and space not in shared:
-      unowned.append(f"{leaf} in {space}")
+      unowned.append((i, space))
   if unowned:
+    named = names()
+    leaves = [f"{_leaf(i, named)} in {space}" for i, space in unowned]
     axes = " or ".join(str(list(m.shape)) for m in meshes)
     raise NotImplementedError(
-      f"mpmd_map: scratch_types leaf {', leaf '.join(unowned)} without an "
+      f"mpmd_map: scratch_types leaf {', leaf '.join(leaves)} without an "
       "owner in a launch of several meshes: per-program scratch names the "
       "mesh of the programs that use it (`pltpu.VMEM(...) @ mesh`, "
       "`pltpu.SemaphoreType.REGULAR @ mesh`; here the mesh of axes "
@@ -457,6 +459,10 @@ def check_scratch_owners(
       "more than one mesh requires scratch_type to have a `core_type` "
       "specified)"
     )
+
+
+def _leaf(i: int, names: Sequence[str]) -> str:  # ``0 ('buf')``
+  return f"{i} ({names[i]})" if i < len(names) and names[i] else f"{i}"
 
 
 def kernel_aval(aval: Any, meshes: Sequence[Any]) -> Any:

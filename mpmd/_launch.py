@@ -143,7 +143,8 @@ def _checked_scratch(scratch_types, meshes, fns, gpu: bool):
   the meshes and the platform's memory spaces; their tree."""
   flat, tree = tree_util.tree_flatten(scratch_types)
   avals = [canonical_owner(scratch_aval(t, i)) for i, t in enumerate(flat)]
-  check_scratch_owners(avals, meshes, _scratch_names(fns, tree))
+  # (Parameter names only for a message: read if one is raised.)
+  check_scratch_owners(avals, meshes, lambda: _scratch_names(fns, tree))
   check_scratch_spaces(avals, gpu)
   return tuple(avals), tree
 
