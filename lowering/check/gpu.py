@@ -49,8 +49,8 @@ class Barrier:
 class AsyncKind(enum.StrEnum):
   """What an ``Async`` is, named as the operation that issues it. Each
   warpgroup's TMA loads, TMA stores and WGMMAs run on their own units: one
-  clock component (lane) per warpgroup and kind, ticking once per operation
-  issued there."""
+  clock component (lane) per warpgroup and kind (and barrier, for loads),
+  ticking once per operation issued there."""
 
   TMA_LOAD = "copy_gmem_to_smem"
   TMA_STORE = "copy_smem_to_gmem"
@@ -61,10 +61,11 @@ class Async:
   """A TMA copy or a WGMMA in flight."""
 
   def __init__(
-    self, index, kind: AsyncKind, issuer, clock, lane_time, where, **parts
+    self, index, kind: AsyncKind, issuer, clock, lane, time, where, **parts
   ):
     self.index, self.kind, self.issuer = index, kind, issuer
-    self.clock, self.lane_time, self.where = clock, lane_time, where
+    self.clock, self.where = clock, where
+    self.lane, self.lane_time = lane, time  # (``Machine.lane``)
     self.landed = False
     self.land_clock: Clock = {}
     # A copy's source View, or a WGMMA's (a, b) operand Views.
@@ -283,20 +284,14 @@ def _check_fenced(m, p, view: View, what, where, write=False) -> None:
         )
 
 
-def _lane(m, issuer, kind: AsyncKind) -> int:
-  """The clock lane of ``issuer``'s unit for ``kind`` (after the programs'
-  own lanes)."""
-  programs = m.plan.num_devices * m.plan.num_programs
-  comp = m.comp(issuer.device, issuer.program)
-  return programs * (1 + list(AsyncKind).index(kind)) + comp
-
-
 def _new_async(m, p, kind: AsyncKind, where, **parts) -> Async:
-  lane = _lane(m, p, kind)
+  # TMA loads complete on their barriers, in any order; TMA stores and
+  # WGMMAs in the order they were issued (their waits count groups).
+  key = (kind, parts.get("barrier") if kind is AsyncKind.TMA_LOAD else None)
+  lane, time = m.lane(m.comp(p.device, p.program), key, kind.value)
   index = m.gpu.count
   m.gpu.count += 1
-  m.lanes[lane] = m.lanes.get(lane, 0) + 1
-  op = Async(index, kind, p, _release(m, p), m.lanes[lane], where, **parts)
+  op = Async(index, kind, p, _release(m, p), lane, time, where, **parts)
   m.gpu.asyncs[index] = op
   m.strategy.new_dma(index)
   return op
@@ -452,7 +447,7 @@ def _shapes(src: View, dst: View, describe) -> None:
 
 def land(m, op: Async) -> None:
   """A TMA copy or a WGMMA reads and writes its memory now."""
-  lane = _lane(m, op.issuer, op.kind)
+  lane = op.lane
   who = m.name(op.issuer.device, op.issuer.program)
   # Not ``op`` (it leads back to the machine): buffers keep the text.
   text = (op.kind, op.index, op.where)

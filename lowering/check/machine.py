@@ -101,7 +101,7 @@ class Dma:
     self.issuer = issuer
     self.where = where
     self.event = None
-    self.lane_time = 0
+    self.lane = self.lane_time = 0  # (``Machine.lane``)
     self.option = ("d", index)  # how the scheduler names it
 
 
@@ -132,12 +132,14 @@ class Machine:
     self.events: list[Event] = []
     self.dmas: dict[int, Dma] = {}
     self.num_dmas = 0
-    # Per issuing program: how many DMAs it has started (its DMA lane's
-    # clock).
-    self.lanes: dict[int, int] = {}
     n = plan.num_devices * plan.num_programs
-    # Vector clock components of programs (DMA lanes come after them).
+    # Vector clock components of programs; DMA lanes come after them
+    # (``lane``), each with its issuer and what it carries, and how many
+    # operations it has started (its clock).
     self.num_comps = n
+    self.lane_comps: dict[tuple, int] = {}
+    self.lane_names: list[tuple[int, str]] = []
+    self.lane_times: dict[int, int] = {}
     self.clocks: list[memory.Clock] = [{p: 1} for p in range(n)]
     self.memory: dict[tuple[int, int], dict[memory.Key, Buffer]] = {}
     self.semaphores: list[Buffer] = []
@@ -210,8 +212,24 @@ class Machine:
   def name_comp(self, comp: int) -> str:
     n = self.num_comps
     if comp >= n:
-      return f"a DMA issued by {self.name_comp(comp - n)}"
+      issuer, what = self.lane_names[comp - n]
+      return f"{what} issued by {self.name_comp(issuer)}"
     return self.name(*divmod(comp, self.plan.num_programs))
+
+  def lane(self, issuer: int, key: tuple, what: str) -> tuple[int, int]:
+    """``(clock component, time)`` of a new asynchronous operation that the
+    program of component ``issuer`` starts: one lane per issuer and
+    ``key`` (what completes the operation: its semaphores, its barrier),
+    ticking once per operation. A wait then covers the operations that
+    signal what it waits on, not others of the issuer started before
+    them: hardware completes those in any order."""
+    key = (issuer, *key)
+    comp = self.lane_comps.get(key)
+    if comp is None:
+      comp = self.lane_comps[key] = self.num_comps + len(self.lane_names)
+      self.lane_names.append((issuer, what))
+    self.lane_times[comp] = time = self.lane_times.get(comp, 0) + 1
+    return comp, time
 
   def describe(self, ctx, op: str, where: str) -> "Describe":
     return Describe(self, ctx.device, ctx.program, op, where)

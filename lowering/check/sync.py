@@ -321,7 +321,11 @@ def _start(m, p, op: records.DmaStart, where: str):
   dma = machine_lib.Dma(
     index, op, src, dst, recv, send, dict(m.clocks[comp]), p, where
   )
-  m.lanes[comp] = dma.lane_time = m.lanes.get(comp, 0) + 1
+  # Semaphores are read by identity: the machine keeps its buffers alive.
+  sems = tuple(
+    None if v is None else (id(v.buffer), v.ids.item(0)) for v in (recv, send)
+  )
+  dma.lane, dma.lane_time = m.lane(comp, sems, "a DMA")
   dma.event = _event(
     m,
     p,
@@ -336,15 +340,6 @@ def _start(m, p, op: records.DmaStart, where: str):
   return None
 
 
-def _dma_lane(m, dma) -> tuple[int, int]:
-  """(clock component, time) of a DMA's accesses: one component per
-  issuing program, ticking once per DMA it starts. (A wait on a later DMA
-  of one issuer then covers its earlier ones too: races between them show
-  when the schedule lands them out of order, as reads of what is not
-  there.)"""
-  return m.num_comps + dma.issuer.comp, dma.lane_time
-
-
 def _lands_unchanged(dma: machine_lib.Dma) -> bool:
   """Whether the DMA's destination holds what it copies already."""
   return memory.same_bytes(dma.dst, dma.src.read())
@@ -352,7 +347,7 @@ def _lands_unchanged(dma: machine_lib.Dma) -> bool:
 
 def _land(m, dma: machine_lib.Dma) -> None:
   """The DMA reads its source and writes its destination now."""
-  comp, time = _dma_lane(m, dma)
+  comp, time = dma.lane, dma.lane_time
   # The text's parts, not the DMA or the machine: buffers keep it (their
   # last access), and it must not lead back to the machine (a cycle).
   index, where, plan = dma.index, dma.where, m.plan

@@ -5,8 +5,10 @@ loop makes, on schedules that reach many states (DMAs in flight, the
 current program blocked, programs done), is checked against the rule."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 from checked_ring import ring_launch
+from jax.experimental.pallas import tpu as pltpu
 from test_check import X, two_meshes
 
 import mpmd
@@ -47,3 +49,39 @@ def test_tpu_loop_default_is_the_rule(compared, text):
   assert compared["lists"] > 100
   assert compared["with_dmas"] > 0
   assert compared["current_blocked"] > 0
+
+
+# -- what the default schedule already finds ----------------------------------
+
+
+def _two_loads_one_wait(x_hbm, y_hbm, o_hbm, a, b, sems):
+  load_a = pltpu.make_async_copy(x_hbm, a, sems.at[0])
+  load_b = pltpu.make_async_copy(y_hbm, b, sems.at[1])
+  load_a.start()
+  load_b.start()
+  load_b.wait()
+  a[...] = a[...] + b[...]  # A's DMA may still be in flight
+  load_a.wait()
+  pltpu.sync_copy(a, o_hbm)
+
+
+def test_a_wait_covers_only_the_dmas_it_waits_for():
+  """Hardware completes a program's DMAs in any order: the wait on B's
+  semaphore says nothing of A, started before it. The default schedule
+  (which lands DMAs in the order they started) reports the race."""
+  mesh = mpmd.tensorcore_mesh("core", num_cores=1)
+  f = mpmd.mpmd_map(
+    [(mesh, _two_loads_one_wait)],
+    jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    scratch_types=[
+      pltpu.VMEM((8, 128), jnp.float32),
+      pltpu.VMEM((8, 128), jnp.float32),
+      pltpu.SemaphoreType.DMA((2,)),
+    ],
+  )
+  x = jnp.ones((8, 128), jnp.float32)
+  with pytest.raises(mpmd.RaceError) as e:
+    mpmd.replay(jax.jit(f), x, x, schedule="default")
+  message = str(e.value)
+  assert "data race on 'a'" in message
+  assert "write by DMA #0 issued by" in message

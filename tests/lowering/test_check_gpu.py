@@ -340,3 +340,31 @@ def test_timeline_of_a_gpu_launch(tmp_path):
 
 def test_assert_schedule_independent_on_gpu_pipelines():
   mpmd.testing.assert_schedule_independent(_blocks(ws=True), XB, schedules=3)
+
+
+def test_a_barrier_wait_covers_only_the_loads_it_waits_for():
+  """TMA loads complete on their barriers in any order: the wait on slot
+  1's barrier says nothing of slot 0's load. The default schedule (which
+  lands loads in the order they were issued) reports the race."""
+
+  def kernel(x_ref, o_ref, ring, loaded):
+    for slot in range(2):
+      rows = pl.ds(slot * ROWS, ROWS)
+      plgpu.copy_gmem_to_smem(x_ref.at[rows], ring.at[slot], loaded.at[slot])
+    plgpu.barrier_wait(loaded.at[1])
+    o_ref[...] = ring[0] + ring[1]  # slot 0 may not have landed
+    plgpu.barrier_wait(loaded.at[0])
+
+  f = mpmd.mpmd_map(
+    [(plgpu.Mesh(num_threads=1, thread_name="wg"), kernel)],
+    jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+    scratch_types=[
+      plgpu.SMEM((2, ROWS, COLS), jnp.float32),
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),
+    ],
+  )
+  with pytest.raises(mpmd.RaceError) as e:
+    mpmd.replay(jax.jit(f), X[: 2 * ROWS], schedule="default")
+  message = str(e.value)
+  assert "data race on 'ring'" in message
+  assert "copy_gmem_to_smem #0 issued by" in message
