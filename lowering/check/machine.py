@@ -4,11 +4,10 @@ A :class:`Machine` holds one launch's whole state (memory, semaphores, DMAs
 in flight, vector clocks, the event log): nothing outlives it. (What its
 plan remembers for the kernel's next launches is what no launch changes:
 steps, records' templates, the ``arange`` ids of buffers and the windows
-cut from them.) Programs are
-generators (``interp``) that stop at each synchronisation point; the
-machine offers the scheduler every program that can go on and every DMA in
-flight, runs the pick, and repeats until all programs have ended (or none
-can go on: a deadlock, reported at once).
+cut from them.) Programs are generators (``interp``) that stop at each
+synchronisation point; the machine offers the scheduler every program that
+can go on and every DMA in flight, runs the pick, and repeats until all
+programs have ended (or none can go on: a deadlock, reported at once).
 """
 
 import dataclasses
@@ -133,12 +132,10 @@ class Machine:
     self.dmas: dict[int, Dma] = {}
     self.num_dmas = 0
     n = plan.num_devices * plan.num_programs
-    # Vector clock components of programs; DMA lanes come after them
-    # (``lane``), each with its issuer and what it carries, and how many
-    # operations it has started (its clock).
+    # Vector clock components of programs; lanes (``lane``) after them.
     self.num_comps = n
     self.lane_comps: dict[tuple, int] = {}
-    self.lane_names: list[tuple[int, str]] = []
+    self.lane_names: list[tuple[int, str]] = []  # (issuer, what) per lane
     self.lane_times: dict[int, int] = {}
     self.clocks: list[memory.Clock] = [{p: 1} for p in range(n)]
     self.memory: dict[tuple[int, int], dict[memory.Key, Buffer]] = {}
@@ -217,12 +214,11 @@ class Machine:
     return self.name(*divmod(comp, self.plan.num_programs))
 
   def lane(self, issuer: int, key: tuple, what: str) -> tuple[int, int]:
-    """``(clock component, time)`` of a new asynchronous operation that the
-    program of component ``issuer`` starts: one lane per issuer and
-    ``key`` (what completes the operation: its semaphores, its barrier),
-    ticking once per operation. A wait then covers the operations that
-    signal what it waits on, not others of the issuer started before
-    them: hardware completes those in any order."""
+    """``(clock component, time)`` of an asynchronous operation that the
+    program of component ``issuer`` starts: one lane per issuer and ``key``
+    (what completes it: semaphores, a barrier), ticking once per operation.
+    A wait covers the operations that signal what it waits on, not the
+    issuer's others: hardware completes them in any order."""
     key = (issuer, *key)
     comp = self.lane_comps.get(key)
     if comp is None:
