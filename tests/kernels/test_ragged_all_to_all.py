@@ -354,6 +354,45 @@ class TestWindow(RaggedAllToAllTest):
     ):
       jax.block_until_ready(run_stacked(self.fn(), mesh, *r.args))
 
+  @pytest.mark.parametrize(
+    "delta,error,why",
+    [
+      (1, mpmd.DeadlockError, "wait forever for rows never sent"),
+      (-1, mpmd.LeftoverError, "rows would arrive that it never waits for"),
+    ],
+  )
+  def test_recv_sizes_that_disagree_with_the_senders(
+    self, rng, delta, error, why
+  ):
+    """JAX leaves it undefined; the TPU schedule would hang or leave rows
+    unawaited: the window schedule says which size disagrees."""
+    r = random_routing(rng, devices=2, k=2, rows=8)
+    sent = int(r.send_sizes[1, 2])  # device 1's slice 0 to device 1
+    announced = r.recv_sizes.at[1, 2].set(sent + delta)
+    r = r._replace(recv_sizes=announced)
+    mesh = stacked_mesh((2,), ("x",))
+    with pytest.raises(error) as e, mpmd.typed_errors():
+      jax.block_until_ready(run_stacked(self.fn(), mesh, *r.args))
+    assert (
+      f"device {{'x': 1}} announces recv_sizes[2] = {sent + delta} rows of "
+      f"slice 0 from device {{'x': 1}}, which sends {sent} (its "
+      "send_sizes[2])" in str(e.value)
+    )
+    assert why in str(e.value)
+
+  def test_recv_sizes_that_disagree_in_one_element_of_a_vmap(self, rng):
+    good = random_routing(rng, devices=2, k=1, rows=6, pad=False)
+    bad = good._replace(recv_sizes=good.recv_sizes + 1)
+    mesh = stacked_mesh((2,), ("x",))
+    args = [
+      jnp.stack([b.args[i] for b in (good, bad)], axis=1) for i in range(6)
+    ]
+    with (
+      pytest.raises(mpmd.DeadlockError, match="announces"),
+      mpmd.typed_errors(),
+    ):
+      jax.block_until_ready(run_stacked(jax.vmap(self.fn()), mesh, *args))
+
 
 class TestConditional(RaggedAllToAllTest):
   """Every case with ``implementation="conditional"`` (what a TPU runs)
