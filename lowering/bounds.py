@@ -34,6 +34,7 @@ from jax.experimental import checkify
 from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, state_types, tree_util
 from mpmd._lowering import debug_checks, errors, jaxpr_util, watchdog
+from mpmd._lowering.debug_checks import escape as _escape
 from mpmd._lowering.ranges import (
   CALLS,
   Proven,
@@ -342,10 +343,6 @@ def _operation(eqn: core.JaxprEqn) -> str:
   if kind is None or kind not in _OPERATION:
     return eqn.primitive.name
   return _OPERATION[kind]
-
-
-def _escape(text: str) -> str:
-  return text.replace("{", "{{").replace("}", "}}")
 
 
 class Checks:

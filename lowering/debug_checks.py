@@ -19,7 +19,8 @@ import numpy as np
 DEBUG_CHECK = "mpmd_map: pl.debug_check failed"
 
 
-def _escape(text: str) -> str:
+def escape(text: str) -> str:
+  """``text`` as a format string's literal (braces doubled)."""
   return text.replace("{", "{{").replace("}", "}}")
 
 
@@ -29,7 +30,7 @@ def shift_fields(fmt: str, by: int) -> str:
   message of a check, after arguments of ours."""
   parts, auto = [], 0
   for literal, field, spec, conversion in string.Formatter().parse(fmt):
-    parts.append(_escape(literal))
+    parts.append(escape(literal))
     if field is None:
       continue
     digits = len(field) - len(field.lstrip("0123456789"))
