@@ -272,7 +272,7 @@ def _shrink(session, f, args, kwargs, text, kind, reference):
   (greedy: drop chunks, then single items, while it still fails)."""
   items = _items(text)
   runs = 0
-  best_error = None
+  best_error, best = None, text
   chunk = max(len(items) // 2, 1)
   while chunk >= 1 and runs < MAX_SHRINK_RUNS:
     i = 0
@@ -283,13 +283,15 @@ def _shrink(session, f, args, kwargs, text, kind, reference):
         session, f, args, kwargs, "steps:" + ",".join(trial), kind, reference
       )
       if error is not None:
-        items, best_error = trial, error
+        # The picks that happened (a dropped item can leave a later one
+        # naming no option): every item of the result replays as written.
+        items, best_error, best = trial, error, _preemptions(session)
       else:
         i += chunk
     if chunk == 1:
       break
     chunk //= 2
-  return "steps:" + ",".join(items), best_error
+  return best, best_error
 
 
 def _failure(session, call, text, error, reference, shrink) -> Failure:
@@ -442,10 +444,11 @@ def replay(f: Callable[..., Any], *args, schedule: str, **kwargs):
     >>> np.array_equal(out, np.roll(np.asarray(x), 2, axis=0))
     True
   """
-  schedule_lib.parse(schedule)
+  spec = schedule_lib.parse(schedule)
   session = params_lib.Session()
   kept: list[Any] = []
   outputs, error = _call(session, f, args, kwargs, schedule, kept)
+  _check_applied(spec, session, schedule)
   if error is not None:
     raise error
   if schedule != "default":
@@ -455,6 +458,38 @@ def replay(f: Callable[..., Any], *args, schedule: str, **kwargs):
     if error is not None:
       raise error
   return kept[0]
+
+
+def _check_applied(spec, session, text: str) -> None:
+  """A ``steps:`` schedule whose items did not all happen (a launch or
+  step the run does not have, an option not offered there) is a
+  ``ValueError``: the run was not the one the schedule describes."""
+  if spec.kind is not schedule_lib.Kind.STEPS:
+    return
+  problems = []
+  for launch, picks in sorted(spec.picks.items()):
+    if launch >= len(session.runs):
+      problems.append(
+        f"launch {launch}: the function ran {len(session.runs)} launches "
+        "on the checking executor"
+      )
+      continue
+    m = session.runs[launch][0]
+    if m is None:  # (it failed before its first step)
+      continue
+    for step, offered in m.strategy.unapplied().items():
+      item = f"{launch}/{step}:{''.join(map(str, picks[step]))}"
+      problems.append(
+        f"{item}: launch {launch} ended after {m.step} steps"
+        if offered is None
+        else f"{item}: step {step} offered "
+        + ", ".join("".join(map(str, o)) for o in offered)
+      )
+  if problems:
+    raise ValueError(
+      f"mpmd.replay: schedule {text!r} names picks the run did not offer, "
+      "so it would not replay what it says:\n  " + "\n  ".join(problems)
+    )
 
 
 def timeline(

@@ -154,14 +154,32 @@ class Strategy:
 
 class Fixed(Strategy):
   """Explicit preemptions (a ``steps:`` string); default elsewhere, and
-  where the recorded pick is not an option (a shrunk schedule)."""
+  where the recorded pick is not an option (while ``explore`` shrinks a
+  schedule), which ``unapplied`` tells."""
 
   def __init__(self, picks: dict[int, Option]):
     self.picks = picks
+    self.applied: set[int] = set()
+    self.offered: dict[int, list[Option]] = {}  # where a pick was not
 
   def choose(self, step, options, default):
-    pick = self.picks.get(step, default)
-    return pick if pick in options else default
+    pick = self.picks.get(step)
+    if pick is None:
+      return default
+    if pick in options:
+      self.applied.add(step)
+      return pick
+    self.offered[step] = sorted(options)
+    return default
+
+  def unapplied(self) -> dict[int, list[Option] | None]:
+    """The steps whose pick did not happen: what they offered instead, or
+    None where the launch ended before them."""
+    return {
+      step: self.offered.get(step)
+      for step in sorted(self.picks)
+      if step not in self.applied
+    }
 
 
 class RandomWalk(Strategy):

@@ -205,6 +205,25 @@ def test_shrunk_schedule_is_a_steps_string_that_still_fails():
 
 
 @pytest.mark.parametrize(
+  "schedule, says",
+  [
+    ("steps:3/1:p0", "launch 3: the function ran 1 launches"),
+    ("steps:0/1:p9", "0/1:p9: step 1 offered "),
+    ("steps:0/1:d7", "0/1:d7: step 1 offered "),
+    ("steps:0/100000:p1", "0/100000:p1: launch 0 ended after "),
+  ],
+)
+def test_a_pick_the_run_does_not_offer_is_named(schedule, says):
+  """A hand-written (or mistyped) schedule whose picks never happen would
+  replay the default schedule silently: it is an error naming them."""
+  with pytest.raises(
+    ValueError, match="names picks the run did not offer"
+  ) as e:
+    mpmd.replay(two_meshes(), X, schedule=schedule)
+  assert says in str(e.value)
+
+
+@pytest.mark.parametrize(
   "schedule, error",
   [
     ("sometimes", ValueError),
