@@ -15,6 +15,7 @@ from mpmd._lowering import (
   lockstep,
   merge,
   paths,
+  tpu_semaphores,
   tpu_simulator,
 )
 
@@ -31,6 +32,7 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   callbacks.install()  # our callbacks' errors reach the caller typed
   num_operands = len(in_nodes) + len(params["out_avals"])
   paths.check_semaphore_operands(jaxprs, meshes, num_operands)
+  tpu_semaphores.check_collective_id(params)
   if params["debug"]:
     print(f"mpmd_map: CPU fallback takes the {path.kind} path: {path.reason}")
   if path.kind in (paths.TPU_SIMULATOR, paths.GPU_SIMULATOR):

@@ -2,12 +2,15 @@
 
 The simulator knows a semaphore by an id and a wait by its semaphore and
 count; a deadlock report names the kernel's operand instead ("semaphore
-'ready' (scratch 1, sem[])") and the kernel lines that wait on it.
+'ready' (scratch 1, sem[])") and the kernel lines that wait on it. And the
+barrier semaphore's collective id, as Mosaic checks it.
 """
 
 import math
 from collections.abc import Callable
 from typing import NamedTuple
+
+import jax
 
 from mpmd import _pallas_ops
 from mpmd._jax import core, source_info_util, tpu
@@ -91,3 +94,40 @@ def _awaited_semaphore(eqn):
   if kind is Sync.DMA_WAIT:
     return _pallas_ops.DmaOperands.of(eqn).awaited[1]
   return None
+
+
+def check_collective_id(params) -> None:
+  """What Mosaic rejects of a TPU launch's collective id (with JAX's
+  default ``jax_pallas_auto_assign_collective_ids='no'``), rejected on the
+  CPU fallback too: the barrier semaphore without one, or one without the
+  barrier semaphore."""
+  mode = getattr(jax.config, "jax_pallas_auto_assign_collective_ids", "no")
+  if mode != "no":
+    return
+  compiler_params = params["compiler_params"]
+  collective_id = getattr(compiler_params, "collective_id", None)
+  barrier = any(
+    _pallas_ops.kind(eqn) is Sync.BARRIER_SEMAPHORE
+    for jaxpr in common.user_jaxprs(params)
+    for eqn in jaxpr_util.iter_eqns(jaxpr)
+  )
+  kernel = common.kernel_name(params)
+  if barrier and collective_id is None:
+    raise ValueError(
+      f"mpmd_map: kernel {kernel} uses the barrier semaphore "
+      "(pltpu.get_barrier_semaphore()) but compiler_params gives no "
+      "collective_id, which Mosaic rejects on TPU (collective_id has to "
+      "be specified when using a custom barrier): pass "
+      "compiler_params=pltpu.CompilerParams(collective_id=0)"
+    )
+  allowed = getattr(
+    compiler_params, "allow_collective_id_without_custom_barrier", False
+  )
+  if not barrier and collective_id is not None and not allowed:
+    raise ValueError(
+      f"mpmd_map: kernel {kernel} has collective_id={collective_id} in its "
+      "compiler_params but uses no barrier semaphore, which Mosaic rejects "
+      "on TPU (collective_id has to be unspecified or None when not using "
+      "a custom barrier): drop it, or pass "
+      "allow_collective_id_without_custom_barrier=True"
+    )

@@ -387,6 +387,7 @@ def _launch(p: _Plan, xs, meta, w_in, w_out, *, interpret=None) -> jax.Array:
   rows = d * p.slot
   itemsize = jnp.dtype(dtype).itemsize
   outs = peers_lib.launch(
+    p.groups,
     interpret,
     None,
     (buffer,) * (1 if p.staging_in_scratch else 3),

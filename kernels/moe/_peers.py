@@ -204,6 +204,7 @@ def varying(groups: Groups, *operands) -> frozenset[Any]:
 
 
 def launch(
+  groups: Groups,
   interpret: Interpret,
   body,
   out_types,
@@ -214,13 +215,15 @@ def launch(
 ):
   """An ``mpmd_map`` launch of one exchange on each device: ``body`` on a
   single TensorCore (or ``meshes``, ``[(mesh, fn), ...]``, with ``body``
-  None), with the barrier semaphore of :func:`handshake`."""
+  None), with the barrier semaphore of :func:`handshake` where ``groups``
+  have peers (Mosaic rejects a collective id without a barrier)."""
   meshes = meshes or [(_common.single_core_mesh(), body)]
+  collective_id = COLLECTIVE_ID if groups.size > 1 else None
   return mpmd_map(
     [(mesh, _common.traced_in_x32(fn)) for mesh, fn in meshes],
     out_types=out_types,
     scratch_types=scratch_types,
-    compiler_params=pltpu.CompilerParams(collective_id=COLLECTIVE_ID),
+    compiler_params=pltpu.CompilerParams(collective_id=collective_id),
     interpret=interpret,
     **kwargs,
   )
@@ -262,6 +265,7 @@ def exchange_metadata(
       copy.wait_send()
 
   (out,) = launch(
+    groups,
     interpret,
     body,
     (_common.out_type(blocks.shape, jnp.int32, axes),),

@@ -206,6 +206,7 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
   itemsize = jnp.dtype(operand.dtype).itemsize
   row_bytes = math.prod(trailing) * itemsize
   staging, arrived = peers_lib.launch(
+    groups,
     config.interpret,
     _window_body(groups, units, window),
     out_types,
@@ -343,6 +344,7 @@ def _conditional_exchange(config: Config, operand, output, meta) -> jax.Array:
     output = _common.vary(output, varying)
   row_bytes = math.prod(output.shape[1:]) * jnp.dtype(output.dtype).itemsize
   (out,) = peers_lib.launch(
+    groups,
     config.interpret,
     _conditional_body(groups, k, n, m),
     (_common.out_type(output.shape, output.dtype, varying),),

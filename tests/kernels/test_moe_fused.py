@@ -213,20 +213,21 @@ def test_tpu_simulator_finds_no_race(rng, devices):
   )
 
 
-def _lowered(target: str) -> str:
-  mesh = stacked_mesh((4,), ("x",))
+def _lowered(target: str, devices: int = 4, fused: bool = True) -> str:
+  mesh = stacked_mesh((devices,), ("x",))
   layer = jax.shard_map(
-    functools.partial(mpmd.kernels.moe, top_k=2, axis_name="x", fused=True),
+    functools.partial(mpmd.kernels.moe, top_k=2, axis_name="x", fused=fused),
     mesh=mesh,
     in_specs=P("x"),
     out_specs=P("x"),
   )
   spec = NamedSharding(mesh, P("x"))
+  d = devices
   shapes = [
-    ((4 * 64, 256), jnp.bfloat16),
-    ((4 * 64, 8), jnp.float32),
-    ((4 * 2, 256, 512), jnp.bfloat16),
-    ((4 * 2, 512, 256), jnp.bfloat16),
+    ((d * 64, 256), jnp.bfloat16),
+    ((d * 64, 2 * d), jnp.float32),
+    ((d * 2, 256, 512), jnp.bfloat16),
+    ((d * 2, 512, 256), jnp.bfloat16),
   ]
   args = [jax.ShapeDtypeStruct(s, d, sharding=spec) for s, d in shapes]
   with mpmd.tpu_target(target):
@@ -240,6 +241,14 @@ def test_lowers_for_tpu_as_one_kernel(target):
   assert text.count("tpu_custom_call") == 1
   assert "moe_fused" in text
   assert re.search(r"has_communication\\22: true", text)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_lowers_for_tpu_on_one_device(fused):
+  # No peer: no barrier handshake, and no collective id (Mosaic rejects
+  # one without a barrier semaphore).
+  text = _lowered("v5e", devices=1, fused=fused).as_text()
+  assert "tpu_custom_call" in text
 
 
 @pytest.mark.parametrize(

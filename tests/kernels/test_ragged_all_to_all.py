@@ -523,6 +523,19 @@ class TestTpuLowering:
     fn = forced(implementation, axis_name=axis_name)
     self.assert_collective_kernel(self.lower(fn, mesh, names, shapes))
 
+  @pytest.mark.parametrize("implementation", [None, "window"])
+  def test_lowers_over_an_axis_of_one_device(self, implementation):
+    """No peer, so no barrier handshake: and no collective id, which
+    Mosaic rejects without a barrier semaphore."""
+    mesh = stacked_mesh((1, 2), ("x", "y"))
+    shapes = [
+      ((2 * 64, 128), jnp.bfloat16),
+      ((2 * 96, 128), jnp.bfloat16),
+    ] + [((2 * 2,), jnp.int32)] * 4
+    fn = forced(implementation, axis_name="x")
+    text = self.lower(fn, mesh, ("x", "y"), shapes)
+    assert text.count("tpu_custom_call") == 1
+
   def test_export_serializes(self):
     mesh = stacked_mesh((4,), ("x",))
     spec = NamedSharding(mesh, P("x"))
