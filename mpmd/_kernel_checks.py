@@ -16,6 +16,7 @@ from mpmd._arguments import short
 from mpmd._jax import (
   core,
   pallas_core,
+  state_indexing,
 )
 from mpmd._lowering import addressing, bounds, errors, jaxpr_util, paths
 from mpmd._pallas_ops import Sync
@@ -282,6 +283,8 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
       _check_collective_axes(eqn.params.get("collective_axes"), mesh, kernel)
     elif name in _REF_ACCESS and not paths.is_gpu_mesh(mesh):
       _check_direct_access(top, eqn, outer, mesh, roles, kernel, at)
+    elif name in _GPU_REF_TRANSFORMS and paths.is_gpu_mesh(mesh):
+      _check_gpu_indices(top, eqn, outer, roles, kernel, at)
     for sub in jaxpr_util.sub_jaxprs(eqn.params):
       inner = dict(outer)
       for v, x in _operands_of(eqn, sub):
@@ -305,6 +308,48 @@ _REF_ACCESS = {
   "masked_swap": "writes",
   "addupdate": "updates",
 }
+
+
+# Mosaic GPU operations on Refs: the parameters holding their leading Refs'
+# transforms, in operand order.
+_GPU_REF_TRANSFORMS = {
+  "copy_gmem_to_smem": (
+    "src_transforms_treedef",
+    "dst_transforms_treedef",
+    "barrier_transforms_treedef",
+  ),
+  "copy_smem_to_gmem": ("src_transforms_treedef", "dst_transforms_treedef"),
+  "barrier_arrive": ("transforms_treedef",),
+  "barrier_wait": ("transforms_treedef",),
+}
+
+
+def _check_gpu_indices(top, eqn, outer, roles, kernel: str, at: str) -> None:
+  """A literal index past its Ref's dimension in a Mosaic GPU operation
+  (``barriers.at[3]`` of 2): Pallas' GPU simulator would use some other
+  element, hardware some other memory. (Slices are JAX's to check.)"""
+  keys = _GPU_REF_TRANSFORMS[eqn.primitive.name]
+  flat = eqn.invars[len(keys) :]
+  for ref, key in zip(eqn.invars[: len(keys)], keys, strict=True):
+    tree = eqn.params.get(key)
+    if tree is None:
+      continue
+    n = tree.num_leaves
+    transforms, flat = tree.unflatten(flat[:n]), flat[n:]
+    first = transforms[0] if transforms else None
+    if not isinstance(first, state_indexing.NDIndexer):
+      continue  # (later indexers index a view, not the Ref)
+    shape = ref.aval.shape
+    for dim, (index, size) in enumerate(
+      zip(first.indices, shape, strict=False)
+    ):
+      if isinstance(index, core.Literal) and not 0 <= int(index.val) < size:
+        name = roles.describe(top, outer.get(ref, ref), ref.aval)
+        raise errors.StaticOutOfBoundsError(
+          f"{kernel}: {eqn.primitive.name}{at}: index {int(index.val)} of "
+          f"dimension {dim} of {name} is out of bounds (size {size}); "
+          "hardware would use other memory"
+        )
 
 
 def _tpu_memory_space(aval, mesh) -> Any:

@@ -100,3 +100,48 @@ def test_two_meshes_name_the_operand_by_each_meshs_name():
     kernel=r"idle at \S+:\d+ \+ reads_past",
     access="read",
   )
+
+
+def _slot_past_the_end(op):
+  """A kernel whose ``op`` uses slot 3 of 2 (a barrier, an SMEM slot)."""
+
+  def kernel(x_ref, o_ref, smem, barriers):
+    slot = {"barrier": (3, 0), "smem": (0, 3)}[op]
+    plgpu.copy_gmem_to_smem(x_ref, smem.at[slot[1] % 2], barriers.at[0])
+    if op == "smem":
+      plgpu.copy_gmem_to_smem(x_ref, smem.at[slot[1]], barriers.at[1])
+    plgpu.barrier_wait(barriers.at[slot[0]])
+    o_ref[...] = smem[0]
+
+  return kernel
+
+
+@pytest.mark.parametrize(
+  "op, operation, operand",
+  [
+    ("barrier", "barrier_wait", "'barriers' (scratch_types leaf 1"),
+    ("smem", "copy_gmem_to_smem", "'smem' (scratch_types leaf 0"),
+  ],
+)
+def test_a_literal_index_past_a_gpu_ref_fails_at_trace_time(
+  op, operation, operand
+):
+  """Pallas' GPU simulator would use another element silently, hardware
+  other memory: a literal index is checked where it is written."""
+  f = mpmd.mpmd_map(
+    [(plgpu.Mesh(num_threads=1, thread_name="wg"), _slot_past_the_end(op))],
+    OUT,
+    scratch_types=[
+      plgpu.SMEM((2, ROW), jnp.float32),
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),
+    ],
+  )
+  # (A StaticOutOfBoundsError: an OutOfBoundsError and a ValueError.)
+  with pytest.raises(mpmd.OutOfBoundsError) as caught:
+    jax.jit(f).trace(jnp.ones((ROW,), jnp.float32))
+  assert isinstance(caught.value, ValueError)
+  message = str(caught.value)
+  assert f": {operation} (at " in message
+  assert "test_gpu_out_of_bounds.py:" in message
+  assert f"index 3 of dimension 0 of {operand}" in message
+  assert "is out of bounds (size 2)" in message
