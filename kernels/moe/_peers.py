@@ -7,7 +7,6 @@ Shared by :mod:`ragged` and :mod:`fused`.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -16,12 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mpmd import errors
-from mpmd._lowering import errors as launch_errors
 from mpmd.api import mpmd_map
 from mpmd.kernels import _common
 from mpmd.kernels.collective_matmul._ring import check_ring
@@ -273,72 +269,3 @@ def exchange_metadata(
     name="ragged_all_to_all_metadata",
   )(blocks)
   return out.transpose(1, 0, 2).reshape(rows, width)
-
-
-def check_announced(
-  fn: str, groups: Groups, sent: jax.Array, announced: jax.Array
-) -> None:
-  """On the CPU fallback, raises where this device's ``recv_sizes``
-  (``announced``, (k * D,)) disagree with the sizes its senders sent
-  (``sent``, (k * D,), sender-major, as they arrived; -1 for a slice
-  invalid at its sender, which reports it itself): JAX leaves the
-  result undefined, and a TPU would wait forever for rows never sent
-  (``mpmd.DeadlockError``) or receive rows nobody waits for
-  (``mpmd.LeftoverError``). Python runs only when they disagree."""
-  flat = lax.axis_index(groups.axes[0])
-  for a, size in zip(groups.axes[1:], groups.sizes[1:], strict=True):
-    flat = flat * size + lax.axis_index(a)
-  fail = functools.partial(_fail_announced, fn, groups)
-
-  def check(flat, sent, announced):
-    def on_cpu():
-      lax.cond(
-        jnp.any((sent >= 0) & (sent != announced)),
-        lambda: io_callback(fail, None, flat, sent, announced),
-        lambda: None,
-      )
-
-    lax.platform_dependent(cpu=on_cpu, default=lambda: None)
-    return ()
-
-  # Under vmap, one check of the whole batch (JAX cannot batch a cond with
-  # a callback inside).
-  checked = jax.custom_batching.custom_vmap(check)
-  checked.def_vmap(lambda _, __, *args: (check(*args), ()))
-  checked(flat, sent, announced)
-
-
-def _fail_announced(fn: str, groups: Groups, flat, sent, announced) -> None:
-  sent, announced = np.broadcast_arrays(sent, announced)
-  bad = np.flatnonzero(((sent >= 0) & (sent != announced)).reshape(-1))
-  if not bad.size:
-    return
-  d = groups.size
-  k = sent.shape[-1] // d
-  # (Batched under vmap: the first disagreeing element of the batch.)
-  i = int(bad[0] % (d * k))
-  got, want = int(announced.reshape(-1)[bad[0]]), int(sent.reshape(-1)[bad[0]])
-  me = int(np.asarray(flat).reshape(-1)[0])
-  group = next(g for g in groups.members if me in g)
-  sender, slot = divmod(i, k)
-
-  def coords(index: int) -> dict[str, int]:
-    out = {}
-    for axis, size in zip(groups.axes[::-1], groups.sizes[::-1], strict=True):
-      index, out[axis] = divmod(index, size)
-    return dict(reversed(out.items()))
-
-  why, error = (
-    ("it would wait forever for rows never sent", errors.DeadlockError)
-    if got > want
-    else ("rows would arrive that it never waits for", errors.LeftoverError)
-  )
-  raise launch_errors.remember(
-    error(
-      f"{fn}: device {coords(me)} announces recv_sizes[{i}] = {got} rows "
-      f"of slice {slot} from device {coords(group[sender])}, which sends "
-      f"{want} (its send_sizes[{group.index(me) * k + slot}]): on a TPU "
-      f"{why} (JAX leaves the result undefined); {bad.size} of the "
-      "announced sizes disagree"
-    )
-  )

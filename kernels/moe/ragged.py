@@ -39,10 +39,11 @@ semaphore, so no row arrives before the receiver is inside the kernel
 (with ``output`` in place, for the conditional schedule).
 
 Bounds. A slice out of range (a negative offset or size, ``offset + size``
-past ``N`` at the sender or past ``M`` at the receiver) is read from row
-``N`` of ``operand``, a window that leaves the buffer: the CPU fallback's
-run-time DMA checks raise ``mpmd.OutOfBoundsError`` (naming the window in
-``operand``), where JAX leaves the result undefined.
+past ``N`` at the sender or past ``M`` at the receiver) is, on the CPU
+fallback, an ``mpmd.OutOfBoundsError`` naming the device, the slice and
+its arguments before any row moves (``_contract``), where JAX leaves the
+result undefined; the kernels read it from row ``N`` of ``operand``, a
+window that leaves the buffer, so a TPU faults rather than move rows.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mpmd.kernels import _common
+from mpmd.kernels.moe import _contract as contract
 from mpmd.kernels.moe import _peers as peers_lib
 from mpmd.kernels.moe._peers import Groups as Groups
 from mpmd.kernels.moe._peers import check_arguments as check_arguments
@@ -223,7 +225,7 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
     name=_FN,
   )(operand, plan.start, plan.travel)
   sent = arrived[:, _TRAVEL_SIZE].reshape(-1)
-  peers_lib.check_announced(_FN, groups, sent, meta[_RECV])
+  contract.check_announced(_FN, groups, sent, meta[_RECV])
   return _land_windows(plan, staging, arrived, output, meta)
 
 
@@ -579,6 +581,9 @@ def checked_call(
     operand, output, meta = (
       _common.vary(a, varying) for a in (operand, output, meta)
     )
+  meta = meta + contract.check_slices(
+    _FN, groups, meta, operand.shape[0], output.shape[0]
+  )
   static = _Static(config, operand.shape[0])
   return _ragged(static, operand, output, meta)
 

@@ -296,6 +296,34 @@ class RaggedAllToAllTest:
     assert not [m for m in compiles if "Compiling" in m], compiles
     assert_equal(got, second.expected())
 
+  @pytest.mark.parametrize(
+    "field,device,slot,value,k",
+    [
+      ("input_offsets", 0, 1, 20, 1),
+      ("input_offsets", 1, 0, -1, 1),
+      ("send_sizes", 1, 1, -2, 1),
+      ("output_offsets", 0, 1, 40, 1),
+      ("output_offsets", 1, 1, 40, 1),  # to itself
+      # k = 3: the whole operand moves once per peer.
+      ("input_offsets", 0, 4, 30, 3),
+      ("output_offsets", 1, 2, 40, 3),
+    ],
+  )
+  def test_out_of_bounds_at_run_time(self, rng, field, device, slot, value, k):
+    r = random_routing(rng, devices=2, k=k, rows=8)
+    n, m = r.operand.shape[1], r.output.shape[1]
+    assert ragged.moves_whole_operand(n, m, k) == (k > 1)
+    bad = getattr(r, field).at[device, slot].set(value)
+    r = r._replace(**{field: bad})
+    mesh = stacked_mesh((2,), ("x",))
+    with pytest.raises(mpmd.OutOfBoundsError) as e, mpmd.typed_errors():
+      jax.block_until_ready(run_stacked(self.fn(), mesh, *r.args))
+    # The argument and the slice, not the window the kernel moves.
+    message = str(e.value)
+    assert f"device {{'x': {device}}}'s slice {slot} " in message
+    assert f"{field}[{slot}] = {value}" in message
+    assert "a TPU would fault" in message
+
 
 class TestWindow(RaggedAllToAllTest):
   """Every case with ``implementation="window"`` (the CPU fallback's
@@ -327,32 +355,6 @@ class TestWindow(RaggedAllToAllTest):
     ]
     path = kernel_path(f, *args)
     assert path.kind == paths.LOCKSTEP, path
-
-  @pytest.mark.parametrize(
-    "field,device,slot,value,k",
-    [
-      ("input_offsets", 0, 1, 20, 1),
-      ("input_offsets", 1, 0, -1, 1),
-      ("send_sizes", 1, 1, -2, 1),
-      ("output_offsets", 0, 1, 40, 1),
-      ("output_offsets", 1, 1, 40, 1),  # to itself
-      # k = 3: the whole operand moves once per peer.
-      ("input_offsets", 0, 4, 30, 3),
-      ("output_offsets", 1, 2, 40, 3),
-    ],
-  )
-  def test_out_of_bounds_at_run_time(self, rng, field, device, slot, value, k):
-    r = random_routing(rng, devices=2, k=k, rows=8)
-    n, m = r.operand.shape[1], r.output.shape[1]
-    assert ragged.moves_whole_operand(n, m, k) == (k > 1)
-    bad = getattr(r, field).at[device, slot].set(value)
-    r = r._replace(**{field: bad})
-    mesh = stacked_mesh((2,), ("x",))
-    with (
-      pytest.raises(mpmd.OutOfBoundsError, match="source window"),
-      mpmd.typed_errors(),
-    ):
-      jax.block_until_ready(run_stacked(self.fn(), mesh, *r.args))
 
   @pytest.mark.parametrize(
     "delta,error,why",
@@ -392,6 +394,25 @@ class TestWindow(RaggedAllToAllTest):
       mpmd.typed_errors(),
     ):
       jax.block_until_ready(run_stacked(jax.vmap(self.fn()), mesh, *args))
+
+  def test_every_device_raises_so_none_waits_in_a_later_exchange(self, rng):
+    """Only device 1's recv_sizes disagree; device 0, had it gone on into
+    the second exchange alone, would wait there for device 1 until
+    XLA:CPU aborts the process."""
+    r = random_routing(rng, devices=2, k=1, rows=8)
+    r = r._replace(recv_sizes=r.recv_sizes.at[1, 0].add(1))
+    exchange = self.fn()
+
+    def twice(operand, output, *metadata):
+      once = exchange(operand, output, *metadata)
+      return exchange(once, output, *metadata)
+
+    mesh = stacked_mesh((2,), ("x",))
+    with pytest.raises(mpmd.DeadlockError), mpmd.typed_errors():
+      jax.block_until_ready(run_stacked(twice, mesh, *r.args))
+    # The process is healthy: the next call runs.
+    good = random_routing(rng, devices=2, k=1, rows=8)
+    assert_equal(run_stacked(exchange, mesh, *good.args), good.expected())
 
 
 class TestConditional(RaggedAllToAllTest):
