@@ -99,7 +99,7 @@ def _valid(in_off, size, out_off, n: int, m: int):
 # Rows of the metadata that travels with the windows (per receiver, per
 # slice): where the slice lands in the receiver's output, and where it
 # starts in its window.
-_TRAVEL_OFF, _TRAVEL_SHIFT, _TRAVEL_SIZE = range(3)
+_TRAVEL_OFF, _TRAVEL_SHIFT = range(2)
 
 
 def moves_whole_operand(n: int, m: int, k: int) -> bool:
@@ -116,15 +116,13 @@ class _Windows(NamedTuple):
   window: int  # rows per window
   units: int  # windows per peer
   start: jax.Array  # (d * units,) int32: each window's first operand row
-  travel: jax.Array  # (d, 3, k) int32: what travels to each receiver
+  travel: jax.Array  # (d, 2, k) int32: what travels to each receiver
 
 
 def _plan_windows(d: int, n: int, m: int, meta) -> _Windows:
   k = meta.shape[1] // d
   in_off, size, out_off = meta[_IN_OFF], meta[_SEND], meta[_OUT_OFF]
   valid = _valid(in_off, size, out_off, n, m)
-  # (An invalid slice fails at its sender: no size for its receiver.)
-  sent = jnp.where(valid, size, -1)
   whole = moves_whole_operand(n, m, k)
   window, units = (n, 1) if whole else (min(n, m), k)
   if whole:
@@ -136,8 +134,7 @@ def _plan_windows(d: int, n: int, m: int, meta) -> _Windows:
     shift = in_off - start
   # A window with an invalid slice is read from row n: out of bounds.
   start = jnp.where(valid, start, n)
-  travel = jnp.stack([out_off, shift, sent]).reshape(3, d, k)
-  travel = travel.transpose(1, 0, 2)
+  travel = jnp.stack([out_off, shift]).reshape(2, d, k).transpose(1, 0, 2)
   return _Windows(whole, window, units, start, travel)
 
 
@@ -224,8 +221,6 @@ def _window_exchange(config: Config, operand, output, meta) -> jax.Array:
     ),
     name=_FN,
   )(operand, plan.start, plan.travel)
-  sent = arrived[:, _TRAVEL_SIZE].reshape(-1)
-  contract.check_announced(_FN, groups, sent, meta[_RECV])
   return _land_windows(plan, staging, arrived, output, meta)
 
 
@@ -447,11 +442,9 @@ def ragged_all_to_all(
   nothing writes keep their values. ``recv_sizes[i]`` is the size of the
   slice this device receives from position ``i // k`` (its ``i % k``-th),
   and must equal that sender's ``send_sizes`` entry, as in JAX. Where it
-  does not, on CPU, ``"window"`` raises an ``mpmd.DeadlockError`` (more
-  announced than sent: a TPU would wait forever) or ``mpmd.LeftoverError``
-  (fewer: rows nobody waits for) naming both sizes; ``"conditional"``
-  waits for the rows announced, as a TPU does (a ``DeadlockError`` where
-  they never come).
+  does not, on CPU, an ``mpmd.DeadlockError`` (more announced than sent:
+  a TPU would wait forever) or ``mpmd.LeftoverError`` (fewer: rows nobody
+  waits for) names both sizes before any row moves.
 
   Unlike XLA's op this runs on CPU (the CPU fallback's lockstep path) as
   well as on TPU (a Mosaic kernel); slice windows outside ``operand`` or
@@ -581,7 +574,7 @@ def checked_call(
     operand, output, meta = (
       _common.vary(a, varying) for a in (operand, output, meta)
     )
-  meta = meta + contract.check_slices(
+  meta = meta + contract.check(
     _FN, groups, meta, operand.shape[0], output.shape[0]
   )
   static = _Static(config, operand.shape[0])

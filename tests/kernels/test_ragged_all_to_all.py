@@ -324,38 +324,6 @@ class RaggedAllToAllTest:
     assert f"{field}[{slot}] = {value}" in message
     assert "a TPU would fault" in message
 
-
-class TestWindow(RaggedAllToAllTest):
-  """Every case with ``implementation="window"`` (the CPU fallback's
-  default), and what only its windows do."""
-
-  implementation = "window"
-
-  @pytest.mark.parametrize("rows,whole", [(8, True), (60, False)])
-  def test_window_modes(self, rng, rows, whole):
-    # Few operand rows: the whole operand moves once per peer; many (and a
-    # short output): a window per slice.
-    r = random_routing(rng, devices=2, k=2, rows=rows, max_size=2)
-    n, m = r.operand.shape[1], r.output.shape[1]
-    assert ragged.moves_whole_operand(n, m, 2) == whole
-    mesh = stacked_mesh((2,), ("x",))
-    assert_equal(run_stacked(self.fn(), mesh, *r.args), r.expected())
-
-  def test_takes_lockstep_path(self):
-    mesh = stacked_mesh((2,), ("x",))
-    f = jax.shard_map(self.fn(), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
-    shapes = [(16, 8), (12, 8), (4,), (4,), (4,), (4,)]
-    args = [
-      jax.ShapeDtypeStruct(
-        s,
-        jnp.float32 if len(s) == 2 else jnp.int32,
-        sharding=NamedSharding(mesh, P("x")),
-      )
-      for s in shapes
-    ]
-    path = kernel_path(f, *args)
-    assert path.kind == paths.LOCKSTEP, path
-
   @pytest.mark.parametrize(
     "delta,error,why",
     [
@@ -366,8 +334,8 @@ class TestWindow(RaggedAllToAllTest):
   def test_recv_sizes_that_disagree_with_the_senders(
     self, rng, delta, error, why
   ):
-    """JAX leaves it undefined; the TPU schedule would hang or leave rows
-    unawaited: the window schedule says which size disagrees."""
+    """JAX leaves it undefined; a TPU would hang or leave rows unawaited:
+    on CPU, an error says which size disagrees."""
     r = random_routing(rng, devices=2, k=2, rows=8)
     sent = int(r.send_sizes[1, 2])  # device 1's slice 0 to device 1
     announced = r.recv_sizes.at[1, 2].set(sent + delta)
@@ -413,6 +381,38 @@ class TestWindow(RaggedAllToAllTest):
     # The process is healthy: the next call runs.
     good = random_routing(rng, devices=2, k=1, rows=8)
     assert_equal(run_stacked(exchange, mesh, *good.args), good.expected())
+
+
+class TestWindow(RaggedAllToAllTest):
+  """Every case with ``implementation="window"`` (the CPU fallback's
+  default), and what only its windows do."""
+
+  implementation = "window"
+
+  @pytest.mark.parametrize("rows,whole", [(8, True), (60, False)])
+  def test_window_modes(self, rng, rows, whole):
+    # Few operand rows: the whole operand moves once per peer; many (and a
+    # short output): a window per slice.
+    r = random_routing(rng, devices=2, k=2, rows=rows, max_size=2)
+    n, m = r.operand.shape[1], r.output.shape[1]
+    assert ragged.moves_whole_operand(n, m, 2) == whole
+    mesh = stacked_mesh((2,), ("x",))
+    assert_equal(run_stacked(self.fn(), mesh, *r.args), r.expected())
+
+  def test_takes_lockstep_path(self):
+    mesh = stacked_mesh((2,), ("x",))
+    f = jax.shard_map(self.fn(), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    shapes = [(16, 8), (12, 8), (4,), (4,), (4,), (4,)]
+    args = [
+      jax.ShapeDtypeStruct(
+        s,
+        jnp.float32 if len(s) == 2 else jnp.int32,
+        sharding=NamedSharding(mesh, P("x")),
+      )
+      for s in shapes
+    ]
+    path = kernel_path(f, *args)
+    assert path.kind == paths.LOCKSTEP, path
 
 
 class TestConditional(RaggedAllToAllTest):
