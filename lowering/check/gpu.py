@@ -455,12 +455,17 @@ def land(m, op: Async) -> None:
     lambda: f"{text[0]} #{text[1]} issued by {who} at {text[2]}"
   )
 
+  # TMA loads complete in any order; stores and WGMMAs in issue order.
+  clock = op.clock
+  if op.kind is not AsyncKind.TMA_LOAD:
+    clock = memory.join(clock, {lane: op.lane_time})
+
   def access(view, write):
     memory.check_access(
       view,
       lane,
       op.lane_time,
-      op.clock,
+      clock,
       write,
       describe,
       describe_comp=m.name_comp,

@@ -332,8 +332,12 @@ def check_access(
   describe_comp=None,
   unchanged: Callable[[], bool] | None = None,
 ) -> None:
-  """Raises ``RaceError`` if this access and an earlier one of someone else
-  touch the same element unordered (at least one writing); records it.
+  """Raises ``RaceError`` if this access (of ``comp`` at ``time``) and an
+  earlier one touch the same element unordered (at least one writing);
+  records it. ``clock`` says which accesses happened before: a program's
+  covers its own earlier ones (program order); a DMA's, only what its
+  issuer knew when it started it, so that two DMAs of one lane race unless
+  a wait orders them (an in-order lane passes its own time in ``clock``).
   ``unchanged()``, for a write, says whether it stores what is there
   already: two such writes do not race (``identical_writes_race``)."""
   b = view.buffer
@@ -344,8 +348,8 @@ def check_access(
     if s.start == s.stop:
       return
     if not (
-      writes.unordered(s.start, s.stop, comp, clock)
-      or (write and reads.unordered(s.start, s.stop, comp, clock))
+      writes.unordered(s.start, s.stop, comp, time, clock)
+      or (write and reads.unordered(s.start, s.stop, comp, time, clock))
     ):
       (writes if write else reads).set(s.start, s.stop, comp, time)
       b.who[comp] = describe
@@ -384,14 +388,14 @@ def _check_elements(
       continue  # both store the same bytes: either order leaves them
     c = comps[where]
     low, high = c.min(), c.max()
-    if low == high and low in (NOBODY, comp):
-      continue  # nobody else, or only this accessor: no race
-    if low == high and times[where].max() <= clock.get(int(low), 0):
-      continue  # one other accessor, all of whose accesses happened before
-    others = (c != NOBODY) & (c != comp)
+    if low == high == NOBODY:
+      continue  # nobody accessed them
+    t = times[where]
+    if low == high and t.max() <= clock.get(int(low), 0):
+      continue  # one accessor, all of whose accesses happened before
+    others = (c != NOBODY) & ((c != comp) | (t != time))
     if not others.any():
       continue
-    t = times[where]
     rest = c[others]
     while rest.size:  # few distinct accessors: cheaper than np.unique
       q = rest[0]

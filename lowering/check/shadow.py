@@ -54,16 +54,18 @@ class Shadow:
       self.starts = self.comps = self.times = []
     return self.arrays
 
-  def unordered(self, start: int, stop: int, comp: int, clock) -> bool:
+  def unordered(
+    self, start: int, stop: int, comp: int, time: int, clock
+  ) -> bool:
     """Whether an element of ``[start, stop)`` (a non-empty range; runs
-    only) was last accessed by a component other than ``comp`` at a tick
-    that ``clock`` does not cover."""
+    only) was last accessed, by another access than ``comp``'s at
+    ``time``, at a tick that ``clock`` does not cover."""
     starts, comps, times = self.starts, self.comps, self.times
     k = bisect.bisect_right(starts, start) - 1
     end = len(starts)
     while k < end and starts[k] < stop:
-      c = comps[k]
-      if c != NOBODY and c != comp and times[k] > clock.get(c, 0):
+      c, t = comps[k], times[k]
+      if c != NOBODY and t > clock.get(c, 0) and (c != comp or t != time):
         return True
       k += 1
     return False

@@ -85,3 +85,30 @@ def test_a_wait_covers_only_the_dmas_it_waits_for():
   message = str(e.value)
   assert "data race on 'a'" in message
   assert "write by DMA #0 issued by" in message
+
+
+def _copy_on_before_it_lands(x_hbm, o_hbm, buf, sem):
+  pltpu.make_async_copy(x_hbm, buf, sem).start()
+  # No wait: the second DMA may read 'buf' before the first has filled it
+  # (both count on one semaphore, which orders nothing).
+  onward = pltpu.make_async_copy(buf, o_hbm, sem)
+  onward.start()
+  onward.wait()
+
+
+def test_two_dmas_on_one_semaphore_are_not_ordered():
+  mesh = mpmd.tensorcore_mesh("core", num_cores=1)
+  f = mpmd.mpmd_map(
+    [(mesh, _copy_on_before_it_lands)],
+    jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    scratch_types=[
+      pltpu.VMEM((8, 128), jnp.float32),
+      pltpu.SemaphoreType.DMA,
+    ],
+  )
+  x = jnp.ones((8, 128), jnp.float32)
+  with pytest.raises(mpmd.RaceError) as e:
+    mpmd.replay(jax.jit(f), x, schedule="default")
+  message = str(e.value)
+  assert "data race on 'buf'" in message
+  assert "DMA #1 issued by" in message and "write by DMA #0" in message
