@@ -286,6 +286,8 @@ def _shrink(session, f, args, kwargs, text, kind, reference):
         # The picks that happened (a dropped item can leave a later one
         # naming no option): every item of the result replays as written.
         items, best_error, best = trial, error, _preemptions(session)
+        if best == "steps:":  # no preemption left
+          best = "default"
       else:
         i += chunk
     if chunk == 1:
@@ -402,9 +404,17 @@ def explore(
     key = _signature(kind, error)
     if key in found:
       continue
-    found[key] = _failure(
+    failure = _failure(
       session, (f, args, kwargs), text, error, reference, shrink
     )
+    # (Shrunk to a schedule already reported: the same failure, told
+    # differently by another schedule.)
+    if any(
+      (x.kind, x.schedule) == (failure.kind, failure.schedule)
+      for x in found.values()
+    ):
+      continue
+    found[key] = failure
     if max_failures is not None and len(found) >= max_failures:
       break
   return Report(run + 1, list(found.values()), tuple(session.elsewhere))
