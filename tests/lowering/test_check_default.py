@@ -65,28 +65,6 @@ def _two_loads_one_wait(x_hbm, y_hbm, o_hbm, a, b, sems):
   pltpu.sync_copy(a, o_hbm)
 
 
-def test_a_wait_covers_only_the_dmas_it_waits_for():
-  """Hardware completes a program's DMAs in any order: the wait on B's
-  semaphore says nothing of A, started before it. The default schedule
-  (which lands DMAs in the order they started) reports the race."""
-  mesh = mpmd.tensorcore_mesh("core", num_cores=1)
-  f = mpmd.mpmd_map(
-    [(mesh, _two_loads_one_wait)],
-    jax.ShapeDtypeStruct((8, 128), jnp.float32),
-    scratch_types=[
-      pltpu.VMEM((8, 128), jnp.float32),
-      pltpu.VMEM((8, 128), jnp.float32),
-      pltpu.SemaphoreType.DMA((2,)),
-    ],
-  )
-  x = jnp.ones((8, 128), jnp.float32)
-  with pytest.raises(mpmd.RaceError) as e:
-    mpmd.replay(jax.jit(f), x, x, schedule="default")
-  message = str(e.value)
-  assert "data race on 'a'" in message
-  assert "write by DMA #0 issued by" in message
-
-
 def _copy_on_before_it_lands(x_hbm, o_hbm, buf, sem):
   pltpu.make_async_copy(x_hbm, buf, sem).start()
   # No wait: the second DMA may read 'buf' before the first has filled it
@@ -96,19 +74,41 @@ def _copy_on_before_it_lands(x_hbm, o_hbm, buf, sem):
   onward.wait()
 
 
-def test_two_dmas_on_one_semaphore_are_not_ordered():
-  mesh = mpmd.tensorcore_mesh("core", num_cores=1)
+VMEM = pltpu.VMEM((8, 128), jnp.float32)
+
+
+@pytest.mark.parametrize(
+  "kernel, scratch, inputs, says",
+  [
+    (
+      _two_loads_one_wait,
+      [VMEM, VMEM, pltpu.SemaphoreType.DMA((2,))],
+      2,
+      ["data race on 'a'", "write by DMA #0 issued by"],
+    ),
+    (
+      _copy_on_before_it_lands,
+      [VMEM, pltpu.SemaphoreType.DMA],
+      1,
+      ["data race on 'buf'", "DMA #1 issued by", "write by DMA #0"],
+    ),
+  ],
+  ids=["a_wait_on_another_dma", "two_dmas_on_one_semaphore"],
+)
+def test_a_wait_orders_only_the_dmas_it_waits_for(
+  kernel, scratch, inputs, says
+):
+  """Hardware completes a program's DMAs in any order: a wait on one DMA's
+  semaphore says nothing of another started before it, even one counting
+  on the same semaphore. The default schedule (which lands DMAs in the
+  order they started) reports the race."""
   f = mpmd.mpmd_map(
-    [(mesh, _copy_on_before_it_lands)],
+    [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
     jax.ShapeDtypeStruct((8, 128), jnp.float32),
-    scratch_types=[
-      pltpu.VMEM((8, 128), jnp.float32),
-      pltpu.SemaphoreType.DMA,
-    ],
+    scratch_types=scratch,
   )
   x = jnp.ones((8, 128), jnp.float32)
   with pytest.raises(mpmd.RaceError) as e:
-    mpmd.replay(jax.jit(f), x, schedule="default")
-  message = str(e.value)
-  assert "data race on 'buf'" in message
-  assert "DMA #1 issued by" in message and "write by DMA #0" in message
+    mpmd.replay(jax.jit(f), *[x] * inputs, schedule="default")
+  for text in says:
+    assert text in str(e.value)
