@@ -152,6 +152,8 @@ def _out_of_range(fn: str, c: _Contract, p, i, fields) -> str:
       f"rows [{out_off}, {out_off + size}) of its receiver's 'output', "
       f"which has {c.m}"
     )
+  if -1 in (in_off, size, out_off):
+    what += " (an offset or size outside int32 reads as -1)"
   return (
     f"{fn}: device {_coords(c.groups, p)}'s slice {i} (to group position "
     f"{i // c.k}): {what}: out of bounds (a TPU would fault; JAX leaves "
