@@ -100,9 +100,12 @@ def check_collective_id(params) -> None:
   """What Mosaic rejects of a TPU launch's collective id (with JAX's
   default ``jax_pallas_auto_assign_collective_ids='no'``), rejected on the
   CPU fallback too: the barrier semaphore without one, or one without the
-  barrier semaphore."""
+  barrier semaphore. A launch that asks for upstream's TPU simulator
+  (``interpret=pltpu.InterpretParams()``) runs as it does upstream:
+  unchecked."""
   mode = getattr(jax.config, "jax_pallas_auto_assign_collective_ids", "no")
-  if mode != "no":
+  simulated = isinstance(params["interpret"], tpu().interpret.InterpretParams)
+  if mode != "no" or simulated:
     return
   compiler_params = params["compiler_params"]
   collective_id = getattr(compiler_params, "collective_id", None)

@@ -31,7 +31,7 @@ def _copy(x_hbm, o_hbm):
   pltpu.sync_copy(x_hbm, o_hbm)
 
 
-def _launch(kernel, compiler_params):
+def _launch(kernel, compiler_params, interpret=None):
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
   tc = mpmd.tensorcore_mesh("core", num_cores=1)
 
@@ -40,6 +40,7 @@ def _launch(kernel, compiler_params):
       [(tc, kernel)],
       jax.ShapeDtypeStruct(x.shape, x.dtype),
       compiler_params=compiler_params,
+      interpret=interpret,
     )(x)
 
   f = jax.jit(
@@ -110,3 +111,15 @@ def test_auto_assigned_ids_are_mosaics_to_check():
       np.testing.assert_array_equal(f(x), x)
     finally:
       jax.config.update(AUTO, "no")
+
+
+def test_upstreams_simulator_runs_what_it_runs_upstream():
+  """interpret=pltpu.InterpretParams() asks for upstream's TPU simulator,
+  which does not check collective ids: a launch with an id and no barrier
+  runs there, as it does upstream."""
+  f, x = _launch(
+    _copy,
+    pltpu.CompilerParams(collective_id=3),
+    interpret=pltpu.InterpretParams(),
+  )
+  np.testing.assert_array_equal(f(x), x)
