@@ -27,7 +27,21 @@ from mpmd import errors, targets
 from mpmd._lowering import errors as launch_errors
 from mpmd.kernels.moe._peers import Groups
 
-_IN_OFF, _SEND, _OUT_OFF, _RECV = range(4)  # the rows of ``meta``
+# The exchange's metadata: one row per argument, each of length k * D.
+FIELDS = range(4)
+_IN_OFF, _SEND, _OUT_OFF, _RECV = FIELDS
+
+
+def valid(in_off, size, out_off, n: int, m: int):
+  """Whether a slice lies inside ``operand`` (``n`` rows) and ``output``
+  (``m`` rows), numpy or traced."""
+  return (
+    (size >= 0)
+    & (in_off >= 0)
+    & (in_off <= n - size)
+    & (out_off >= 0)
+    & (out_off <= m - size)
+  )
 
 
 def check(fn: str, groups: Groups, meta: jax.Array, n: int, m: int):
@@ -84,14 +98,7 @@ class _Contract:
     batch, k * D)."""
     meta = meta.reshape(meta.shape[0], -1, *meta.shape[-2:])
     in_off, size, out_off = (meta[:, :, f] for f in (_IN_OFF, _SEND, _OUT_OFF))
-    n, m = self.n, self.m
-    invalid = (
-      (size < 0)
-      | (in_off < 0)
-      | (in_off > n - size)
-      | (out_off < 0)
-      | (out_off > m - size)
-    )
+    invalid = ~valid(in_off, size, out_off, self.n, self.m)
     batch = np.arange(meta.shape[1])[None, :, None]
     source, element = self.source[:, None, :], self.element[:, None, :]
     sent = size[source, batch, element]

@@ -69,9 +69,8 @@ from mpmd.types import Interpret
 
 _FN = "ragged_all_to_all"
 IMPLEMENTATIONS = _common.Implementations(tpu="conditional", cpu="window")
-# Rows of the metadata the kernel reads: one per argument, each of length
-# ``k * group_size``.
-_IN_OFF, _SEND, _OUT_OFF, _RECV = range(4)
+# Rows of the metadata the kernel reads (``_contract``'s layout).
+_IN_OFF, _SEND, _OUT_OFF, _RECV = contract.FIELDS
 
 
 class Config(NamedTuple):
@@ -80,18 +79,6 @@ class Config(NamedTuple):
   groups: Groups
   implementation: str  # "window" or "conditional"
   interpret: Interpret = None
-
-
-def _valid(in_off, size, out_off, n: int, m: int):
-  """Whether a slice lies inside ``operand`` (``n`` rows) and ``output``
-  (``m`` rows)."""
-  return (
-    (size >= 0)
-    & (in_off >= 0)
-    & (in_off <= n - size)
-    & (out_off >= 0)
-    & (out_off <= m - size)
-  )
 
 
 # -- the window schedule (CPU) ------------------------------------------------
@@ -122,7 +109,7 @@ class _Windows(NamedTuple):
 def _plan_windows(d: int, n: int, m: int, meta) -> _Windows:
   k = meta.shape[1] // d
   in_off, size, out_off = meta[_IN_OFF], meta[_SEND], meta[_OUT_OFF]
-  valid = _valid(in_off, size, out_off, n, m)
+  valid = contract.valid(in_off, size, out_off, n, m)
   whole = moves_whole_operand(n, m, k)
   window, units = (n, 1) if whole else (min(n, m), k)
   if whole:
@@ -274,7 +261,7 @@ def _conditional_body(groups: Groups, k: int, n: int, m: int):
 
     def fields(i):
       in_off, size, out_off = (meta[f, i] for f in (_IN_OFF, _SEND, _OUT_OFF))
-      return in_off, size, out_off, _valid(in_off, size, out_off, n, m)
+      return in_off, size, out_off, contract.valid(in_off, size, out_off, n, m)
 
     def remote(src, dst, rows, o):
       return pltpu.make_async_remote_copy(
