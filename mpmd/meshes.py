@@ -1,7 +1,27 @@
 """Mesh constructors that mean the same on every supported jax version."""
 
+import numpy as np
+
 from mpmd import _jax, targets
 from mpmd.types import Mesh
+
+
+class _Devices(np.ndarray):
+  """A mesh's device array that compares whole, as a bool.
+
+  jax 0.10.2's ``TensorCoreMesh`` is a dataclass over a numpy array of cores,
+  so two meshes of two cores or more compare with an ambiguous array truth
+  value (a ``ValueError``). JAX's abstract-eval cache compares Ref types
+  whose memory space is ``VMEM @ mesh`` when their hashes nearly collide, so
+  a kernel over two such meshes failed at random. jax 0.11 made the mesh a
+  dataclass of ``(axis_name, num_cores)`` (drop with jax 0.10).
+  """
+
+  def __eq__(self, other):
+    return np.array_equal(self, other)
+
+  def __ne__(self, other):
+    return not np.array_equal(self, other)
 
 
 def tensorcore_mesh(axis_name: str, num_cores: int | None = None) -> Mesh:
@@ -38,4 +58,7 @@ def tensorcore_mesh(axis_name: str, num_cores: int | None = None) -> Mesh:
     raise ValueError(
       f"tensorcore_mesh: expected 'num_cores' >= 1, got {num_cores}"
     )
-  return _jax.tensorcore_mesh(axis_name, num_cores)
+  mesh = _jax.tensorcore_mesh(axis_name, num_cores)
+  if isinstance(getattr(mesh, "devices", None), np.ndarray):
+    object.__setattr__(mesh, "devices", mesh.devices.view(_Devices))
+  return mesh

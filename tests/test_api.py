@@ -179,6 +179,21 @@ def test_tpu_target_counts_a_tensorcore_meshs_default_cores(target, cores):
   assert dict(mesh.shape) == {"core": cores}
 
 
+def test_multicore_meshes_and_their_refs_compare_as_bools():
+  """JAX's abstract-eval cache compares two Ref types whose hashes nearly
+  collide; ``VMEM @ mesh`` over two-core meshes of jax 0.10.2 raised an
+  ambiguous array truth value there (a kernel over two such meshes failed
+  at random in CI)."""
+  a, b = tc_mesh("a", 2), tc_mesh("b", 2)
+  assert a == tc_mesh("a", 2) and hash(a) == hash(tc_mesh("a", 2))
+  assert a != b and a != tc_mesh("a", 3)
+
+  def ref(mesh):
+    return (pltpu.VMEM @ mesh)(SHAPE, jnp.float32).get_ref_aval()
+
+  assert ref(a) == ref(tc_mesh("a", 2)) and ref(a) != ref(b)
+
+
 # -- bad input ----------------------------------------------------------------
 
 
