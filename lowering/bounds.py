@@ -140,8 +140,10 @@ def _trace_nested(jaxpr: core.Jaxpr, refs: Refs, bound: dict) -> None:
           and _same_type(v.aval, x.aval)
         ]
       if _pallas_ops.kind(eqn) is Sync.RUN_SCOPED:
-        for k, v in enumerate(sub.invars):
-          refs.names[v] = f"pl.run_scoped allocation {k}"
+        for v, name in zip(
+          sub.invars, jaxpr_util.scoped_names(eqn), strict=True
+        ):
+          refs.names[v] = name
           refs.scoped.add(v)
       for v, x in held:
         # What ``v`` holds: a literal's value, else the operand variable.
@@ -529,8 +531,9 @@ class Checks:
     prefix = self._prefix(args)
     args.append(jnp.max(jnp.abs(count)))
     message = (
-      f"{LEFTOVER}: on the CPU {self.path}, {prefix}: pl.run_scoped "
-      f"allocation {k} (at {_escape(self._line(eqn))}), a semaphore, ends "
+      f"{LEFTOVER}: on the CPU {self.path}, {prefix}: "
+      f"{_escape(jaxpr_util.scoped_names(eqn)[k])} (at "
+      f"{_escape(self._line(eqn))}), a semaphore, ends "
       f"its scope at {{0[{len(args) - 1}]}} (in bytes for a DMA semaphore): "
       "a DMA or signal on it that nobody waited for"
     )

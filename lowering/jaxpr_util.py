@@ -60,6 +60,21 @@ def line(eqn: core.JaxprEqn) -> str:
   return source_info_util.summarize(eqn.source_info)
 
 
+def scoped_names(eqn: core.JaxprEqn) -> list[str]:
+  """How messages name a ``pl.run_scoped``'s allocations: by the scope
+  function's parameters (``pl.run_scoped's 'sem'``), else by position."""
+  body = eqn.params["jaxpr"]
+  names = getattr(body.debug_info, "arg_names", None) or ()
+  if len(names) != len(body.invars):
+    names = ()
+  return [
+    f"pl.run_scoped's {names[k]!r}"
+    if names and names[k]
+    else f"pl.run_scoped allocation {k}"
+    for k in range(len(body.invars))
+  ]
+
+
 def located(
   jaxpr: core.Jaxpr, outer: str = ""
 ) -> Iterator[tuple[core.JaxprEqn, str]]:
@@ -177,7 +192,8 @@ def rewrite_scope(
     raise NotImplementedError(
       "mpmd_map: rewriting a nested kernel scope captured constants"
     )
-  return _jax.scope_jaxpr(new, n, operands)
+  scope = _jax.scope_jaxpr(new, n, operands)
+  return _jax.replace_jaxpr(scope, debug_info=j.debug_info)  # its names
 
 
 def _retrace(jaxpr: core.Jaxpr, consts, rule: EqnRule, prologue=None, skip=0):
@@ -339,4 +355,5 @@ def map_avals(
     outvars=[atom(a) for a in jaxpr.outvars],
     eqns=eqns,
     effects={effect(e) for e in jaxpr.effects},
+    debug_info=jaxpr.debug_info,  # the same inputs: names still hold
   )

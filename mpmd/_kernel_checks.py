@@ -291,8 +291,7 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
         if isinstance(x, core.Var) and v.aval == x.aval:
           inner[v] = outer.get(x, x)
       if kind is Sync.RUN_SCOPED:
-        for k, v in enumerate(sub.invars):
-          inner[v] = f"pl.run_scoped allocation {k}"
+        inner.update(zip(sub.invars, jaxpr_util.scoped_names(eqn), strict=True))
       _check_eqns(
         top, sub, inner, where._replace(line=jaxpr_util.line(eqn) or where.line)
       )

@@ -383,7 +383,7 @@ MPMD_MAP_CASES = [
     "load_from_a_scoped_hbm_allocation",
     lambda: launch([(tc(), load_scoped_hbm)]),
     ValueError,
-    r"kernel load_scoped_hbm at .*: reads pl.run_scoped allocation 0 "
+    r"kernel load_scoped_hbm at .*: reads pl.run_scoped's 'buf' "
     r"\(Ref<hbm>\{f32\[8,128\]\}\) in place " + AT + r", but it is "
     r"in HBM memory",
   ),

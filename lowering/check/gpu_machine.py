@@ -17,7 +17,7 @@ import numpy as np
 
 from mpmd import _jax
 from mpmd._jax import core
-from mpmd._lowering import merge, paths
+from mpmd._lowering import jaxpr_util, merge, paths
 from mpmd._lowering.check import machine, memory
 from mpmd._lowering.check.memory import Buffer, View
 
@@ -222,7 +222,7 @@ class GpuMachine(machine.Machine):
       if key not in mine:
         label = memory.Lazy(
           lambda k=k, d=ctx.device, g=ctx.program, at=ctx.where, p=self.plan: (
-            f"run_scoped buffer {k} at {at} ({p.name(d, g)})"
+            f"{jaxpr_util.scoped_names(eqn)[k]} at {at} ({p.name(d, g)})"
           )
         )
         mine[key] = self.buffer(label, key, v.aval)

@@ -20,7 +20,7 @@ import numpy as np
 
 from mpmd import _jax
 from mpmd._jax import core
-from mpmd._lowering import errors, paths
+from mpmd._lowering import errors, jaxpr_util, paths
 from mpmd._lowering.check import memory, records, schedule
 from mpmd._lowering.check.memory import Buffer, View
 
@@ -417,7 +417,7 @@ class Machine:
         continue
       label = memory.Lazy(
         lambda k=k, d=ctx.device, g=ctx.program, at=ctx.where, p=self.plan: (
-          f"run_scoped buffer {k} at {at} ({p.name(d, g)})"
+          f"{jaxpr_util.scoped_names(eqn)[k]} at {at} ({p.name(d, g)})"
         )
       )
       buffer = self._new(label, key, v.aval)

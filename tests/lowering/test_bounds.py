@@ -697,7 +697,7 @@ def _assert_deadlock(f, x, capsys, path: str, who: str) -> None:
     f"mpmd_map deadlock: on the CPU {path}",
     "kernel early_wait at ",
     who,
-    "waited on pl.run_scoped allocation 0",
+    "waited on pl.run_scoped's 'sem'",
   ):
     assert part in message, (part, message)
 
@@ -819,8 +819,8 @@ def test_fast_path_scoped_semaphore_left_counting_is_a_leftover(kind):
   with (
     pytest.raises(
       mpmd.LeftoverError,
-      match=r"mpmd_map leftover: on the CPU fast path .* pl.run_scoped "
-      r"allocation 1 \(at .*test_bounds.py:\d+:\d+ \(\S*kernel\)\), a "
+      match=r"mpmd_map leftover: on the CPU fast path .* pl.run_scoped's 'sem' "
+      r"\(at .*test_bounds.py:\d+:\d+ \(\S*kernel\)\), a "
       rf"semaphore, ends its scope at {count} ",
     ),
     mpmd.typed_errors(),

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mpmd
@@ -119,3 +120,21 @@ def test_a_lent_array_still_referred_to_is_not_taken():
   lent = weakref.ref(a)
   del a
   assert pool.take((8,), np.float32) is lent() and not pool.lent
+
+
+def test_scoped_buffers_are_named_by_the_scope_functions_parameters():
+  def kernel(x_hbm, o_hbm, scratch):
+    def scoped(sem, staged):
+      del sem
+      scratch[...] = staged[...]  # nothing wrote ``staged``
+
+    pl.run_scoped(
+      scoped, pltpu.SemaphoreType.DMA(()), pltpu.VMEM(SHAPE, jnp.float32)
+    )
+    pltpu.sync_copy(scratch, o_hbm)
+
+  with pytest.raises(
+    mpmd.UninitializedError, match=r"pl.run_scoped's 'staged' at \S+:\d+"
+  ):
+    with mpmd.typed_errors():
+      jax.block_until_ready(_launch(kernel)(jnp.ones(SHAPE, jnp.float32)))
