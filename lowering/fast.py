@@ -359,7 +359,8 @@ _SEMAPHORE_FAILURES = (
     watchdog.DeadlockError,
     "mpmd_map deadlock: on the CPU fast path (programs run one after "
     "another), in {}, these programs waited on a semaphore more than it "
-    "was signalled, so on hardware they would wait forever:\n",
+    "was signalled, so on hardware they would wait forever (or a program "
+    "signalled it a negative amount):\n",
   ),
   (
     errors.LeftoverError,

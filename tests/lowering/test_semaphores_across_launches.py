@@ -367,3 +367,18 @@ def test_both_launches_lower_for_tpu_like_upstream():
     {"color": 2, "shape_index": [1]}
   ]
   assert "tensor<i32>) -> tensor<8x128xf32>" in done_type
+
+
+def test_a_negative_signal_is_named_among_the_causes():
+  def kernel(x_hbm, o_hbm, sem):
+    pl.semaphore_signal(sem, -1)  # no wait anywhere
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  f = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
+    jax.ShapeDtypeStruct(ROWS, jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR(())],
+  )
+  _raises_deadlock(
+    f, jnp.ones(ROWS, jnp.float32), match=r"signalled it a negative amount"
+  )
