@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpmd import _jax
+from mpmd import _jax, meshes
 from mpmd._jax import (
   FrozenDict,
   core,
@@ -393,15 +393,13 @@ _CANONICAL_MESHES: weakref.WeakValueDictionary[Any, Any] = (
 
 
 def _canonical_mesh(mesh: Any) -> Any:
-  """One object per distinct mesh.
+  """One object per distinct mesh, one that compares as a bool.
 
-  Equal meshes created twice (say, per call) meet in avals, which JAX
-  compares; a TensorCoreMesh compares its device arrays elementwise and
-  crashes on multi-core meshes (jax 0.10.2), unless both sides are the same
-  object, which Python's equality checks first.
+  Meshes meet in avals, which JAX compares; a TensorCoreMesh of jax 0.10.2
+  compares its device arrays elementwise (``meshes.comparable``).
   """
   key = (type(mesh), hash(mesh), tuple(mesh.shape.items()))
-  return _CANONICAL_MESHES.setdefault(key, mesh)
+  return _CANONICAL_MESHES.setdefault(key, meshes.comparable(mesh))
 
 
 def canonical_owner(aval: Any) -> Any:

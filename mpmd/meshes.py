@@ -58,7 +58,14 @@ def tensorcore_mesh(axis_name: str, num_cores: int | None = None) -> Mesh:
     raise ValueError(
       f"tensorcore_mesh: expected 'num_cores' >= 1, got {num_cores}"
     )
-  mesh = _jax.tensorcore_mesh(axis_name, num_cores)
-  if isinstance(getattr(mesh, "devices", None), np.ndarray):
-    object.__setattr__(mesh, "devices", mesh.devices.view(_Devices))
+  return comparable(_jax.tensorcore_mesh(axis_name, num_cores))
+
+
+def comparable(mesh: Mesh) -> Mesh:
+  """``mesh``, made to compare as a bool where it holds a device array (a
+  TensorCoreMesh of jax 0.10.2, see ``_Devices``): the same object, its
+  devices viewed as ``_Devices``."""
+  devices = getattr(mesh, "devices", None)
+  if type(devices) is np.ndarray:
+    object.__setattr__(mesh, "devices", devices.view(_Devices))
   return mesh

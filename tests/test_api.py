@@ -194,6 +194,33 @@ def test_multicore_meshes_and_their_refs_compare_as_bools():
   assert ref(a) == ref(tc_mesh("a", 2)) and ref(a) != ref(b)
 
 
+def _upstream_mesh(name, num_cores):
+  if _jax.JAX_VERSION >= (0, 11):
+    return pltpu.TensorCoreMesh(axis_name=name, num_cores=num_cores)
+  return pltpu.create_tensorcore_mesh(name, num_cores=num_cores)
+
+
+def test_upstream_multicore_meshes_compare_as_bools_once_launched():
+  """Meshes built with Pallas' own constructor: a launch takes them as
+  they are and makes them comparable (the same failure, on jax 0.10.2)."""
+  a, b = _upstream_mesh("a", 2), _upstream_mesh("b", 2)
+
+  def kernel(x_hbm, *refs, i):
+    c = jax.lax.axis_index("ab"[i])
+    pltpu.sync_copy(x_hbm, refs[2 + i])
+    pltpu.sync_copy(refs[2 + i], refs[i].at[c])
+
+  x = jnp.ones(SHAPE, jnp.float32)
+  f = mpmd.mpmd_map(
+    [(m, functools.partial(kernel, i=i)) for i, m in enumerate((a, b))],
+    [jax.ShapeDtypeStruct((2, *SHAPE), jnp.float32)] * 2,
+    scratch_types=[(pltpu.VMEM @ m)(SHAPE, jnp.float32) for m in (a, b)],
+  )
+  for out in f(x):
+    np.testing.assert_array_equal(out, jnp.broadcast_to(x, out.shape))
+  assert a != b and not a == b
+
+
 # -- bad input ----------------------------------------------------------------
 
 
