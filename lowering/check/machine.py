@@ -100,7 +100,7 @@ class Dma:
     self.issuer = issuer
     self.where = where
     self.event = None
-    self.lane = self.lane_time = 0  # (``Machine.lane``)
+    self.lane = self.lane_time = 0  # (``Machine.lane``): it writes then
     self.option = ("d", index)  # how the scheduler names it
 
 
@@ -184,17 +184,17 @@ class Machine:
       for d in range(plan.num_devices)
     ]
 
-  def pick(self, options, default, stuck: str = "") -> schedule.Option:
+  def pick(self, options, default, stuck=str) -> schedule.Option:
     """The strategy's pick among ``options`` for the next step (one other
     than ``default`` is a preemption, which the schedule string keeps).
-    ``stuck``: what a launch past ``MAX_STEPS`` is likely doing."""
+    ``stuck()``: what a launch past ``MAX_STEPS`` is likely doing."""
     pick = self.strategy.choose(self.step, options, default)
     if pick != default:
       self.preemptions.append((self.step, pick))
     self.step += 1
     if self.step > MAX_STEPS:
       raise errors.DeadlockError(
-        f"kernel {self.plan.kernel}: no progress after {MAX_STEPS} steps{stuck}"
+        f"kernel {self.plan.kernel}: no progress in {MAX_STEPS} steps{stuck()}"
       )
     return pick
 
@@ -213,10 +213,10 @@ class Machine:
       return f"{what} issued by {self.name_comp(issuer)}"
     return self.name(*divmod(comp, self.plan.num_programs))
 
-  def lane(self, issuer: int, key: tuple, what: str) -> tuple[int, int]:
+  def lane(self, issuer: int, key: tuple, what: str, ticks=1) -> tuple:
     """``(clock component, time)`` of an asynchronous operation that the
     program of component ``issuer`` starts: one lane per issuer and ``key``
-    (what completes it: semaphores, a barrier), ticking once per operation.
+    (what completes it: semaphores, a barrier), ticking ``ticks`` times.
     A wait covers the operations that signal what it waits on, not the
     issuer's others: hardware completes them in any order."""
     key = (issuer, *key)
@@ -224,7 +224,7 @@ class Machine:
     if comp is None:
       comp = self.lane_comps[key] = self.num_comps + len(self.lane_names)
       self.lane_names.append((issuer, what))
-    self.lane_times[comp] = time = self.lane_times.get(comp, 0) + 1
+    self.lane_times[comp] = time = self.lane_times.get(comp, 0) + ticks
     return comp, time
 
   def describe(self, ctx, op: str, where: str) -> "Describe":

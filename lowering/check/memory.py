@@ -11,6 +11,7 @@ elements while accesses are windows of consecutive elements, which views
 with a ``slab`` also read and write by slicing).
 """
 
+import collections
 import dataclasses
 import functools
 import math
@@ -138,7 +139,11 @@ class Buffer:
     size = math.prod(shape)  # (np.prod costs microseconds per buffer)
     if semaphore:
       self.data = np.zeros(shape, np.int64)
-      self.clocks: list[Clock] = [{} for _ in range(size)]
+      # Per element, oldest first: the units it counts, as (amount, clock of
+      # the signal, its event) entries (``sync._add``, ``sync._take``).
+      self.units: list[collections.deque[list]] = [
+        collections.deque() for _ in range(size)
+      ]
       # Per element: the event that last signalled it (for the timeline).
       self.signals: list[int | None] = [None] * size
     elif data is None:

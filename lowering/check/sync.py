@@ -16,8 +16,6 @@ from mpmd._lowering.check import interp, memory, records, schedule
 from mpmd._lowering.check import machine as machine_lib
 from mpmd._lowering.check.memory import View
 
-_SPINNING = " (programs spinning on semaphore reads that never change?)"
-
 Gate = tuple[np.ndarray, int, int] | bool  # (counts, element, need) or True
 
 
@@ -107,7 +105,7 @@ def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
       break
     if current is not None and programs[current].polled:
       default = _next_after(options, current, default)
-    pick = m.pick(options, default, _SPINNING)
+    pick = m.pick(options, default, lambda: _spinning(m, programs))
     if pick[0] == "d":
       _land(m, m.dmas.pop(pick[1]))
     else:
@@ -256,8 +254,9 @@ def _perform(m, p: _Program, sync: interp.Sync):
     return None
   if isinstance(op, records.SemRead):
     view = _sem_view(m, p, op.sem)
-    e = view.ids.item(0)
-    m.clocks[comp] = memory.join(clock, view.buffer.clocks[e])
+    for _, signal, _ in view.buffer.units[view.ids.item(0)]:
+      clock = memory.join(clock, signal)  # the count shows every signal
+    m.clocks[comp] = clock
     return _count(view)
   raise NotImplementedError(f"mpmd checker: operation {op!r}")
 
@@ -273,23 +272,46 @@ def _event(m, p, kind, what, where, dma=None, after=None) -> int:
 
 
 def _add(view: View, amount: int, clock, event: int | None) -> None:
+  """A signal (or a DMA landing) of ``amount`` units with ``clock``."""
   e = view.ids.item(0)  # (a view of one element: ``_element``)
   b = view.buffer
   b.flat[e] += amount
-  b.clocks[e] = memory.join(b.clocks[e], clock)
+  if amount > 0:
+    b.units[e].append([amount, clock, event])
+  _trim(b.units[e], int(b.flat[e]))
   b.signals[e] = event
 
 
+def _trim(units, count: int) -> None:
+  """Drops the oldest units down to ``count``: a negative signal takes
+  units without ordering anyone after their signals."""
+  extra = sum(u[0] for u in units) - max(count, 0)
+  while extra > 0:
+    if units[0][0] > extra:
+      units[0][0] -= extra
+      return
+    extra -= units.popleft()[0]
+
+
 def _take(m, p, view: View, need: int, decrement: bool, what, where):
+  """A wait for ``need`` units: it is ordered after the signals of the
+  oldest ``need`` units, not all of them. A count is not a queue on
+  hardware either: a later signal may be what lets the wait pass, so
+  what only that signal publishes is a race (``explore`` finds the
+  order where it is)."""
   e = view.ids.item(0)
   b = view.buffer
+  comp = p.comp
+  clock, after, taken = m.clocks[comp], None, 0
+  for amount, signal, event in b.units[e]:
+    if taken >= need:
+      break
+    clock, after, taken = memory.join(clock, signal), event, taken + amount
+  m.clocks[comp] = clock
   if decrement:
     b.flat[e] -= need
-  comp = p.comp
-  m.clocks[comp] = memory.join(m.clocks[comp], b.clocks[e])
-  _event(
-    m, p, "wait", f"{what} {b.label} for {need}", where, after=b.signals[e]
-  )
+    _trim(b.units[e], int(b.flat[e]))
+  _event(m, p, "wait", f"{what} {b.label} for {need}", where, after=after)
   return None
 
 
@@ -325,7 +347,8 @@ def _start(m, p, op: records.DmaStart, where: str):
   sems = tuple(
     None if v is None else (id(v.buffer), v.ids.item(0)) for v in (recv, send)
   )
-  dma.lane, dma.lane_time = m.lane(comp, sems, "a DMA")
+  # Two ticks: it reads its source at the first, writes at the second.
+  dma.lane, dma.lane_time = m.lane(comp, sems, "a DMA", ticks=2)
   dma.event = _event(
     m,
     p,
@@ -358,7 +381,7 @@ def _land(m, dma: machine_lib.Dma) -> None:
   src, dst, start = dma.src, dma.dst, dma.start
   name_comp = m.name_comp
   memory.check_access(
-    src, comp, time, dma.clock, False, describe, None, name_comp
+    src, comp, time - 1, dma.clock, False, describe, None, name_comp
   )
   unchanged = None
   if not start.add and not plan.identical_writes_race:
@@ -380,7 +403,6 @@ def _land(m, dma: machine_lib.Dma) -> None:
   else:
     dst.write(src.read())
     dst.set_init(src.init_of())
-  clock = memory.join(dma.clock, {comp: time})
   events = m.events
   events.append(
     machine_lib.Event(
@@ -388,17 +410,45 @@ def _land(m, dma: machine_lib.Dma) -> None:
     )
   )
   event = len(events) - 1
+  # The receiver's semaphore says the data has landed; the sender's only
+  # that the source has been read (a remote DMA's wait_send).
   if dma.recv is not None:
-    _add(dma.recv, 1 if start.recv_once else src.nbytes, clock, event)
+    landed = memory.join(dma.clock, {comp: time})
+    _add(dma.recv, 1 if start.recv_once else src.nbytes, landed, event)
   if dma.send is not None:
-    _add(dma.send, 1 if start.send_once else src.nbytes, clock, event)
+    read = memory.join(dma.clock, {comp: time - 1})
+    _add(dma.send, 1 if start.send_once else src.nbytes, read, event)
+
+
+def _spinning(m, programs) -> str:
+  """What a launch past ``MAX_STEPS`` is doing: each program that has not
+  ended, and what the one it reads holds."""
+  live = [p for p in programs if not p.done and p.pending is not None]
+  return (
+    ": programs spinning on semaphore reads that never change? (a loop "
+    "that polls semaphore_read until a signal nobody sends)\n"
+    + "\n".join(_waiting_lines(m, live))
+  )
 
 
 def _deadlock_report(m, waiting) -> str:
+  return (
+    f"kernel {m.plan.kernel} deadlocks: no program can go on and no DMA is "
+    f"in flight ({m.step} steps in):\n" + "\n".join(_waiting_lines(m, waiting))
+  )
+
+
+def _waiting_lines(m, waiting) -> list[str]:
   lines = []
   for p in waiting:
     op = p.pending.op
-    if isinstance(op, (records.DmaWait, records.SemWait)):
+    if isinstance(op, records.SemRead):
+      view = _sem_view(m, p, op.sem)
+      lines.append(
+        f"  {m.name(p.device, p.program)} reads {view.buffer.label} "
+        f"(semaphore_read at {p.pending.where}); it holds {_count(view)}"
+      )
+    elif isinstance(op, (records.DmaWait, records.SemWait)):
       view = _sem_view(m, p, op.sem)
       need = (
         _wait_bytes(m, p, op)
@@ -414,10 +464,7 @@ def _deadlock_report(m, waiting) -> str:
       )
     else:
       lines.append(f"  {m.name(p.device, p.program)} at {p.pending.where}")
-  return (
-    f"kernel {m.plan.kernel} deadlocks: no program can go on and no DMA is "
-    f"in flight ({m.step} steps in):\n" + "\n".join(lines)
-  )
+  return lines
 
 
 def _end_scope(m, p, op: interp.ScopeEnd, where: str):

@@ -8,7 +8,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from checked_ring import ring_launch
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_check import X, two_meshes
 
 import mpmd
@@ -112,3 +115,84 @@ def test_a_wait_orders_only_the_dmas_it_waits_for(
     mpmd.replay(jax.jit(f), *[x] * inputs, schedule="default")
   for text in says:
     assert text in str(e.value)
+
+
+def _restages_without_an_ack(x_hbm, o_hbm, staged, ready):
+  """Core 0 stages two halves through one buffer, signalling after each;
+  nothing tells it that core 1 has read the first."""
+  core = jax.lax.axis_index("core")
+
+  @pl.when(core == 0)
+  def _():
+    pltpu.sync_copy(x_hbm.at[:8], staged)
+    pl.semaphore_signal(ready, 1, core_index=1)
+    pltpu.sync_copy(x_hbm.at[8:], staged)  # core 1 may still be reading
+    pl.semaphore_signal(ready, 1, core_index=1)
+
+  @pl.when(core == 1)
+  def _():
+    for half in (slice(0, 8), slice(8, 16)):
+      pl.semaphore_wait(ready, 1)
+      pltpu.sync_copy(staged, o_hbm.at[half])
+
+
+def test_a_wait_is_ordered_after_the_oldest_signals_only():
+  """Two signals counted before a wait for one: only the first orders the
+  waiter (the second may come after it on hardware). The default schedule
+  runs core 0 to its end first, so the read sees the second half."""
+  f = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=2), _restages_without_an_ack)],
+    jax.ShapeDtypeStruct((16, 128), jnp.float32),
+    scratch_types=[
+      pltpu.HBM((8, 128), jnp.float32),
+      pltpu.SemaphoreType.REGULAR,
+    ],
+  )
+  with pytest.raises(mpmd.RaceError, match=r"data race on 'staged'"):
+    mpmd.replay(
+      jax.jit(f), jnp.ones((16, 128), jnp.float32), schedule="default"
+    )
+
+
+def _flags_after_the_send(x_hbm, o_hbm, inbox, send_sem, recv_sem, flag):
+  """Device 0 waits for its remote copy's *send* semaphore and flags device
+  1, which reads the copy's destination before its receive semaphore."""
+  me = jax.lax.axis_index("x")
+  copy = pltpu.make_async_remote_copy(
+    x_hbm, inbox, send_sem, recv_sem, device_id={"x": 1}
+  )
+
+  @pl.when(me == 0)
+  def _():
+    copy.start()
+    copy.wait_send()  # the source has been read, not the data landed
+    pl.semaphore_signal(flag, 1, device_id={"x": 1})
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  @pl.when(me == 1)
+  def _():
+    pl.semaphore_wait(flag, 1)
+    pltpu.sync_copy(inbox, o_hbm)
+    copy.wait_recv()
+
+
+def test_a_send_wait_does_not_order_the_landing():
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  kernel = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), _flags_after_the_send)],
+    jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    scratch_types=[VMEM, pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA]
+    + [pltpu.SemaphoreType.REGULAR],
+  )
+  f = jax.jit(
+    jax.shard_map(
+      kernel, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
+    )
+  )
+  with pytest.raises(mpmd.RaceError) as e:
+    x = jax.device_put(
+      jnp.ones((16, 128), jnp.float32), NamedSharding(mesh, P("x"))
+    )
+    mpmd.replay(f, x, schedule="default")
+  assert "data race on 'inbox'" in str(e.value)
+  assert "write by DMA #0 issued by device 0" in str(e.value)

@@ -72,8 +72,10 @@ def test_a_spin_nobody_ends_is_a_deadlock(monkeypatch):
   with (
     pytest.raises(
       mpmd.DeadlockError,
-      match=r"kernel kernel at .*: no progress after 5000 steps \(programs "
-      r"spinning on semaphore reads that never change\?\)",
+      match=r"kernel kernel at .*: no progress in 5000 steps: programs "
+      r"spinning on semaphore reads that never change\? .*\n  mesh 0 "
+      r"program \{'core': 1\} reads 'flag' \(mesh 0 program \{'core': 1\}\) "
+      r"\(semaphore_read at .*test_spins.py:\d+:\d+ .*\); it holds 0",
     ),
     mpmd.typed_errors(),
   ):
