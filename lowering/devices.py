@@ -46,9 +46,12 @@ class Devices:
     return math.prod(self.sizes)
 
   def _by_axis(self, device_id: Any) -> dict[Any, Any]:
-    """``device_id`` as a dict (an index alone is along the first axis)."""
+    """``device_id`` as a dict (an index alone is along the first axis, a
+    tuple's along the axes in order)."""
     if isinstance(device_id, dict):
       return device_id
+    if isinstance(device_id, tuple | list):
+      return dict(zip(self.axes, device_id, strict=True))
     return {self.axes[0]: device_id}
 
   def flat(self, device_id: Any) -> jax.Array:

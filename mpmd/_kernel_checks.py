@@ -212,8 +212,9 @@ def check_kernel(jaxpr: core.Jaxpr, caller: int, meshes, roles: Roles):
   kernel = f"mpmd_map: kernel {roles.debug_info.func_src_info}"
   outer = jax.sharding.get_abstract_mesh()
   axis_sizes = {} if outer.empty else dict(outer.shape)
+  device_axes = tuple(axis_sizes)
   axis_sizes.update(prim.axis_env(meshes))
-  where = _Where(caller, meshes, axis_sizes, roles, kernel)
+  where = _Where(caller, meshes, axis_sizes, roles, kernel, device_axes)
   _check_eqns(jaxpr, jaxpr, {}, where)
 
 
@@ -225,6 +226,7 @@ class _Where(NamedTuple):
   axis_sizes: dict[Any, int]
   roles: Roles
   kernel: str
+  device_axes: tuple[Any, ...]  # the enclosing shard_map's, in order
   # Where the enclosing operation is in the user's code: the line of an
   # operation JAX made (a ``sync_copy``'s DMA, inside its ``run_scoped``).
   line: str = ""
@@ -249,7 +251,7 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
   """``outer`` maps a variable of a nested jaxpr to the kernel operand it
   stands for (so that messages can name it)."""
   mesh = where.meshes[where.caller]
-  axis_sizes, roles, kernel = where.axis_sizes, where.roles, where.kernel
+  roles, kernel = where.roles, where.kernel
   for eqn in jaxpr.eqns:
     name, kind = eqn.primitive.name, _pallas_ops.kind(eqn)
     at = _at(jaxpr_util.line(eqn) or where.line)
@@ -258,7 +260,7 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
         _check_dma(top, eqn, outer, roles, kernel, at)
       sem, device_id = addressing.dma_operands(eqn, eqn.invars)
       what = f"{kernel}: a DMA ({name})"
-      _check_device_id(device_id, axis_sizes, what, at)
+      _check_device_id(device_id, eqn.params["device_id_type"], where, what, at)
       what = f"{what}{at}{_sem(top, sem, outer, roles)}"
       target = addressing.resolve(
         where.meshes, where.caller, sem.aval, device_id, what
@@ -269,7 +271,7 @@ def _check_eqns(top, jaxpr, outer, where: _Where) -> None:
       sem, device_id = signal.sem, signal.device_id
       core_index = signal.core_index
       what = f"{kernel}: semaphore_signal"
-      _check_device_id(device_id, axis_sizes, what, at)
+      _check_device_id(device_id, eqn.params["device_id_type"], where, what, at)
       if device_id is None:
         _check_core_index(core_index, mesh, what, at)
       addressing.resolve(
@@ -526,10 +528,28 @@ def _at(line: str) -> str:
   return f" (at {line})" if line else ""
 
 
-def _check_device_id(device_id: Any, axis_sizes, what: str, at: str) -> None:
-  """Axes a ``device_id`` dict names exist; literal indices are in range
-  (else a ``StaticOutOfBoundsError``: on hardware, a DMA or signal to a
-  device that is not there)."""
+def _check_device_id(device_id, id_type, where: _Where, what, at) -> None:
+  """Axes a ``device_id`` dict names exist, a tuple has one index per axis
+  of the shard_map's mesh; literal indices are in range (else a
+  ``StaticOutOfBoundsError``: on hardware, a DMA or signal to a device
+  that is not there)."""
+  axis_sizes, axes = where.axis_sizes, where.device_axes
+  if device_id is None or isinstance(device_id, Mapping):
+    pass
+  elif id_type is _jax.pallas_primitives.DeviceIdType.LOGICAL:
+    return  # a flat index
+  else:
+    ids = device_id if isinstance(device_id, tuple | list) else (device_id,)
+    if len(ids) != len(axes):
+      raise ValueError(
+        f"{what}{at} names device_id {_shown(device_id)}: a device_id that "
+        "is not a dict holds one index per axis of the enclosing "
+        f"shard_map's mesh {axes}, in order (a dict names axes, kernel "
+        "mesh axes too). Upstream's words: Number of device ids must match "
+        f"the number of mesh axes, but got {len(ids)} ids for a "
+        f"{len(axes)}D mesh."
+      )
+    device_id = dict(zip(axes, ids, strict=True))
   if not isinstance(device_id, Mapping):
     return
   for axis, index in device_id.items():
@@ -549,6 +569,17 @@ def _check_device_id(device_id: Any, axis_sizes, what: str, at: str) -> None:
           f"{what} names device_id {{{axis!r}: {value}}}: expected an "
           f"index in [0, {size}) along axis {axis!r}{at}"
         )
+
+
+def _shown(device_id) -> str:
+  """A ``device_id`` as written: literals by value, traced ones by type."""
+  if not isinstance(device_id, tuple | list):
+    return _shown([device_id])[1:-2]
+  shown = [
+    str(int(x.val)) if isinstance(x, core.Literal) else short(x.aval)
+    for x in device_id
+  ]
+  return f"({', '.join(shown)}{',' if len(shown) == 1 else ''})"
 
 
 def _check_core_index(core_index: Any, mesh, what: str, at: str) -> None:

@@ -232,9 +232,9 @@ def test_a_ring_neighbour_is_proven_in_the_mesh(added):
 
 
 def test_a_fixed_flat_device_id_past_the_mesh():
-  """A plain-integer device_id (not a dict) fixed past the mesh: no
-  trace-time check knows the device count, so the run-time one reports it
-  (it used to skip every fixed index)."""
+  """A plain-integer device_id (not a dict) fixed past the mesh: read as
+  the coordinate along the shard_map's one axis, as a dict is, it fails
+  when the kernel is traced."""
 
   def send_past(x_hbm, o_hbm, buf, send, recv):
     copy = pltpu.make_async_remote_copy(x_hbm, buf, send, recv, device_id=NUM)
@@ -245,4 +245,10 @@ def test_a_fixed_flat_device_id_past_the_mesh():
   f, x = _on_ring(
     send_past, [pltpu.VMEM((ROWS, COLS), jnp.float32), DMA_SEM, DMA_SEM]
   )
-  _fails(f, x, "kernel send_past at ", "names device_id 'x'=4, outside")
+  with pytest.raises(mpmd.OutOfBoundsError) as info:
+    f.trace(x)
+  assert isinstance(info.value, ValueError)  # (a StaticOutOfBoundsError)
+  assert "kernel send_past at " in str(info.value)
+  assert "names device_id {'x': 4}: expected an index in [0, 4)" in str(
+    info.value
+  )
