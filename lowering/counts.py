@@ -18,12 +18,18 @@ from mpmd._lowering import jaxpr_util
 _POISON = -(1 << 30)
 
 
+def poisoned(count: Any) -> jax.Array:
+  """Where a wait found too little (a count a negative signal took below
+  zero is not: it is left over, as on the checker)."""
+  return count <= _POISON // 2
+
+
 def signal(sem: Any, inc: Any) -> None:
-  """Adds ``inc`` to a semaphore, unless it is poisoned (negative)."""
+  """Adds ``inc`` to a semaphore, unless it is poisoned."""
   before = state_primitives.ref_get(sem, None)
   inc = jnp.asarray(inc, jnp.int32)
   state_primitives.ref_set(
-    sem, None, jnp.where(before < 0, before, before + inc)
+    sem, None, jnp.where(poisoned(before), before, before + inc)
   )
 
 

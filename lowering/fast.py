@@ -316,13 +316,16 @@ def _run_program(program, p: int, args, outs, shared, b: _Buffers):
   for k, key in enumerate(keys):
     if key is not None:
       shared[key] = operands[num_in + num_out + k]
-  # A wait that found its semaphore short poisoned it (negative): on
-  # hardware that program would wait forever.
-  stuck = [jnp.any(operands[k] < 0) for k in b.semaphores]
-  # A scratch semaphore still counting at the end: a signal nobody waited
-  # for, or a DMA nobody awaited (operands carry theirs to the next launch).
+  # A wait that found its semaphore short poisoned it: on hardware that
+  # program would wait forever.
+  stuck = [jnp.any(counts.poisoned(operands[k])) for k in b.semaphores]
+  # A scratch semaphore not back to zero at the end: a signal nobody waited
+  # for, a DMA nobody awaited (operands carry theirs to the next launch), a
+  # negative signal.
   left = [
-    jnp.any(operands[k] > 0) & (k >= num_in + num_out) for k in b.semaphores
+    jnp.any((operands[k] != 0) & ~counts.poisoned(operands[k]))
+    & (k >= num_in + num_out)
+    for k in b.semaphores
   ]
   none = jnp.zeros((0,), jnp.bool_)
   return (
@@ -359,14 +362,13 @@ _SEMAPHORE_FAILURES = (
     watchdog.DeadlockError,
     "mpmd_map deadlock: on the CPU fast path (programs run one after "
     "another), in {}, these programs waited on a semaphore more than it "
-    "was signalled, so on hardware they would wait forever (or a program "
-    "signalled it a negative amount):\n",
+    "was signalled, so on hardware they would wait forever:\n",
   ),
   (
     errors.LeftoverError,
     "mpmd_map: on the CPU fast path, {} ended with scratch semaphores not "
-    "back to zero (a signal nobody waited for, or a DMA whose completion "
-    "nobody awaited):\n",
+    "back to zero (a signal nobody waited for, a DMA whose completion "
+    "nobody awaited, or a negative signal):\n",
   ),
 )
 

@@ -63,6 +63,7 @@ from mpmd._lowering.counts import (
   is_count,
   once_by_eqn,
   once_flags,
+  poisoned,
   ref_bytes,
   signal,
   wait,
@@ -450,7 +451,8 @@ def _verdict(count: jax.Array, scratch: bool) -> jax.Array:
   if not count.size:
     return jnp.zeros((3,), jnp.int32)
   flat = jnp.ravel(count).astype(jnp.int32)
-  short, left = flat < 0, (flat > 0) & scratch
+  short = poisoned(flat)
+  left = (flat != 0) & ~short & scratch
   verdict = jnp.where(
     jnp.any(short), SHORT, jnp.where(jnp.any(left), LEFTOVER, 0)
   )
@@ -527,8 +529,9 @@ def _raise_if_short(kernel: str, names, axes, reports) -> None:
   if not lines:
     raise errors.LeftoverError(
       f"mpmd_map: on the CPU lockstep path, kernel {kernel} ended with "
-      "scratch semaphores not back to zero (a signal nobody waited for, or "
-      "a DMA whose completion nobody awaited):\n" + "\n".join(left)
+      "scratch semaphores not back to zero (a signal nobody waited for, a "
+      "DMA whose completion nobody awaited, or a negative signal):\n"
+      + "\n".join(left)
     )
   raise watchdog.DeadlockError(
     f"mpmd_map deadlock: on the CPU lockstep path (devices run in step), in "

@@ -369,16 +369,65 @@ def test_both_launches_lower_for_tpu_like_upstream():
   assert "tensor<i32>) -> tensor<8x128xf32>" in done_type
 
 
-def test_a_negative_signal_is_named_among_the_causes():
-  def kernel(x_hbm, o_hbm, sem):
-    pl.semaphore_signal(sem, -1)  # no wait anywhere
-    pltpu.sync_copy(x_hbm, o_hbm)
+def _signals_minus_one(x_hbm, o_hbm, sem):
+  pl.semaphore_signal(sem, -1)  # nobody waits on it
+  pltpu.sync_copy(x_hbm, o_hbm)
 
+
+@pytest.mark.parametrize(
+  "interpret, says",
+  [
+    (None, r"fast path, .* or a negative signal\):\n.*'sem'"),
+    (mpmd.CheckParams(), r"'sem' .* holds -1"),
+  ],
+  ids=["fast", "check"],
+)
+def test_a_negative_signal_nobody_waits_on_is_left_over(interpret, says):
+  """No wait found too little: the count ends at -1, left over on every
+  path (the fast path took it for a wait that came up short)."""
   f = mpmd.mpmd_map(
-    [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
+    [(mpmd.tensorcore_mesh("core", num_cores=1), _signals_minus_one)],
+    jax.ShapeDtypeStruct(ROWS, jnp.float32),
+    scratch_types=[pltpu.SemaphoreType.REGULAR(())],
+    interpret=interpret,
+  )
+  with pytest.raises(mpmd.LeftoverError, match=says), mpmd.typed_errors():
+    jax.block_until_ready(f(jnp.ones(ROWS, jnp.float32)))
+
+
+def _hands_on_then_signals_minus_one(x_hbm, o_hbm, sem):
+  right = jax.lax.rem(jax.lax.axis_index("x") + 1, 2)
+  pl.semaphore_signal(sem, 1, device_id={"x": right})
+  pl.semaphore_wait(sem, 1)
+  _signals_minus_one(x_hbm, o_hbm, sem)
+
+
+def test_a_negative_signal_on_the_lockstep_path_is_left_over():
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  local = mpmd.mpmd_map(
+    [
+      (
+        mpmd.tensorcore_mesh("core", num_cores=1),
+        _hands_on_then_signals_minus_one,
+      )
+    ],
     jax.ShapeDtypeStruct(ROWS, jnp.float32),
     scratch_types=[pltpu.SemaphoreType.REGULAR(())],
   )
-  _raises_deadlock(
-    f, jnp.ones(ROWS, jnp.float32), match=r"signalled it a negative amount"
+  f = jax.jit(
+    jax.shard_map(
+      local, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
+    )
   )
+  x = jax.device_put(
+    jnp.ones((2 * ROWS[0], ROWS[1]), jnp.float32), NamedSharding(mesh, P("x"))
+  )
+  with (
+    pytest.raises(
+      mpmd.LeftoverError,
+      match=r"lockstep path, .* or a negative signal\):\n"
+      r".*'sem' .*\(count -1\)",
+    ),
+    mpmd.typed_errors(),
+  ):
+    jax.block_until_ready(f(x))
