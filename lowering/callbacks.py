@@ -29,7 +29,7 @@ _SIMULATOR_MODULES = (
   "jax._src.pallas.mosaic.interpret.",
   "jax._src.pallas.mosaic_gpu.interpret.",
 )
-_OUR_MODULES = ("mpmd._lowering.",)
+_OUR_MODULES = ("mpmd._lowering.", "mpmd.kernels.")
 
 
 def _module(flat_callback) -> str:
