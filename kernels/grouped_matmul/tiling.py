@@ -119,4 +119,9 @@ def resolve_tiling(
 
 
 def _divisor_hint(m: int, tm: int) -> int:
-  return max(d for d in range(1, tm + 1) if m % d == 0)
+  """A row tile that divides ``m`` and that a TPU takes too (a multiple of
+  its sublanes, else all ``m`` rows): the largest up to ``tm``, else the
+  smallest above."""
+  fits = [d for d in range(_TPU_SUBLANES, m, _TPU_SUBLANES) if m % d == 0]
+  below = [d for d in fits if d <= tm]
+  return max(below) if below else min(fits, default=m)

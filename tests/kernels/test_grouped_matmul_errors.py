@@ -118,7 +118,14 @@ ERRORS = [
     "gmm-row-tile-does-not-divide-m",
     lambda: gm.gmm(LHS, RHS, SIZES, tiling=(24, 32, 16)),
     ValueError,
-    r"gmm: expected the row tile tm=24 .* divide m=64",
+    r"gmm: expected the row tile tm=24 .* divide m=64 .*; try tm=16$",
+  ),
+  (
+    # The hint is one a TPU takes too (a multiple of 8 rows), not tm=4.
+    "gmm-row-tile-hint-fits-a-tpu",
+    lambda: gm.gmm(LHS, RHS, SIZES, tiling=(7, 32, 16)),
+    ValueError,
+    r"tm=7 .* divide m=64 .*; try tm=8$",
   ),
   (
     "gmm-tiling-not-positive",
@@ -297,7 +304,7 @@ GROUPED_MATMUL_CASES = [
     "tiling_that_does_not_divide_m",
     lambda: gm.gmm(LHS, RHS, SIZES, tiling=(24, 32, 16)),
     ValueError,
-    r"gmm: expected the row tile tm=24 .* divide m=64",
+    r"gmm: expected the row tile tm=24 .* divide m=64 .*; try tm=16$",
   ),
   Case(
     "tiling_of_two_sizes",
