@@ -276,8 +276,8 @@ def _add(view: View, amount: int, clock, event: int | None) -> None:
   e = view.ids.item(0)  # (a view of one element: ``_element``)
   b = view.buffer
   b.flat[e] += amount
-  if amount > 0:
-    b.units[e].append([amount, clock, event])
+  if amount > 0:  # (a copy: a signaller's clock ticks on)
+    b.units[e].append([amount, dict(clock), event])
   _trim(b.units[e], int(b.flat[e]))
   b.signals[e] = event
 

@@ -196,3 +196,49 @@ def test_a_send_wait_does_not_order_the_landing():
     mpmd.replay(f, x, schedule="default")
   assert "data race on 'inbox'" in str(e.value)
   assert "write by DMA #0 issued by device 0" in str(e.value)
+
+
+def _frees_then_reads(x_hbm, o_hbm, inbox, staged, send, recv, free):
+  """Device 0 tells device 1 that 'inbox' is free, then still reads it;
+  device 1 copies into it once told."""
+  me = jax.lax.axis_index("x")
+  copy = pltpu.make_async_remote_copy(
+    x_hbm, inbox, send, recv, device_id={"x": 0}
+  )
+
+  @pl.when(me == 0)
+  def _():
+    inbox[...] = jnp.zeros((8, 128), jnp.float32)
+    pl.semaphore_signal(free, 1, device_id={"x": 1})
+    staged[...] = inbox[...]  # device 1's copy may land meanwhile
+    copy.wait_recv()
+    pltpu.sync_copy(staged, o_hbm)
+
+  @pl.when(me == 1)
+  def _():
+    pl.semaphore_wait(free, 1)
+    copy.start()
+    copy.wait_send()
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+
+def test_a_wait_is_not_ordered_after_what_the_signaller_does_next():
+  """A signal keeps the signaller's clock as it was: the waiter is not
+  ordered after the load device 0 makes after signalling."""
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  kernel = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), _frees_then_reads)],
+    jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    scratch_types=[VMEM, VMEM, pltpu.SemaphoreType.DMA]
+    + [pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.REGULAR],
+  )
+  f = jax.jit(
+    jax.shard_map(
+      kernel, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
+    )
+  )
+  x = jax.device_put(
+    jnp.ones((16, 128), jnp.float32), NamedSharding(mesh, P("x"))
+  )
+  with pytest.raises(mpmd.RaceError, match=r"data race on 'inbox'"):
+    mpmd.replay(f, x, schedule="default")
