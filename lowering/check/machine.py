@@ -100,7 +100,7 @@ class Dma:
     self.issuer = issuer
     self.where = where
     self.event = None
-    self.lane = self.lane_time = 0  # (``Machine.lane``): it writes then
+    self.lane, self.lane_time = (0, 0), 0  # (read, write) ``Machine.lane``s
     self.option = ("d", index)  # how the scheduler names it
 
 
@@ -184,7 +184,7 @@ class Machine:
       for d in range(plan.num_devices)
     ]
 
-  def pick(self, options, default, stuck=str) -> schedule.Option:
+  def pick(self, options, default, stuck=lambda: "") -> schedule.Option:
     """The strategy's pick among ``options`` for the next step (one other
     than ``default`` is a preemption, which the schedule string keeps).
     ``stuck()``: what a launch past ``MAX_STEPS`` is likely doing."""
@@ -213,10 +213,10 @@ class Machine:
       return f"{what} issued by {self.name_comp(issuer)}"
     return self.name(*divmod(comp, self.plan.num_programs))
 
-  def lane(self, issuer: int, key: tuple, what: str, ticks=1) -> tuple:
+  def lane(self, issuer: int, key: tuple, what: str) -> tuple[int, int]:
     """``(clock component, time)`` of an asynchronous operation that the
     program of component ``issuer`` starts: one lane per issuer and ``key``
-    (what completes it: semaphores, a barrier), ticking ``ticks`` times.
+    (what completes it: semaphores, a barrier), ticking once per operation.
     A wait covers the operations that signal what it waits on, not the
     issuer's others: hardware completes them in any order."""
     key = (issuer, *key)
@@ -224,7 +224,7 @@ class Machine:
     if comp is None:
       comp = self.lane_comps[key] = self.num_comps + len(self.lane_names)
       self.lane_names.append((issuer, what))
-    self.lane_times[comp] = time = self.lane_times.get(comp, 0) + ticks
+    self.lane_times[comp] = time = self.lane_times.get(comp, 0) + 1
     return comp, time
 
   def describe(self, ctx, op: str, where: str) -> "Describe":

@@ -347,8 +347,10 @@ def _start(m, p, op: records.DmaStart, where: str):
   sems = tuple(
     None if v is None else (id(v.buffer), v.ids.item(0)) for v in (recv, send)
   )
-  # Two ticks: it reads its source at the first, writes at the second.
-  dma.lane, dma.lane_time = m.lane(comp, sems, "a DMA", ticks=2)
+  # A lane for its reads and one for its writes: a send semaphore says
+  # that the source was read, not that the data landed.
+  read, dma.lane_time = m.lane(comp, ("read", *sems), "a DMA")
+  dma.lane = (read, m.lane(comp, sems, "a DMA")[0])
   dma.event = _event(
     m,
     p,
@@ -370,7 +372,7 @@ def _lands_unchanged(dma: machine_lib.Dma) -> bool:
 
 def _land(m, dma: machine_lib.Dma) -> None:
   """The DMA reads its source and writes its destination now."""
-  comp, time = dma.lane, dma.lane_time
+  (reads, writes), time = dma.lane, dma.lane_time
   # The text's parts, not the DMA or the machine: buffers keep it (their
   # last access), and it must not lead back to the machine (a cycle).
   index, where, plan = dma.index, dma.where, m.plan
@@ -381,13 +383,13 @@ def _land(m, dma: machine_lib.Dma) -> None:
   src, dst, start = dma.src, dma.dst, dma.start
   name_comp = m.name_comp
   memory.check_access(
-    src, comp, time - 1, dma.clock, False, describe, None, name_comp
+    src, reads, time, dma.clock, False, describe, None, name_comp
   )
   unchanged = None
   if not start.add and not plan.identical_writes_race:
     unchanged = functools.partial(_lands_unchanged, dma)
   memory.check_access(
-    dst, comp, time, dma.clock, True, describe, None, name_comp, unchanged
+    dst, writes, time, dma.clock, True, describe, None, name_comp, unchanged
   )
   if start.add:
     data = src.read()
@@ -413,10 +415,10 @@ def _land(m, dma: machine_lib.Dma) -> None:
   # The receiver's semaphore says the data has landed; the sender's only
   # that the source has been read (a remote DMA's wait_send).
   if dma.recv is not None:
-    landed = memory.join(dma.clock, {comp: time})
+    landed = memory.join(dma.clock, {reads: time, writes: time})
     _add(dma.recv, 1 if start.recv_once else src.nbytes, landed, event)
   if dma.send is not None:
-    read = memory.join(dma.clock, {comp: time - 1})
+    read = memory.join(dma.clock, {reads: time})
     _add(dma.send, 1 if start.send_once else src.nbytes, read, event)
 
 
@@ -499,7 +501,8 @@ def _check_semaphores(m, buffers, prefix: memory.Text) -> None:
   if left:
     raise errors.LeftoverError(
       f"{prefix}semaphores not back to zero (a signal nobody waited for, "
-      "or a DMA whose completion nobody awaited): " + "; ".join(left)
+      "a DMA whose completion nobody awaited, or a negative signal): "
+      + "; ".join(left)
     )
 
 

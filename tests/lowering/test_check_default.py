@@ -4,6 +4,8 @@ for speed) and the GPU loop calls the rule. Here every option list the TPU
 loop makes, on schedules that reach many states (DMAs in flight, the
 current program blocked, programs done), is checked against the rule."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -154,45 +156,62 @@ def test_a_wait_is_ordered_after_the_oldest_signals_only():
     )
 
 
-def _flags_after_the_send(x_hbm, o_hbm, inbox, send_sem, recv_sem, flag):
-  """Device 0 waits for its remote copy's *send* semaphore and flags device
-  1, which reads the copy's destination before its receive semaphore."""
+def _flags_after_the_send(
+  x_hbm, o_hbm, inbox, inbox_b, send_sem, recv_sem, flag, *, copies
+):
+  """Device 0 waits for its remote copies' *send* semaphore and flags
+  device 1, which reads the first copy's destination before its receive
+  semaphore. Two copies share one lane: the second's send must not stand
+  for the first's landing either."""
+  inboxes = (inbox, inbox_b)
   me = jax.lax.axis_index("x")
-  copy = pltpu.make_async_remote_copy(
-    x_hbm, inbox, send_sem, recv_sem, device_id={"x": 1}
-  )
+  sends = [
+    pltpu.make_async_remote_copy(
+      x_hbm, inbox, send_sem, recv_sem, device_id={"x": 1}
+    )
+    for inbox in inboxes[:copies]
+  ]
 
   @pl.when(me == 0)
   def _():
-    copy.start()
-    copy.wait_send()  # the source has been read, not the data landed
+    for copy in sends:
+      copy.start()
+    for copy in sends:
+      copy.wait_send()  # the source has been read, not the data landed
     pl.semaphore_signal(flag, 1, device_id={"x": 1})
     pltpu.sync_copy(x_hbm, o_hbm)
 
   @pl.when(me == 1)
   def _():
     pl.semaphore_wait(flag, 1)
-    pltpu.sync_copy(inbox, o_hbm)
-    copy.wait_recv()
+    pltpu.sync_copy(inboxes[0], o_hbm)
+    for copy in sends:
+      copy.wait_recv()
 
 
-def test_a_send_wait_does_not_order_the_landing():
+@pytest.mark.parametrize("copies", [1, 2])
+def test_a_send_wait_does_not_order_the_landing(copies):
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
   kernel = mpmd.mpmd_map(
-    [(mpmd.tensorcore_mesh("core", num_cores=1), _flags_after_the_send)],
+    [
+      (
+        mpmd.tensorcore_mesh("core", num_cores=1),
+        functools.partial(_flags_after_the_send, copies=copies),
+      )
+    ],
     jax.ShapeDtypeStruct((8, 128), jnp.float32),
-    scratch_types=[VMEM, pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA]
-    + [pltpu.SemaphoreType.REGULAR],
+    scratch_types=[VMEM, VMEM, pltpu.SemaphoreType.DMA]
+    + [pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.REGULAR],
   )
   f = jax.jit(
     jax.shard_map(
       kernel, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
     )
   )
+  x = jax.device_put(
+    jnp.ones((16, 128), jnp.float32), NamedSharding(mesh, P("x"))
+  )
   with pytest.raises(mpmd.RaceError) as e:
-    x = jax.device_put(
-      jnp.ones((16, 128), jnp.float32), NamedSharding(mesh, P("x"))
-    )
     mpmd.replay(f, x, schedule="default")
   assert "data race on 'inbox'" in str(e.value)
   assert "write by DMA #0 issued by device 0" in str(e.value)
