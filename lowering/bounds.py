@@ -531,13 +531,14 @@ class Checks:
       return
     args: list[Any] = []
     prefix = self._prefix(args)
-    args.append(jnp.max(jnp.abs(count)))
+    flat = jnp.ravel(count)
+    args.append(flat[jnp.argmax(flat != 0)])  # (its first element not 0)
     message = (
       f"{LEFTOVER}: on the CPU {self.path}, {prefix}: "
       f"{_escape(jaxpr_util.scoped_names(eqn)[k])} (at "
       f"{_escape(self._line(eqn))}), a semaphore, ends "
       f"its scope at {{0[{len(args) - 1}]}} (in bytes for a DMA semaphore): "
-      "a DMA or signal on it that nobody waited for"
+      "a DMA or signal on it that nobody waited for, or a negative signal"
     )
     self._check(jnp.all(count == 0), message, args)
 

@@ -505,7 +505,7 @@ def _said(sem: _Semaphore, verdict) -> str:
     text += f" .at[{at}]"
   if kind == SHORT:  # the wait left a sentinel there, not a count
     return text
-  if sem.counts_bytes:
+  if sem.counts_bytes and count > 0:
     return f"{text} ({count} bytes of DMAs not awaited)"
   return f"{text} (count {count})"
 

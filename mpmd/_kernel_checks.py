@@ -534,6 +534,7 @@ def _check_device_id(device_id, id_type, where: _Where, what, at) -> None:
   ``StaticOutOfBoundsError``: on hardware, a DMA or signal to a device
   that is not there)."""
   axis_sizes, axes = where.axis_sizes, where.device_axes
+  written = device_id
   if device_id is None or isinstance(device_id, Mapping):
     pass
   elif id_type is _jax.pallas_primitives.DeviceIdType.LOGICAL:
@@ -565,9 +566,11 @@ def _check_device_id(device_id, id_type, where: _Where, what, at) -> None:
     if isinstance(index, core.Literal):
       value = int(index.val)
       if not 0 <= value < size:
+        shown = written if isinstance(written, Mapping) else None
+        shown = f"{{{axis!r}: {value}}}" if shown else _shown(written)
         raise errors.StaticOutOfBoundsError(
-          f"{what} names device_id {{{axis!r}: {value}}}: expected an "
-          f"index in [0, {size}) along axis {axis!r}{at}"
+          f"{what} names device_id {shown}: expected an index in [0, "
+          f"{size}) along axis {axis!r}{at}"
         )
 
 

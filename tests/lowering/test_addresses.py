@@ -249,6 +249,4 @@ def test_a_fixed_flat_device_id_past_the_mesh():
     f.trace(x)
   assert isinstance(info.value, ValueError)  # (a StaticOutOfBoundsError)
   assert "kernel send_past at " in str(info.value)
-  assert "names device_id {'x': 4}: expected an index in [0, 4)" in str(
-    info.value
-  )
+  assert "names device_id 4: expected an index in [0, 4)" in str(info.value)
