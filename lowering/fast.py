@@ -182,6 +182,7 @@ def _fast_programs(num_in: int, params):
   found: list[list[static.Access]] = []  # per program: statically known
   names: list[list[str]] = []  # per program: its kernel's operand names
   kernel_of: list[str] = []  # per program: its kernel (``kern at f.py:3``)
+  waits: list[dict[str, list[str]]] = []  # per program: ``_wait_lines``
   # Meshes by position, never `meshes.index(mesh)`: upstream meshes compare
   # with `==`, which is elementwise (and ambiguous) for a multi-core
   # TensorCoreMesh on jax 0.10.2, and a mesh may appear twice.
@@ -198,6 +199,7 @@ def _fast_programs(num_in: int, params):
       once = counts.once_by_eqn(jaxpr, flags)
     kernel_names = bounds.operand_names(traced, num_in, num_out, aliases)
     refs = bounds.trace_refs(jaxpr, kernel_names)
+    kernel_waits = _wait_lines(jaxpr, refs)
     proven = ranges.prove(jaxpr, sizes, once)
     sparsecore_axis = merge.sparsecore_axis(mesh)
     for program in range(math.prod(sizes.values())):
@@ -226,6 +228,7 @@ def _fast_programs(num_in: int, params):
         programs.append(_jax.discharge_state(_jax.closed_jaxpr(unrolled)))
       labels.append(label)
       names.append(kernel_names)
+      waits.append(kernel_waits)
       kernel_of.append(traced.debug_info.func_src_info)
       num_checks += checks.count
   kernel = params["jaxprs"][0]
@@ -244,7 +247,9 @@ def _fast_programs(num_in: int, params):
     return None
 
   both_write = static.find_race(found, shared, labels, names)
-  report = _Report(tuple(kernel_of), tuple(labels), tuple(map(tuple, names)))
+  report = _Report(
+    tuple(kernel_of), tuple(labels), tuple(map(tuple, names)), tuple(waits)
+  )
   return programs, report, num_checks, tuple(sparsecores), both_write
 
 
@@ -254,11 +259,31 @@ def _uninitialized(aval):
 
 class _Report(NamedTuple):
   """How a failed launch's message names, per program, its kernel, the
-  program itself and its operands (``bounds.operand_names``)."""
+  program itself and its operands (``bounds.operand_names``), and where
+  its kernel waits on each semaphore (by name: ``_wait_lines``)."""
 
   kernels: tuple[str, ...]
   labels: tuple[str, ...]
   names: tuple[tuple[str, ...], ...]
+  waits: tuple[dict[str, list[str]], ...]
+
+
+def _wait_lines(jaxpr: core.Jaxpr, refs: bounds.Refs) -> dict[str, list[str]]:
+  """Per semaphore operand (by its name in messages), the lines of the
+  kernel's waits on it, for a deadlock's message."""
+  lines: dict[str, list[str]] = {}
+  for eqn, line in jaxpr_util.located(jaxpr):
+    kind = _pallas_ops.kind(eqn)
+    if kind is _pallas_ops.Sync.DMA_WAIT:
+      sem = _pallas_ops.DmaOperands.of(eqn).awaited[1]
+    elif kind is _pallas_ops.Sync.SEMAPHORE_WAIT:
+      sem = _pallas_ops.SemaphoreWaitOperands.of(eqn).sem
+    else:
+      continue
+    name = refs.names.get(ranges.ref_indexers(sem)[0])
+    if name is not None and line and line not in lines.setdefault(name, []):
+      lines[name].append(line)
+  return lines
 
 
 def _run_unrolled(*args, programs, num_checks, buffers: _Buffers, report):
@@ -373,6 +398,11 @@ _SEMAPHORE_FAILURES = (
 )
 
 
+def _waited_at(waits: dict[str, list[str]], name: str) -> str:
+  lines = waits.get(name)
+  return f", waited on at {' and '.join(lines)}" if lines else ""
+
+
 def _raise_for(
   report: _Report, semaphores: tuple[int, ...], treedef, stuck, *leaves
 ) -> None:
@@ -381,9 +411,11 @@ def _raise_for(
     raise failure
   for (error, message), flags in zip(_SEMAPHORE_FAILURES, stuck, strict=True):
     lines, kernels = [], []
+    deadlock = error is watchdog.DeadlockError
     for p, per_semaphore in enumerate(flags):
       found = [
         report.names[p][k]
+        + (_waited_at(report.waits[p], report.names[p][k]) if deadlock else "")
         for k, flagged in zip(semaphores, per_semaphore, strict=True)
         if flagged
       ]

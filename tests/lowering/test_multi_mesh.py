@@ -487,10 +487,13 @@ def test_fast_path_reports_a_wait_nothing_signals():
     jax.ShapeDtypeStruct((2, *ROWS), jnp.float32),
     scratch_types=[pltpu.SemaphoreType.REGULAR(())],
   )
+  with open(__file__) as source:  # the wait's line, for the message
+    line = next(n for n, t in enumerate(source, 1) if "never signals" in t)
   with pytest.raises(
     Exception,
     match=r"mpmd_map deadlock: on the CPU fast "
-    r"path .*\n  mesh 0 program 1 \(core=1\): 'sem'",
+    r"path .*\n  mesh 0 program 1 \(core=1\): 'sem' \(scratch 0, "
+    rf"semaphore\[\]\), waited on at \S+test_multi_mesh.py:{line}:\d+ ",
   ):
     jax.block_until_ready(f(jnp.ones((2, *ROWS), jnp.float32)))
 
