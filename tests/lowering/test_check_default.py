@@ -189,30 +189,32 @@ def _flags_after_the_send(
       copy.wait_recv()
 
 
-@pytest.mark.parametrize("copies", [1, 2])
-def test_a_send_wait_does_not_order_the_landing(copies):
+def _replay_on_two_devices(kernel):
+  """Replays ``kernel`` on two devices under the default schedule (its
+  scratch: two VMEM blocks, two DMA semaphores and a REGULAR one)."""
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
-  kernel = mpmd.mpmd_map(
-    [
-      (
-        mpmd.tensorcore_mesh("core", num_cores=1),
-        functools.partial(_flags_after_the_send, copies=copies),
-      )
-    ],
+  launch = mpmd.mpmd_map(
+    [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
     jax.ShapeDtypeStruct((8, 128), jnp.float32),
     scratch_types=[VMEM, VMEM, pltpu.SemaphoreType.DMA]
     + [pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.REGULAR],
   )
   f = jax.jit(
     jax.shard_map(
-      kernel, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
+      launch, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
     )
   )
   x = jax.device_put(
     jnp.ones((16, 128), jnp.float32), NamedSharding(mesh, P("x"))
   )
+  mpmd.replay(f, x, schedule="default")
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_a_send_wait_does_not_order_the_landing(copies):
+  kernel = functools.partial(_flags_after_the_send, copies=copies)
   with pytest.raises(mpmd.RaceError) as e:
-    mpmd.replay(f, x, schedule="default")
+    _replay_on_two_devices(kernel)
   assert "data race on 'inbox'" in str(e.value)
   assert "write by DMA #0 issued by device 0" in str(e.value)
 
@@ -244,20 +246,5 @@ def _frees_then_reads(x_hbm, o_hbm, inbox, staged, send, recv, free):
 def test_a_wait_is_not_ordered_after_what_the_signaller_does_next():
   """A signal keeps the signaller's clock as it was: the waiter is not
   ordered after the load device 0 makes after signalling."""
-  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
-  kernel = mpmd.mpmd_map(
-    [(mpmd.tensorcore_mesh("core", num_cores=1), _frees_then_reads)],
-    jax.ShapeDtypeStruct((8, 128), jnp.float32),
-    scratch_types=[VMEM, VMEM, pltpu.SemaphoreType.DMA]
-    + [pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.REGULAR],
-  )
-  f = jax.jit(
-    jax.shard_map(
-      kernel, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
-    )
-  )
-  x = jax.device_put(
-    jnp.ones((16, 128), jnp.float32), NamedSharding(mesh, P("x"))
-  )
   with pytest.raises(mpmd.RaceError, match=r"data race on 'inbox'"):
-    mpmd.replay(f, x, schedule="default")
+    _replay_on_two_devices(_frees_then_reads)
