@@ -502,10 +502,7 @@ class Checks:
     that never ends)."""
     if device_id is None:
       return
-    if isinstance(device_id, tuple | list):  # one index per axis
-      device_id = dict(zip(devices.axes, device_id, strict=True))
-    elif not isinstance(device_id, Mapping):
-      device_id = {devices.axes[0]: device_id}
+    device_id = devices.by_axis(device_id)
     for axis, size in zip(devices.axes, devices.sizes, strict=True):
       index = device_id.get(axis)
       static = None if index is None else _static(index, self.refs)

@@ -45,7 +45,7 @@ class Devices:
   def count(self) -> int:
     return math.prod(self.sizes)
 
-  def _by_axis(self, device_id: Any) -> dict[Any, Any]:
+  def by_axis(self, device_id: Any) -> dict[Any, Any]:
     """``device_id`` as a dict (an index alone is along the first axis, a
     tuple's along the axes in order)."""
     if isinstance(device_id, dict):
@@ -57,7 +57,7 @@ class Devices:
   def flat(self, device_id: Any) -> jax.Array:
     """The flat index of ``device_id`` (a dict, or an index along the only
     axis); axes a dict leaves out keep this device's coordinate."""
-    device_id = self._by_axis(device_id)
+    device_id = self.by_axis(device_id)
     index = jnp.int32(0)
     for a, size in zip(self.axes, self.sizes, strict=True):
       coord = device_id.get(a)
@@ -75,7 +75,7 @@ class Devices:
     known = self.known
     if known is None:
       return None
-    device_id = self._by_axis(device_id)
+    device_id = self.by_axis(device_id)
     index = np.zeros(self.count, np.int64)
     for a, size in zip(self.axes, self.sizes, strict=True):
       coord = device_id.get(a)

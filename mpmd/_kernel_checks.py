@@ -566,8 +566,11 @@ def _check_device_id(device_id, id_type, where: _Where, what, at) -> None:
     if isinstance(index, core.Literal):
       value = int(index.val)
       if not 0 <= value < size:
-        shown = written if isinstance(written, Mapping) else None
-        shown = f"{{{axis!r}: {value}}}" if shown else _shown(written)
+        shown = (
+          f"{{{axis!r}: {value}}}"
+          if isinstance(written, Mapping)
+          else _shown(written)
+        )
         raise errors.StaticOutOfBoundsError(
           f"{what} names device_id {shown}: expected an index in [0, "
           f"{size}) along axis {axis!r}{at}"

@@ -159,3 +159,10 @@ def test_a_literal_tuple_index_past_its_axis_fails_when_traced():
     match=r"device_id \(4,\): expected an index in \[0, 4\)",
   ):
     jax.jit(g).trace(jax.device_put(x, NamedSharding(mesh, P("x"))))
+
+
+@pytest.mark.parametrize("form", ["tuple", "scalar"])
+def test_the_forms_lower_for_tpu(form):
+  f, x = _shift(form, (4,))
+  text = f.trace(x).lower(lowering_platforms=("tpu",)).as_text()
+  assert "tpu_custom_call" in text
