@@ -96,12 +96,11 @@ class Dma:
     self.start = start  # the DmaStart record
     self.src, self.dst = src, dst  # Views
     self.recv, self.send = recv, send  # semaphore Views (or None)
-    self.clock = clock
-    self.issuer = issuer
-    self.where = where
+    self.clock, self.issuer, self.where = clock, issuer, where
     self.event = None
     self.lane, self.lane_time = (0, 0), 0  # (read, write) ``Machine.lane``s
     self.option = ("d", index)  # how the scheduler names it
+    self.staged = None  # (data, init) once a two-step DMA read its source
 
 
 @dataclasses.dataclass

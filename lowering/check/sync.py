@@ -107,7 +107,7 @@ def run(m: machine_lib.Machine, inputs) -> list[list[np.ndarray]]:
       default = _next_after(options, current, default)
     pick = m.pick(options, default, lambda: _spinning(m, programs))
     if pick[0] == "d":
-      _land(m, m.dmas.pop(pick[1]))
+      _dma_step(m, m.dmas[pick[1]])
     else:
       _advance(m, programs[pick[1]])
       current = pick[1]
@@ -365,61 +365,101 @@ def _start(m, p, op: records.DmaStart, where: str):
   return None
 
 
-def _lands_unchanged(dma: machine_lib.Dma) -> bool:
-  """Whether the DMA's destination holds what it copies already."""
-  return memory.same_bytes(dma.dst, dma.src.read())
+def _dma_step(m, dma: machine_lib.Dma) -> None:
+  """A DMA in flight takes its next step. One with a send semaphore (a
+  remote DMA) takes two, each an option of the scheduler: it reads its
+  source and signals ``wait_send``, then writes its destination and
+  signals the receiver, so a sender may go on, even start its next DMA,
+  before the data lands. Any other DMA reads and writes in one step."""
+  if dma.send is not None and dma.staged is None:
+    _read(m, dma)
+  else:
+    del m.dmas[dma.index]
+    _land(m, dma)
 
 
-def _land(m, dma: machine_lib.Dma) -> None:
-  """The DMA reads its source and writes its destination now."""
-  (reads, writes), time = dma.lane, dma.lane_time
+def _dma_describe(m, dma: machine_lib.Dma) -> memory.Lazy:
   # The text's parts, not the DMA or the machine: buffers keep it (their
   # last access), and it must not lead back to the machine (a cycle).
   index, where, plan = dma.index, dma.where, m.plan
   device, program = dma.issuer.device, dma.issuer.program
-  describe = memory.Lazy(
+  return memory.Lazy(
     lambda: f"DMA #{index} issued by {plan.name(device, program)} at {where}"
   )
-  src, dst, start = dma.src, dma.dst, dma.start
-  name_comp = m.name_comp
-  memory.check_access(
-    src, reads, time, dma.clock, False, describe, None, name_comp
+
+
+def _dma_event(m, dma: machine_lib.Dma, kind: str, what: str) -> int:
+  m.events.append(
+    machine_lib.Event(
+      m.step, dma.issuer.device, -1, kind, what, dma.where, dma.index
+    )
   )
+  return len(m.events) - 1
+
+
+def _read(m, dma: machine_lib.Dma) -> None:
+  """A two-step DMA's first step: it reads its source (what it will
+  write, whatever the source holds later) and signals its sender."""
+  (reads, _), time, src = dma.lane, dma.lane_time, dma.src
+  describe = _dma_describe(m, dma)
+  memory.check_access(
+    src, reads, time, dma.clock, False, describe, None, m.name_comp
+  )
+  dma.staged = (src.read(), src.init_of().copy())
+  event = _dma_event(m, dma, "dma_read", f"DMA #{dma.index} reads its source")
+  # The sender's semaphore says only that the source has been read.
+  amount = 1 if dma.start.send_once else src.nbytes
+  _add(dma.send, amount, memory.join(dma.clock, {reads: time}), event)
+
+
+def _copied(dma: machine_lib.Dma) -> np.ndarray:
+  """What the DMA writes: what it read (``_read``), or its source now."""
+  return dma.src.read() if dma.staged is None else dma.staged[0]
+
+
+def _copied_init(dma: machine_lib.Dma) -> np.ndarray:
+  return dma.src.init_of() if dma.staged is None else dma.staged[1]
+
+
+def _lands_unchanged(dma: machine_lib.Dma) -> bool:
+  """Whether the DMA's destination holds what it copies already."""
+  return memory.same_bytes(dma.dst, _copied(dma))
+
+
+def _land(m, dma: machine_lib.Dma) -> None:
+  """The DMA writes its destination now (reading its source first unless
+  ``_read`` did) and signals its receiver."""
+  (reads, writes), time = dma.lane, dma.lane_time
+  describe = _dma_describe(m, dma)
+  src, dst, start, staged = dma.src, dma.dst, dma.start, dma.staged
+  if staged is None:  # (one step: it reads its source now)
+    memory.check_access(
+      src, reads, time, dma.clock, False, describe, None, m.name_comp
+    )
   unchanged = None
-  if not start.add and not plan.identical_writes_race:
+  if not start.add and not m.plan.identical_writes_race:
     unchanged = functools.partial(_lands_unchanged, dma)
   memory.check_access(
-    dst, writes, time, dma.clock, True, describe, None, name_comp, unchanged
+    dst, writes, time, dma.clock, True, describe, None, m.name_comp, unchanged
   )
   if start.add:
-    data = src.read()
     memory.check_initialized(dst, describe)
-    dst.write(dst.read() + data)
-    dst.set_init(src.init_of())
-  elif src.slab is not None and dst.slab is not None:
+    dst.write(dst.read() + _copied(dma))
+    dst.set_init(_copied_init(dma))
+  elif staged is None and src.slab is not None and dst.slab is not None:
     # Window to window, with no copy in between (numpy copies first where
     # a local DMA's windows overlap).
     dst.buffer.writable()
     dst.buffer.flat[dst.slab] = src.buffer.flat[src.slab]
     dst.buffer.init[dst.slab] = src.buffer.init[src.slab]
   else:
-    dst.write(src.read())
-    dst.set_init(src.init_of())
-  events = m.events
-  events.append(
-    machine_lib.Event(
-      m.step, device, -1, "dma_land", f"DMA #{index} lands", where, index
-    )
-  )
-  event = len(events) - 1
-  # The receiver's semaphore says the data has landed; the sender's only
-  # that the source has been read (a remote DMA's wait_send).
+    dst.write(_copied(dma))
+    dst.set_init(_copied_init(dma))
+  event = _dma_event(m, dma, "dma_land", f"DMA #{dma.index} lands")
+  # The receiver's semaphore says the data has landed.
   if dma.recv is not None:
     landed = memory.join(dma.clock, {reads: time, writes: time})
     _add(dma.recv, 1 if start.recv_once else src.nbytes, landed, event)
-  if dma.send is not None:
-    read = memory.join(dma.clock, {reads: time})
-    _add(dma.send, 1 if start.send_once else src.nbytes, read, event)
 
 
 def _spinning(m, programs) -> str:

@@ -189,9 +189,9 @@ def _flags_after_the_send(
       copy.wait_recv()
 
 
-def _replay_on_two_devices(kernel):
-  """Replays ``kernel`` on two devices under the default schedule (its
-  scratch: two VMEM blocks, two DMA semaphores and a REGULAR one)."""
+def _on_two_devices(kernel):
+  """``kernel`` jitted on two devices, and its input (its scratch: two
+  VMEM blocks, two DMA semaphores and a REGULAR one)."""
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
   launch = mpmd.mpmd_map(
     [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
@@ -207,7 +207,12 @@ def _replay_on_two_devices(kernel):
   x = jax.device_put(
     jnp.ones((16, 128), jnp.float32), NamedSharding(mesh, P("x"))
   )
-  mpmd.replay(f, x, schedule="default")
+  return f, x
+
+
+def _replay_on_two_devices(kernel):
+  """Replays ``kernel`` (``_on_two_devices``) under the default schedule."""
+  mpmd.replay(*_on_two_devices(kernel), schedule="default")
 
 
 @pytest.mark.parametrize("copies", [1, 2])
@@ -248,3 +253,46 @@ def test_a_wait_is_not_ordered_after_what_the_signaller_does_next():
   ordered after the load device 0 makes after signalling."""
   with pytest.raises(mpmd.RaceError, match=r"data race on 'inbox'"):
     _replay_on_two_devices(_frees_then_reads)
+
+
+def _two_sends_on_one_semaphore(x_hbm, o_hbm, inbox0, inbox1, send, recv, _):
+  """Device 0 sends two blocks to device 1 on one receive semaphore, the
+  second after the first's ``wait_send``; device 1 reads the first block
+  once its wait passes. Nothing orders the two DMAs' landings."""
+  me = jax.lax.axis_index("x")
+  first, second = (
+    pltpu.make_async_remote_copy(x_hbm, inbox, send, recv, device_id={"x": 1})
+    for inbox in (inbox0, inbox1)
+  )
+
+  @pl.when(me == 0)
+  def _():
+    first.start()
+    first.wait_send()
+    second.start()
+    second.wait_send()
+    pltpu.sync_copy(x_hbm, o_hbm)
+
+  @pl.when(me == 1)
+  def _():
+    first.wait_recv()  # the second DMA's bytes may be what it counts
+    pltpu.sync_copy(inbox0, o_hbm)
+    second.wait_recv()
+
+
+def test_a_remote_dma_may_land_after_its_send_wait():
+  """A remote DMA reads its source, then lands, as two scheduled steps:
+  ``wait_send`` may pass in between, and a later DMA on the same receive
+  semaphore overtake it. The default schedule lands each at once (and is
+  right); ``explore`` finds the overtaking, and its schedule replays."""
+  f, x = _on_two_devices(_two_sends_on_one_semaphore)
+  mpmd.replay(f, x, schedule="default")
+  report = mpmd.explore(f, x, schedules=24, max_failures=1)
+  assert [failure.kind for failure in report.failures] == ["race"]
+  failure = report.failures[0]
+  message = str(failure.error)
+  assert "data race on 'inbox0'" in message
+  assert "DMA #0 issued by device 0" in message  # (the first DMA's write)
+  assert "an earlier read by DMA #2 issued by device 1" in message
+  with pytest.raises(mpmd.RaceError, match="data race on 'inbox0'"):
+    mpmd.replay(f, x, schedule=failure.schedule)
