@@ -512,7 +512,9 @@ def _waiting_lines(m, waiting) -> list[str]:
 def _end_scope(m, p, op: interp.ScopeEnd, where: str):
   buffers = {id(v.buffer) for v in op.buffers}
   for dma in m.dmas.values():
-    touched = [dma.src, dma.dst, dma.recv, dma.send]
+    touched = [dma.dst, dma.recv]
+    if dma.staged is None:  # (once read, its source and send are free)
+      touched += [dma.src, dma.send]
     if any(v is not None and id(v.buffer) in buffers for v in touched):
       raise errors.LeftoverError(
         f"{_describe(m, p, 'run_scoped ends', where)}: DMA #{dma.index} "

@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from checked_ring import ring_launch
 from jax.experimental import pallas as pl
@@ -296,3 +297,59 @@ def test_a_remote_dma_may_land_after_its_send_wait():
   assert "an earlier read by DMA #2 issued by device 1" in message
   with pytest.raises(mpmd.RaceError, match="data race on 'inbox0'"):
     mpmd.replay(f, x, schedule=failure.schedule)
+
+
+def _sends_from_a_scope(x_hbm, o_hbm, inbox, recv, *, wait_send):
+  """Each of two devices sends a block to the other from a ``run_scoped``
+  source with a scoped send semaphore, and leaves the scope."""
+  other = 1 - jax.lax.axis_index("x")
+
+  def scope(src, send):
+    pltpu.sync_copy(x_hbm, src)
+    copy = pltpu.make_async_remote_copy(
+      src, inbox, send, recv, device_id={"x": other}
+    )
+    copy.start()
+    if wait_send:
+      copy.wait_send()  # the source is read: the scope may end
+
+  pl.run_scoped(scope, VMEM, pltpu.SemaphoreType.DMA)
+  pltpu.make_async_remote_copy(
+    inbox, inbox, recv, recv, device_id={"x": other}
+  ).wait_recv()
+  pltpu.sync_copy(inbox, o_hbm)
+
+
+@pytest.mark.parametrize("wait_send", [True, False])
+def test_a_scope_may_end_once_its_dma_has_read_its_source(wait_send):
+  """A remote DMA that has read its source (``wait_send`` passed) no
+  longer uses the source or the send semaphore: a scope holding them may
+  end before it lands. Without the ``wait_send`` it may not."""
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  launch = mpmd.mpmd_map(
+    [
+      (
+        mpmd.tensorcore_mesh("core", num_cores=1),
+        functools.partial(_sends_from_a_scope, wait_send=wait_send),
+      )
+    ],
+    jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    scratch_types=[VMEM, pltpu.SemaphoreType.DMA],
+  )
+  f = jax.jit(
+    jax.shard_map(
+      launch, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False
+    )
+  )
+  x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+  x = jax.device_put(x, NamedSharding(mesh, P("x")))
+  report = mpmd.explore(f, x, schedules=24)
+  if wait_send:
+    assert not report.failures, report
+    np.testing.assert_array_equal(
+      mpmd.replay(f, x, schedule="default"), np.roll(np.asarray(x), 8, axis=0)
+    )
+  else:
+    # (Its send semaphore still counts as the scope ends.)
+    assert [failure.kind for failure in report.failures] == ["leftover"]
+    assert "run_scoped ends" in str(report.failures[0].error)
