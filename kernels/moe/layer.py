@@ -415,6 +415,9 @@ def combine(returned: jax.Array, routing: Routing, dtype) -> jax.Array:
   return y.astype(dtype)
 
 
+# Jitted: called eagerly (in an eager shard_map), the layer's routing and
+# combining compile as one program, not op by op.
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _layer(static: _Static, fused: bool, x, router_logits, w_in, w_out):
   """The layer: (y, dropped (tokens, top_k) bool)."""
   routing = route(static, router_logits, w_in.shape[0])
