@@ -328,7 +328,8 @@ def moe(
 
 
 class _Static(NamedTuple):
-  """The layer's static arguments (hashable: a custom_vjp key)."""
+  """The layer's static arguments (hashable, with a hashable activation:
+  the jitted layer's key)."""
 
   groups: ragged.Groups
   top_k: int
@@ -415,11 +416,26 @@ def combine(returned: jax.Array, routing: Routing, dtype) -> jax.Array:
   return y.astype(dtype)
 
 
-# Jitted: called eagerly (in an eager shard_map), the layer's routing and
-# combining compile as one program, not op by op.
-@functools.partial(jax.jit, static_argnums=(0, 1))
 def _layer(static: _Static, fused: bool, x, router_logits, w_in, w_out):
-  """The layer: (y, dropped (tokens, top_k) bool)."""
+  """The layer: (y, dropped (tokens, top_k) bool). Jitted where its static
+  arguments hash (an activation that does not runs as it is): called
+  eagerly, in an eager ``shard_map``, routing, exchanges and combining
+  then compile as one program, not op by op."""
+  try:
+    hash(static)
+  except TypeError:
+    return _layer_ops(static, fused, x, router_logits, w_in, w_out)
+  return _jitted_layer(
+    x, router_logits, w_in, w_out, static=static, fused=fused
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("static", "fused"))
+def _jitted_layer(x, router_logits, w_in, w_out, *, static, fused):
+  return _layer_ops(static, fused, x, router_logits, w_in, w_out)
+
+
+def _layer_ops(static: _Static, fused: bool, x, router_logits, w_in, w_out):
   routing = route(static, router_logits, w_in.shape[0])
   rows_sorted = x[routing.order // static.top_k]
   if fused:
