@@ -512,7 +512,8 @@ def timeline(
   """Runs ``f(*args, **kwargs)`` under ``schedule`` and writes its launches'
   event log to ``path`` as Chrome trace-event JSON (open it in Perfetto or
   chrome://tracing): a process per device, a thread per program; compute
-  between synchronisation points, DMAs from start to landing, blocked
+  between synchronisation points, DMAs from start to landing (a remote
+  DMA's source read between), blocked
   waits, and arrows from each signal to the wait it released. Time is in
   scheduler steps (one step per microsecond on the trace's axis), not a
   model of hardware time. Returns ``f``'s outputs (or raises its error,

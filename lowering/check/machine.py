@@ -109,7 +109,7 @@ class Event:
 
   step: int
   device: int
-  program: int  # -1: a DMA's landing
+  program: int  # -1: a DMA's landing (or a remote DMA's source read)
   kind: str
   what: str
   where: str

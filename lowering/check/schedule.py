@@ -2,7 +2,8 @@
 
 At every decision point the executor offers the *options*: each program
 whose next synchronisation operation can go ahead (``("p", program)``) and
-each DMA in flight (``("d", dma)``, landing it). The *default* choice lands
+each DMA in flight (``("d", dma)``, landing it; a remote DMA reads its
+source first, a step of its own). The *default* choice lands
 DMAs at once (oldest first), then keeps the current program running while
 it can, else runs the first program that can. A strategy picks an option;
 every pick that differs from the default is a *preemption*, recorded as
@@ -19,7 +20,8 @@ Schedule strings:
   1 / (n k^(d-1)) per run, n programs, k steps).
 * ``"steps:L/S:pP,L/S:dD,..."``: explicit preemptions, launch ``L`` (of
   the function's launches, in the order they ran) at step ``S`` runs
-  program ``P`` / lands DMA ``D``; what ``explore`` reports after shrinking.
+  program ``P`` / lands DMA ``D`` (or has it read its source); what
+  ``explore`` reports after shrinking.
 """
 
 import dataclasses

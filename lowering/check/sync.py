@@ -272,7 +272,8 @@ def _event(m, p, kind, what, where, dma=None, after=None) -> int:
 
 
 def _add(view: View, amount: int, clock, event: int | None) -> None:
-  """A signal (or a DMA landing) of ``amount`` units with ``clock``."""
+  """A signal (or a DMA landing or reading its source) of ``amount``
+  units with ``clock``."""
   e = view.ids.item(0)  # (a view of one element: ``_element``)
   b = view.buffer
   b.flat[e] += amount
@@ -549,8 +550,8 @@ def _check_semaphores(m, buffers, prefix: memory.Text) -> None:
 
 
 def _last_count(m, b) -> str:
-  """`` (last counted by ...)``: the latest signal or DMA landing among
-  the semaphore's elements that still count."""
+  """`` (last counted by ...)``: the latest signal, DMA landing or DMA
+  source read among the semaphore's elements that still count."""
   events = [b.signals[e] for e in np.flatnonzero(b.flat)]
   events = [e for e in events if e is not None]
   if not events:

@@ -3,7 +3,8 @@
 Perfetto and chrome://tracing open it: a process per device, a thread per
 program (and one for each device's DMAs); compute spans between a
 program's synchronisation points, blocked waits as spans, DMA spans from
-start to landing, and flow arrows from each signal (or landing) to the
+start to landing (a remote DMA's in two: start to source read, read to
+landing), and flow arrows from each signal (or landing) to the
 wait it released. The time axis counts scheduler steps (one per
 microsecond of the trace): it orders events, it is not hardware time.
 """
@@ -117,6 +118,7 @@ def _launch_events(m, launch: int, offset: int) -> list[TraceEvent]:
           e.what, "dma", pid(e.device), dmas, begin, max(ts - begin, 1), e.where
         )
       )
+      starts[e.dma] = e  # (a source read: its landing's span follows)
       continue
     where = (e.device, e.program)
     begin = last.get(where, offset)

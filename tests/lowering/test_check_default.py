@@ -5,6 +5,7 @@ loop makes, on schedules that reach many states (DMAs in flight, the
 current program blocked, programs done), is checked against the rule."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -353,3 +354,13 @@ def test_a_scope_may_end_once_its_dma_has_read_its_source(wait_send):
     # (Its send semaphore still counts as the scope ends.)
     assert [failure.kind for failure in report.failures] == ["leftover"]
     assert "run_scoped ends" in str(report.failures[0].error)
+
+
+def test_a_remote_dma_is_two_spans_on_the_timeline(tmp_path):
+  """Start to source read, then read to landing: back to back."""
+  path = tmp_path / "trace.json"
+  mpmd.timeline(*_on_two_devices(_two_sends_on_one_semaphore), path=str(path))
+  events = json.loads(path.read_text())["traceEvents"]
+  spans = {e["name"]: e for e in events if e.get("cat") == "dma"}
+  read, landing = spans["DMA #0 reads its source"], spans["DMA #0 lands"]
+  assert read["ts"] + read["dur"] == landing["ts"]
