@@ -73,14 +73,26 @@ def _check(
     raise ValueError(
       f"{_FN}: expected 'top_k' <= the expert count {experts}, got {top_k}"
     )
-  if not callable(activation):
-    raise TypeError(
-      f"{_FN}: expected 'activation' to be a function, got {activation!r}"
-    )
+  _check_activation(activation, w_in.shape[2])
   _common.check_bool(_FN, "fused", fused)
   capacity_factor = _check_capacity_factor(capacity_factor)
   return_dropped = _common.check_bool(_FN, "return_dropped", return_dropped)
   return ring, top_k, capacity_factor, return_dropped
+
+
+def _check_activation(activation, ffn: int) -> None:
+  """A function that keeps the shape of the (rows, ffn) it is given."""
+  if not callable(activation):
+    raise TypeError(
+      f"{_FN}: expected 'activation' to be a function, got {activation!r}"
+    )
+  h = jax.ShapeDtypeStruct((_SUBLANES, ffn), jnp.float32)
+  shape = getattr(jax.eval_shape(activation, h), "shape", None)
+  if shape != h.shape:
+    raise ValueError(
+      f"{_FN}: expected 'activation' to be elementwise, keeping the shape "
+      f"(rows, ffn) of x @ w_in[e]; it maps {h.shape} to {shape}"
+    )
 
 
 def _check_arrays(x, router_logits, w_in, w_out, ring) -> int:
@@ -252,8 +264,9 @@ def moe(
       the expert count (``math.inf`` included) drops nothing: as None.
     return_dropped: also return which (token, choice) pairs were dropped.
     tile_rows: with ``fused=True``, rows per tile moved and multiplied at
-      once (a multiple of 8; default 128 on TPU, 512 on the CPU fallback,
-      at most the rows one device can send another). Only with ``fused``.
+      once (a multiple of 8; default 128 on TPU, 512 on the CPU fallback;
+      a tile larger than the rows one device can send another is cut to
+      them). Only with ``fused``.
     interpret: passed to every ``mpmd_map`` launch of the layer: None runs
       natively on TPU and on the CPU fallback elsewhere;
       ``pltpu.InterpretParams(detect_races=True)`` runs them in Pallas'

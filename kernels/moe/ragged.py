@@ -446,6 +446,11 @@ def ragged_all_to_all(
   CPU fallback reports as an ``mpmd.RaceError``. The gradients assume
   slices that do not overlap.
 
+  These errors are raised as such by an eager call. Under ``jax.jit`` XLA
+  reports them as its own ``JaxRuntimeError`` quoting ours, unless the
+  call and the wait for its results run inside ``with
+  mpmd.typed_errors():`` (see ``mpmd.typed_errors``).
+
   Args:
     operand: (N, ...) array: the rows to send, of any dtype.
     output: (M, ...) array of ``operand``'s dtype and trailing dimensions:

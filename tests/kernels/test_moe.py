@@ -408,6 +408,12 @@ def _with(index, shape_dtype):
     ),
     (_with(0, ((4,), _F32)), {}, ValueError, "'x' of rank 2"),
     (_GOOD, dict(activation="relu"), TypeError, "'activation' to be a"),
+    (
+      _GOOD,
+      dict(activation=lambda h: h[:, :4]),
+      ValueError,
+      r"'activation' to be elementwise.*maps \(8, \d+\) to \(8, 4\)",
+    ),
     (_GOOD, dict(axis_name="y"), ValueError, "'y' is not an axis"),
     (_GOOD, dict(fused=1), TypeError, "'fused' to be a bool"),
     (
