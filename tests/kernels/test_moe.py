@@ -208,6 +208,7 @@ def test_eager_shard_map(rng, fused, monkeypatch):
   # Not under jit: each launch is lowered inside the shard_map's own
   # (manual) mesh context. The layer is jitted inside: a second call
   # traces nothing again.
+  moe_layer._jitted_layer.clear_cache()  # (another test may have traced it)
   traces = []
   layer_ops = moe_layer._layer_ops
   monkeypatch.setattr(
