@@ -11,9 +11,10 @@ simulators fault instead, and so does the CPU fallback:
   TPU; an ``OutOfBoundsError`` that is also a ``ValueError``);
 * any other window is checked where its DMA starts (``Checks``), unless an
   interval analysis proves it in bounds (``prove``: loop counters, program
-  indices). The check is a ``checkify`` check: the launch threads one error
-  value through its control flow (``checked``) and, only if a check failed,
-  one callback raises an ``OutOfBoundsError`` after the launch ran.
+  indices). The check is a staged ``check_p``: the launch threads which
+  check failed first through its control flow (``checked``,
+  ``failures.checked``) and, only if one did, one callback raises an
+  ``OutOfBoundsError`` after the launch ran.
 
 The same channel reports waits on ``pl.run_scoped`` semaphores that would
 block forever (a ``DeadlockError``): those semaphores are gone before the
@@ -33,7 +34,13 @@ from jax.experimental import checkify
 
 from mpmd import _jax, _pallas_ops
 from mpmd._jax import core, state_types, tree_util
-from mpmd._lowering import debug_checks, errors, jaxpr_util, watchdog
+from mpmd._lowering import (
+  debug_checks,
+  errors,
+  failures,
+  jaxpr_util,
+  watchdog,
+)
 from mpmd._lowering.debug_checks import escape as _escape
 from mpmd._lowering.ranges import (
   CALLS,
@@ -392,7 +399,7 @@ class Checks:
   def _check(self, ok, message: str, args: list[Any]) -> None:
     self.count += 1
     # debug_check, unlike check, may be staged out: the launch is traced
-    # first and only then functionalized (``checked``).
+    # first and only then threaded (``checked``).
     if args:
       values = jnp.stack([lax.convert_element_type(a, jnp.int32) for a in args])
       checkify.debug_check(ok, message, values)
@@ -556,19 +563,17 @@ class Checks:
 
 
 def checked(fn: Callable[..., Any], count: int) -> Callable[..., Any]:
-  """``fn`` returning ``(error, outputs)``; error None when no check was
+  """``fn`` returning ``(error, outputs)``: ``error`` a ``failures.Failure``
+  (which check failed first, with its values), or None when no check was
   added (``count == 0``: nothing to thread through the launch)."""
   if not count:
     return lambda *args: (None, fn(*args))
-  return checkify.checkify(fn)
+  return failures.checked(fn)
 
 
-def failed(error: checkify.Error) -> jax.Array:
+def failed(error: failures.Failure) -> jax.Array:
   """Whether any check of ``error`` (from ``checked``) failed, traced."""
-  # checkify offers no traced "any failed": its Error keeps one per kind.
-  return functools.reduce(
-    jnp.logical_or, _jax.checkify_predicates(error), jnp.bool_(False)
-  )
+  return error.code != 0
 
 
 def first_failure(
@@ -578,13 +583,10 @@ def first_failure(
   flattened ``error`` of ``checked`` as a callback receives it."""
   if treedef is None:
     return None
-  error = tree_util.tree_unflatten(treedef, [np.asarray(x) for x in leaves])
-  failure = error.get_exception()
+  failure = tree_util.tree_unflatten(treedef, list(leaves)).message()
   if failure is None:
     return None
-  message = debug_checks.formatted(
-    failure.fmt_string, failure.args, failure.kwargs
-  )
+  message = debug_checks.formatted(*failure)
   if message.startswith(DEADLOCK):
     return watchdog.DeadlockError(message)
   if message.startswith(LEFTOVER):

@@ -65,7 +65,8 @@ def lower(ctx: mlir.LoweringRuleContext, *in_nodes, **params):
   )
   # Kernels are traced without varying-axes types: under a
   # shard_map(check_vma=True) their index arithmetic mixes varying and
-  # invariant values, and checkify's conditionals would tell them apart.
+  # invariant values, and the loops and branches that carry the run-time
+  # checks (``failures``) would tell them apart.
   with _jax.no_vma_check():
     return mlir.lower_fun(run, multiple_results=True)(
       ctx.replace(avals_in=common.plain_avals(ctx.avals_in)), *in_nodes

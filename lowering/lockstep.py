@@ -208,7 +208,7 @@ def _inline_scope(eqn, invals, rule, checks: bounds.Checks) -> list[Any]:
   allocations discharged to values.
 
   Discharging the kernel would keep the ``run_scoped`` (with its scoped
-  Refs), into which ``checkify`` cannot see: the checks in it would be lost.
+  Refs), into which the threading of checks (``failures``) does not reach.
   """
   scope = eqn.params["jaxpr"]
   num_closed = len(scope.constvars)

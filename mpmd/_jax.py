@@ -476,10 +476,12 @@ def tracer_trace(tracer: core.Tracer):
   return tracer._trace
 
 
-def checkify_predicates(error) -> list:
-  """The traced predicates of a checkify ``Error``, one per check kind
-  (checkify offers no traced "any failed")."""
-  return list(error._pred.values())
+def scan_counts(params) -> tuple[int, int]:
+  """(consts, carries) of a ``scan``'s operands (0.12: from ``ft_in``)."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
 
 
 def checkify_check(error) -> tuple[Any, Any, list]:
