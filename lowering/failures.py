@@ -199,19 +199,31 @@ def _while(walk: _Walk, eqn, state, invals):
   cond_consts, body_consts, carry = _split(
     invals, p["cond_nconsts"], p["body_nconsts"]
   )
-  if walk.holds[id(_jax.open_jaxpr(p["cond_jaxpr"])[0])]:
-    raise NotImplementedError(
-      "mpmd_map: a run-time check in a while loop's condition on the CPU "
-      "fallback"
-    )
-
-  def cond(c):
-    return core.jaxpr_as_fun(p["cond_jaxpr"])(*cond_consts, *c[1])[0]
 
   def body(c):
     return walk.closed(p["body_jaxpr"], c[0], [*body_consts, *c[1]])
 
-  return lax.while_loop(cond, body, (state, list(carry)))
+  if not walk.holds[id(_jax.open_jaxpr(p["cond_jaxpr"])[0])]:
+
+    def cond(c):
+      return core.jaxpr_as_fun(p["cond_jaxpr"])(*cond_consts, *c[1])[0]
+
+    return lax.while_loop(cond, body, (state, list(carry)))
+
+  # A check in the condition (a loop that reads a Ref to decide): the
+  # condition runs before the loop and after each body, its checks in
+  # execution order, and the loop carries its verdict.
+  def test(s, c):
+    s, [go] = walk.closed(p["cond_jaxpr"], s, [*cond_consts, *c])
+    return s, c, go
+
+  def body_then_test(c):
+    return test(*body(c[:2]))
+
+  state, carry, _ = lax.while_loop(
+    lambda c: c[2], body_then_test, test(state, list(carry))
+  )
+  return state, carry
 
 
 def _cond(walk: _Walk, eqn, state, invals):
@@ -260,6 +272,7 @@ _THREAD = {
   "closed_call": _inline,
   "eval_jaxpr": _inline,  # 0.12's closed_call
   "checkpoint": _inline,
+  "remat2": _inline,  # jax.checkpoint
   "custom_jvp_call": _inline,
   "custom_vjp_call": _inline,
 }
@@ -284,12 +297,17 @@ def _pack(value) -> jax.Array:
   x = jnp.asarray(value)
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     x = jnp.stack([x.real, x.imag], axis=-1)
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint32).ravel()
+  if x.dtype == jnp.bool_ or _sub_byte(x.dtype):
+    return x.astype(jnp.int32).view(jnp.uint32).ravel()
   if x.dtype.itemsize < 4:
     unsigned = jnp.uint8 if x.dtype.itemsize == 1 else jnp.uint16
     return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).ravel()
   return lax.bitcast_convert_type(x, jnp.uint32).ravel()
+
+
+def _sub_byte(dtype) -> bool:
+  """int4, uint2 and the like: packed by value, not by bits."""
+  return jnp.issubdtype(dtype, jnp.integer) and jnp.iinfo(dtype).bits < 8
 
 
 def _unpack(words: np.ndarray, shape, dtype) -> tuple[np.ndarray, int]:
@@ -303,6 +321,8 @@ def _unpack(words: np.ndarray, shape, dtype) -> tuple[np.ndarray, int]:
     return (pairs[..., 0] + 1j * pairs[..., 1]).astype(dtype), used
   if dtype == np.bool_:
     value = words[:size] != 0
+  elif _sub_byte(dtype):
+    value = words[:size].view(np.int32).astype(dtype)
   elif dtype.itemsize < 4:
     value = words[:size].astype(f"u{dtype.itemsize}").view(dtype)
   else:

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental import checkify
+from jax.experimental.pallas import tpu as pltpu
 
+import mpmd
 from mpmd._lowering import failures
 
 
@@ -82,6 +84,8 @@ def test_checks_in_control_flow_are_seen(where):
     np.uint32,
     np.float32,
     np.complex64,
+    ml_dtypes.int4,
+    ml_dtypes.uint4,
   ],
 )
 def test_values_of_every_dtype_come_back_exactly(dtype):
@@ -115,13 +119,59 @@ def test_64_bit_values_come_back_exactly():
   assert got_y == big and got_y.dtype == np.int64
 
 
-def test_a_check_in_a_loop_condition_is_not_implemented():
+def test_a_check_in_a_loop_condition_runs_before_each_test():
+  # A loop that reads a Ref to decide has its window check in the
+  # condition: checked before the first body and after each one.
   def fn(x):
     def cond(c):
-      checkify.debug_check(c < 100, "in the condition")
+      checkify.debug_check(c < 3, "condition at {}", c)
       return c < 10
 
-    return lax.while_loop(cond, lambda c: c + 1, x)
+    def body(c):
+      checkify.debug_check(c < 2, "body at {}", c)
+      return c + 1
 
-  with pytest.raises(NotImplementedError, match="while loop's condition"):
-    jax.jit(failures.checked(fn))(jnp.int32(0))
+    return lax.while_loop(cond, body, x)
+
+  for start, expected in [(0, "body at 2"), (5, "condition at 5")]:
+    (fmt, args, named), out = _report(fn, jnp.int32(start))
+    assert fmt.format(*args, **named) == expected
+    assert int(out) == 10
+
+
+def test_a_check_under_jax_checkpoint_is_seen():
+  def fn(x):
+    def step(c):
+      checkify.debug_check(c != 4, "hit {}", c)
+      return c + 1
+
+    return lax.fori_loop(0, 6, lambda i, c: jax.checkpoint(step)(c), x)
+
+  fmt, args, named = _report(fn, jnp.int32(0))[0]
+  assert fmt.format(*args, **named) == "hit 4"
+
+
+def test_a_kernel_loop_that_reads_a_ref_to_decide_is_checked():
+  # The condition's load at a loop counter has a run-time window check.
+  def kernel(x_hbm, o_hbm, s):
+    pltpu.sync_copy(x_hbm, s)
+    s[0] = lax.while_loop(
+      lambda i: (i < 8) & (s[i] != 0), lambda i: i + 1, jnp.int32(0)
+    )
+    pltpu.sync_copy(s, o_hbm)
+
+  f = jax.jit(
+    mpmd.mpmd_map(
+      [(mpmd.tensorcore_mesh("core", num_cores=1), kernel)],
+      jax.ShapeDtypeStruct((8,), jnp.int32),
+      scratch_types=[pltpu.SMEM((8,), jnp.int32)],
+    )
+  )
+  first_zero = jnp.array([5, 4, 3, 0, 1, 1, 1, 1], jnp.int32)
+  np.testing.assert_array_equal(f(first_zero)[0], 3)
+  for _ in range(2):  # typed on every call
+    with (
+      pytest.raises(mpmd.OutOfBoundsError, match=r"a load's window \.at\[8\]"),
+      mpmd.typed_errors(),
+    ):
+      f(jnp.ones((8,), jnp.int32)).block_until_ready()
