@@ -121,7 +121,7 @@ class _Walk:
       if eqn.primitive is _pallas_ops.CHECK_P:
         self._site(eqn)
         found = True
-      for sub in _sub_jaxprs(eqn):
+      for sub in jaxpr_util.sub_jaxprs(eqn.params):
         found = self._collect(sub) or found
     self.holds[key] = found
     return found
@@ -136,7 +136,8 @@ class _Walk:
     self.width = max(self.width, words)
 
   def has_check(self, eqn: core.JaxprEqn) -> bool:
-    return any(self.holds[id(sub)] for sub in _sub_jaxprs(eqn))
+    subs = jaxpr_util.sub_jaxprs(eqn.params)
+    return any(self.holds[id(sub)] for sub in subs)
 
   def run(self, jaxpr: core.Jaxpr, consts, state, args) -> tuple[Any, list]:
     """``jaxpr`` evaluated on ``args`` from check state ``state``: the
@@ -152,9 +153,10 @@ class _Walk:
       thread = _THREAD.get(eqn.primitive.name)
       if thread is None:
         raise NotImplementedError(
-          f"mpmd_map: a run-time check inside a {eqn.primitive.name} on the "
-          "CPU fallback (checks are threaded through while, cond, scan and "
-          "calls only)"
+          f"mpmd_map: a run-time check inside a {eqn.primitive.name} (at "
+          f"{jaxpr_util.line(eqn) or 'a line JAX made'}) on the CPU "
+          "fallback: checks are threaded through while, cond, scan and "
+          "calls only"
         )
       cell[0], outs = thread(self, eqn, cell[0], invals)
       return outs
@@ -185,13 +187,6 @@ def _bind(eqn: core.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
   p = eqn.primitive
   outs = p.bind(*invals, **p.get_bind_params(eqn.params))
   return outs if p.multiple_results else [outs]
-
-
-def _sub_jaxprs(eqn: core.JaxprEqn):
-  for value in eqn.params.values():
-    for v in value if isinstance(value, tuple) else (value,):
-      if _jax.is_jaxpr(v):
-        yield _jax.open_jaxpr(v)[0] if _jax.is_closed(v) else v
 
 
 def _while(walk: _Walk, eqn, state, invals):
@@ -255,8 +250,10 @@ def _scan(walk: _Walk, eqn, state, invals):
 
 
 def _inline(walk: _Walk, eqn, state, invals):
-  """A call (jit, closed_call, checkpoint, custom_jvp/vjp): its body
+  """A call (jit, closed_call, jax.checkpoint, custom_jvp/vjp): its body
   inlined (the checks' values are the same either way)."""
+  # One jaxpr each (``_THREAD`` lists no other): on jax >= 0.11 every
+  # jaxpr is closed, on 0.10 checkpoint's is open.
   [sub] = [v for v in eqn.params.values() if _jax.is_jaxpr(v)]
   if _jax.is_closed(sub):
     return walk.closed(sub, state, invals)
@@ -271,8 +268,7 @@ _THREAD = {
   "pjit": _inline,
   "closed_call": _inline,
   "eval_jaxpr": _inline,  # 0.12's closed_call
-  "checkpoint": _inline,
-  "remat2": _inline,  # jax.checkpoint
+  "remat2": _inline,  # jax.checkpoint's
   "custom_jvp_call": _inline,
   "custom_vjp_call": _inline,
 }
