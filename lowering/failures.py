@@ -102,20 +102,19 @@ class _Walk:
   """Evaluates a launch's jaxpr with its checks threaded (``run``)."""
 
   def __init__(self, jaxpr: core.Jaxpr):
-    self.codes: dict[int, int] = {}  # id(check eqn) -> code
+    # Jaxprs and equations hash by identity: these tables live as long as
+    # the walk, and the jaxpr they index with it.
+    self.codes: dict[core.JaxprEqn, int] = {}  # check equation -> code
     self.sites: list[Site] = []
-    self.holds: dict[int, bool] = {}  # id(jaxpr) -> whether it checks
-    self._keep: list[Any] = [jaxpr]  # keeps the ids above meaningful
+    self.holds: dict[core.Jaxpr, bool] = {}  # jaxpr -> whether it checks
     self.width = 0
     self._collect(jaxpr)
 
   def _collect(self, jaxpr: core.Jaxpr) -> bool:
     """Numbers the checks of ``jaxpr`` (nested ones too); whether it has
     any."""
-    key = id(jaxpr)
-    if key in self.holds:
-      return self.holds[key]
-    self._keep.append(jaxpr)
+    if jaxpr in self.holds:
+      return self.holds[jaxpr]
     found = False
     for eqn in jaxpr.eqns:
       if eqn.primitive is _pallas_ops.CHECK_P:
@@ -123,21 +122,21 @@ class _Walk:
         found = True
       for sub in jaxpr_util.sub_jaxprs(eqn.params):
         found = self._collect(sub) or found
-    self.holds[key] = found
+    self.holds[jaxpr] = found
     return found
 
   def _site(self, eqn: core.JaxprEqn) -> None:
     check = _pallas_ops.CheckOperands.of(eqn)
     values = [*check.args, *check.kwargs.values()]
     layouts = tuple((tuple(v.aval.shape), v.aval.dtype) for v in values)
-    self.codes[id(eqn)] = len(self.sites) + 1
+    self.codes[eqn] = len(self.sites) + 1
     self.sites.append(Site(check.fmt, layouts, tuple(check.kwargs)))
     words = sum(_num_words(shape, dtype) for shape, dtype in layouts)
     self.width = max(self.width, words)
 
   def has_check(self, eqn: core.JaxprEqn) -> bool:
     subs = jaxpr_util.sub_jaxprs(eqn.params)
-    return any(self.holds[id(sub)] for sub in subs)
+    return any(self.holds[sub] for sub in subs)
 
   def run(self, jaxpr: core.Jaxpr, consts, state, args) -> tuple[Any, list]:
     """``jaxpr`` evaluated on ``args`` from check state ``state``: the
@@ -174,7 +173,7 @@ class _Walk:
     packed = jnp.pad(packed, (0, self.width - packed.shape[0]))
     first = (code == 0) & jnp.asarray(check.failed)
     return (
-      jnp.where(first, jnp.int32(self.codes[id(eqn)]), code),
+      jnp.where(first, jnp.int32(self.codes[eqn]), code),
       jnp.where(first, packed, words),
     )
 
@@ -198,7 +197,7 @@ def _while(walk: _Walk, eqn, state, invals):
   def body(c):
     return walk.closed(p["body_jaxpr"], c[0], [*body_consts, *c[1]])
 
-  if not walk.holds[id(_jax.open_jaxpr(p["cond_jaxpr"])[0])]:
+  if not walk.holds[_jax.open_jaxpr(p["cond_jaxpr"])[0]]:
 
     def cond(c):
       return core.jaxpr_as_fun(p["cond_jaxpr"])(*cond_consts, *c[1])[0]
