@@ -76,6 +76,35 @@ class _PhasePassed(Exception):
     )
 
 
+# 0.12's simulator, when a barrier completes a second phase before any
+# warpgroup waited for the first: the bug of ``_PhasePassed`` (more
+# arrivals than ``num_arrivals``), seen by the arriving thread when it
+# runs before every waiter (thread timing decides which one reports).
+_UNOBSERVED = re.compile(
+  r"Barrier completed phase (\d+), but no threads observed"
+)
+
+
+def _unobserved(
+  error: BaseException, kernel: str
+) -> errors.DeadlockError | None:
+  """``error`` (the simulator's) as the deadlock it means, if it is the
+  arriving thread's report above; else None."""
+  found = (
+    _UNOBSERVED.search(str(error)) if isinstance(error, ValueError) else None
+  )
+  if found is None:
+    return None
+  phase = int(found.group(1))
+  return errors.DeadlockError(
+    f"mpmd_map: kernel {kernel}: a barrier completed phase {phase} before "
+    f"any warpgroup waited for phase {phase - 1}: more warpgroups arrive on "
+    "it than its num_arrivals counts, or the waits were skipped. On "
+    "hardware a wait on its parity then blocks for good (or passes a phase "
+    "early). interpret=mpmd.CheckParams() names the barrier."
+  )
+
+
 def _watch_wait(barrier, device, program, logging_info):
   """Records a simulated barrier wait of our launches for the deadlock
   watchdog (None: not ours, it runs as JAX wrote it)."""
@@ -201,6 +230,9 @@ def _out_of_bounds_in_user_terms(params, num_in: int, invars, kept):
   def describe(error):
     if isinstance(error, _PhasePassed):
       return error.describe(kernel)
+    unobserved = _unobserved(error, kernel)
+    if unobserved is not None:
+      return unobserved
     found = _out_of_bounds(error)
     if found is None:
       return None

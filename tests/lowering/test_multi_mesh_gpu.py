@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import mpmd
+from mpmd._lowering import gpu_simulator
 from mpmd.demos import gpu_two_meshes
 
 
@@ -85,12 +86,20 @@ def test_gpu_barrier_arrivals_past_its_count_are_a_named_deadlock():
   says why; the checking executor names the barrier too."""
   run = _arrivals_past_the_count(None)
   line = r"\S*test_multi_mesh_gpu.py:\d+"
+  # Thread timing decides who sees it first: a waiter behind the barrier,
+  # or (0.12) the arrival that completes phase 1 before anyone waited.
+  waiter = (
+    rf"device 0 mesh 0 program \d \(wg=\d\) waits on a barrier at "
+    rf"{line}:\d+ \(\S*kernel\) for a phase that the barrier has already "
+    r"completed \(it is at phase 2\)"
+  )
+  arrival = (
+    r"a barrier completed phase 1 before any warpgroup waited for phase 0"
+  )
   for _ in range(2):  # the failure leaves nothing behind
     with pytest.raises(
       mpmd.DeadlockError,
-      match=rf"kernel kernel at {line}: device 0 mesh 0 program \d \(wg=\d\) "
-      rf"waits on a barrier at {line}:\d+ \(\S*kernel\) for a phase that the "
-      r"barrier has already completed \(it is at phase 2\): more "
+      match=rf"kernel kernel at {line}: (?:{waiter}|{arrival}): more "
       r"warpgroups arrive on it than its num_arrivals counts",
     ):
       run()
@@ -170,3 +179,19 @@ def test_gpu_collective_scope_over_a_mesh_thread_axis(rng):
     r"=\('wg',\)\) allocates over the warpgroups of mesh 0",
   ):
     g(x)
+
+
+def test_an_arrival_that_completes_an_unobserved_phase_is_a_deadlock():
+  # The arriving thread's report (0.12's simulator, when both warpgroups
+  # arrive before either waits), worded as the waiter's would be.
+  report = ValueError(
+    "Barrier completed phase 1, but no threads observed phase 0."
+  )
+  error = gpu_simulator._unobserved(report, "k at f.py:3")
+  assert isinstance(error, mpmd.DeadlockError)
+  assert str(error).startswith(
+    "mpmd_map: kernel k at f.py:3: a barrier completed phase 1 before any "
+    "warpgroup waited for phase 0: more warpgroups arrive on it than its "
+    "num_arrivals counts"
+  )
+  assert gpu_simulator._unobserved(ValueError("other"), "k") is None
